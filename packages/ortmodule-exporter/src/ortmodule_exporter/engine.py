@@ -1,0 +1,297 @@
+"""The engine boundary: gradient-graph build, sessions, and tensors across by DLPack.
+
+Everything here talks to ONNX Runtime's C++ training API through
+``onnxruntime.capi._pybind_state``; onnxruntime is imported on first use, so importing the
+exporter does not load the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from .errors import EngineBuildError
+from .export import ExportedModel, SaveOptions
+
+logger = logging.getLogger("ortmodule.engine")
+
+
+def _C() -> Any:
+    try:
+        from onnxruntime.capi import _pybind_state as C
+    except ImportError as err:  # pragma: no cover - depends on the installed engine
+        raise ImportError(
+            "ONNX Runtime's training engine is not installed. Install one of: "
+            "`pip install ortmodule[cpu]` (onnxruntime-training-cpu) or "
+            "`pip install ortmodule[cuda]` (onnxruntime-training)."
+        ) from err
+    if not hasattr(C, "TrainingAgent"):
+        raise ImportError(
+            "the installed onnxruntime has no training engine (plain `onnxruntime` is inference "
+            "only). Uninstall it and install onnxruntime-training-cpu or onnxruntime-training."
+        )
+    return C
+
+
+# -- the build -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """What the engine needs to build one graph; the runtime fills it from its options."""
+
+    build_gradient: bool
+    params_to_train: tuple[str, ...] = ()
+    inputs_require_grad: tuple[str, ...] = ()
+    enable_compute_optimizer: bool = True
+    print_input_density: bool = False
+    use_memory_efficient_gradient: bool = False
+    log_severity: int = 3  # the engine's scale: 0 verbose .. 4 fatal
+    static_input_shapes: tuple[tuple[int, ...], ...] | None = None
+    save: SaveOptions | None = None
+    #: keys into TrainingGraphTransformerConfiguration (memory optimizer, recompute)
+    transformer_options: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass
+class BuiltGraph:
+    """A graph the engine has built: the training (gradient) or the inference model."""
+
+    exported: ExportedModel
+    config: GraphConfig
+    model_bytes: bytes
+    feed_names: list[str]
+    fetch_names: list[str]
+    user_output_names: list[str]
+    non_differentiable_outputs: frozenset[int]
+    #: backward fetch name -> graph input name it is the gradient of
+    grad_of: dict[str, str] = field(default_factory=dict)
+    frontier_count: int = 0
+
+    @property
+    def model(self) -> onnx.ModelProto:
+        return onnx.load_from_string(self.model_bytes)
+
+
+def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
+    """Run ``OrtModuleGraphBuilder`` on an exported model.
+
+    With ``config.build_gradient`` the result is the gradient model: forward feeds are the graph
+    inputs, forward fetches the user outputs, backward fetches the gradients of
+    ``inputs_require_grad`` then ``params_to_train``.
+    """
+    C = _C()
+    builder_config = C.OrtModuleGraphBuilderConfiguration()
+    builder_config.initializer_names = list(exported.param_names)
+    builder_config.initializer_names_to_train = list(config.params_to_train) if config.build_gradient else []
+    builder_config.input_names_require_grad = list(config.inputs_require_grad) if config.build_gradient else []
+    builder_config.build_gradient_graph = config.build_gradient
+    builder_config.enable_caching = False
+    builder_config.loglevel = C.Severity(config.log_severity) if hasattr(C, "Severity") else config.log_severity
+    builder_config.use_memory_efficient_gradient = config.use_memory_efficient_gradient
+
+    transformer = C.TrainingGraphTransformerConfiguration()
+    transformer.propagate_cast_ops_config = C.PropagateCastOpsConfiguration()
+    transformer.enable_compute_optimizer = config.enable_compute_optimizer
+    transformer.print_input_density = config.print_input_density
+    for key, value in config.transformer_options:
+        setattr(transformer, key, value)
+    if config.save is not None:
+        os.makedirs(config.save.path, exist_ok=True)
+        transformer.optimized_pre_grad_filepath = config.save.file_path("optimized_pre_grad", exported.training)
+
+    builder = C.OrtModuleGraphBuilder()
+    try:
+        builder.initialize(exported.model.SerializeToString(), builder_config)
+        if config.static_input_shapes is not None:
+            builder.build(transformer, [list(s) for s in config.static_input_shapes])
+        else:
+            builder.build(transformer)
+    except Exception as err:
+        raise EngineBuildError(
+            f"the engine could not build the {'gradient' if config.build_gradient else 'inference'} "
+            f"graph: {err}"
+        ) from err
+    info = builder.get_graph_info()
+    model_bytes = builder.get_gradient_model() if config.build_gradient else builder.get_forward_model()
+    model = onnx.load_from_string(model_bytes)
+    if config.save is not None:
+        onnx.save_model(model, config.save.file_path("optimized", exported.training))
+    feed_names = [vi.name for vi in model.graph.input]
+    fetch_names = [vi.name for vi in model.graph.output]
+    grad_of: dict[str, str] = {}
+    if config.build_gradient:
+        by_grad = dict(zip(info.initializer_grad_names_to_train, info.initializer_names_to_train, strict=True))
+        by_grad.update({g: n for n, g in info.user_input_grad_names.items()})
+        grad_of = {name: by_grad[name] for name in fetch_names if name in by_grad}
+    return BuiltGraph(
+        exported=exported,
+        config=config,
+        model_bytes=model_bytes,
+        feed_names=feed_names,
+        fetch_names=fetch_names,
+        user_output_names=list(info.user_output_names),
+        non_differentiable_outputs=frozenset(info.output_grad_indices_non_differentiable),
+        grad_of=grad_of,
+        frontier_count=len(info.frontier_node_arg_map),
+    )
+
+
+# -- sessions --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How to create the engine session; the runtime fills it from its options."""
+
+    device: torch.device = torch.device("cpu")
+    intra_op_threads: int = 0
+    deterministic: bool = False
+    log_severity: int = 3
+    memory_efficient_order: bool = False
+    conv_algo_search: str = "HEURISTIC"
+    external_allocator: tuple[int, int, int] | None = None  # alloc, free, empty_cache addresses
+    optimized_model_path: str | None = None
+    extra_provider_options: tuple[tuple[str, str], ...] = ()
+
+
+def _providers(cfg: SessionConfig) -> tuple[list[str], list[dict[str, str]]]:
+    if cfg.device.type == "cuda":
+        opts = {
+            "device_id": str(cfg.device.index or 0),
+            "cudnn_conv_algo_search": cfg.conv_algo_search,
+            "cudnn_conv_use_max_workspace": "1",
+        }
+        if cfg.external_allocator is not None:
+            alloc, free, empty = cfg.external_allocator
+            opts.update(
+                gpu_external_alloc=str(alloc), gpu_external_free=str(free), gpu_external_empty_cache=str(empty)
+            )
+        opts.update(dict(cfg.extra_provider_options))
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"], [opts, {}]
+    if cfg.device.type != "cpu":
+        raise EngineBuildError(f"ORTModule runs on cpu and cuda devices, not {cfg.device}")
+    return ["CPUExecutionProvider"], [{}]
+
+
+def _session(model_bytes: bytes, cfg: SessionConfig) -> Any:
+    import onnxruntime
+
+    so = onnxruntime.SessionOptions()
+    # the partial-graph runs of training hand memory back and forth; patterns do not apply
+    so.enable_mem_pattern = False
+    so.enable_mem_reuse = False
+    so.use_deterministic_compute = cfg.deterministic
+    so.log_severity_level = cfg.log_severity
+    so.intra_op_num_threads = cfg.intra_op_threads
+    so.execution_order = (
+        onnxruntime.ExecutionOrder.MEMORY_EFFICIENT if cfg.memory_efficient_order else onnxruntime.ExecutionOrder.DEFAULT
+    )
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    if cfg.optimized_model_path:
+        so.optimized_model_filepath = cfg.optimized_model_path
+    providers, provider_options = _providers(cfg)
+    try:
+        return onnxruntime.InferenceSession(model_bytes, so, providers=providers, provider_options=provider_options)
+    except Exception as err:
+        raise EngineBuildError(f"the engine could not create a session: {err}") from err
+
+
+def _ort_device(device: torch.device) -> Any:
+    C = _C()
+    if device.type == "cuda":
+        return C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), device.index or 0)
+    return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+
+
+def _push(vec: Any, tensor: torch.Tensor) -> None:
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.dtype == torch.bool:
+        # DLPack has no bool in torch's exporter; the engine re-labels the uint8 buffer
+        vec.push_back(to_dlpack(tensor.view(torch.uint8)), True)
+    else:
+        vec.push_back(to_dlpack(tensor), False)
+
+
+def _feeds(tensors: Sequence[torch.Tensor]) -> Any:
+    C = _C()
+    vec = C.OrtValueVector()
+    vec.reserve(len(tensors))
+    for t in tensors:
+        _push(vec, t)
+    return vec
+
+
+def _to_torch(vec: Any) -> list[torch.Tensor]:
+    from torch._C import _from_dlpack
+
+    out: list[torch.Tensor] = vec.to_dlpacks(_from_dlpack)
+    for i in vec.bool_tensor_indices():
+        out[i] = out[i].to(torch.bool)
+    return out
+
+
+class TrainingSession:
+    """Forward and backward halves of a gradient graph through the engine's ``TrainingAgent``."""
+
+    def __init__(self, built: BuiltGraph, cfg: SessionConfig) -> None:
+        C = _C()
+        self.built = built
+        self._session = _session(built.model_bytes, cfg)
+        device = _ort_device(cfg.device)
+        n_fw = len(built.user_output_names) + built.frontier_count
+        self._agent = C.TrainingAgent(
+            self._session._sess,
+            built.feed_names,
+            [device] * n_fw,
+            built.fetch_names,
+            [device] * len(built.fetch_names),
+            cfg.device.index or 0,
+        )
+
+    def forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        C = _C()
+        state = C.PartialGraphExecutionState()
+        outputs = C.OrtValueVector()
+        self._agent.run_forward(_feeds(feeds), outputs, state, None)
+        return _to_torch(outputs), state
+
+    def backward(self, grad_outputs: Sequence[torch.Tensor], state: Any) -> list[torch.Tensor]:
+        C = _C()
+        outputs = C.OrtValueVector()
+        self._agent.run_backward(_feeds(grad_outputs), outputs, state)
+        return _to_torch(outputs)
+
+
+class InferenceSession:
+    """The inference graph, run with IO binding so inputs and outputs cross by DLPack."""
+
+    def __init__(self, built: BuiltGraph, cfg: SessionConfig) -> None:
+        self.built = built
+        self._session = _session(built.model_bytes, cfg)
+        self._device = cfg.device
+
+    def forward(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        C = _C()
+        binding = self._session.io_binding()._iobinding
+        for name, tensor in zip(self.built.feed_names, feeds, strict=True):
+            tensor = tensor.detach()
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            is_bool = tensor.dtype == torch.bool
+            value = C.OrtValue.from_dlpack(to_dlpack(tensor.view(torch.uint8) if is_bool else tensor), is_bool)
+            binding.bind_ortvalue_input(name, value)
+        device = _ort_device(self._device)
+        for name in self.built.fetch_names:
+            binding.bind_output(name, device)
+        self._session._sess.run_with_iobinding(binding, None)
+        return _to_torch(binding.get_outputs())

@@ -1,0 +1,358 @@
+"""torch.nn.Module + one set of inputs -> an ONNX model the training engine can differentiate.
+
+The export runs PyTorch's TorchScript exporter (``dynamo=False``) in training mode without
+constant folding. Graph inputs are the user's flattened tensors, named from their pytree paths,
+followed by every parameter and buffer the graph reads (so the engine can train them); graph
+outputs are the flattened outputs, named ``output.<path>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import logging
+import re
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+import torch
+from ortmodule_pytree import Schema, flatten, unflatten
+
+from . import onnx_graph
+from .errors import ExportError, UnsupportedOutputError
+from .export_cache import ExportCache
+from .symbolic_registry import symbolics_applied
+
+logger = logging.getLogger("ortmodule.exporter")
+
+DEFAULT_OPSET = 17
+# The TorchScript exporter in torch 2.13 writes opsets 9..20; the engine's gradient builders
+# are complete from 14 on.
+MIN_OPSET, MAX_OPSET = 14, 20
+
+_WRAPPED = "_ortmodule_wrapped"
+
+
+def check_opset(opset: int, source: str = "opset") -> int:
+    """Validate an opset number; ``source`` names where it came from for the message."""
+    if not isinstance(opset, int) or isinstance(opset, bool):
+        raise ExportError(f"{source} must be an integer, got {opset!r}")
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ExportError(
+            f"{source}={opset} is outside the supported range {MIN_OPSET}..{MAX_OPSET}; "
+            f"use {DEFAULT_OPSET} (the default) unless you need a newer operator."
+        )
+    return opset
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Where to write the models of one export for debugging (see ``file_name``)."""
+
+    path: str
+    prefix: str = ""
+
+    def file_name(self, stage: str, training: bool) -> str:
+        mode = "training" if training else "inference"
+        prefix = f"{self.prefix}_" if self.prefix else ""
+        return f"{prefix}{mode}_{stage}.onnx"
+
+    def file_path(self, stage: str, training: bool) -> str:
+        import os
+
+        return os.path.join(self.path, self.file_name(stage, training))
+
+
+@dataclass
+class ExportedModel:
+    """One exported graph and what is needed to feed it and read it back."""
+
+    model: onnx.ModelProto
+    input_schema: Schema
+    output_schema: Schema
+    #: graph inputs that are user tensors, in graph order (unused inputs are dropped by export)
+    user_input_names: tuple[str, ...]
+    #: graph inputs that are parameters or buffers of the module, in graph order
+    param_names: tuple[str, ...]
+    training: bool
+    opset: int
+    #: extra graph outputs holding a buffer's new value: output name -> buffer name
+    buffer_updates: dict[str, str] = field(default_factory=dict)
+    export_seconds: float = 0.0
+    from_cache: bool = False
+
+    @property
+    def user_output_names(self) -> tuple[str, ...]:
+        return tuple(self.output_schema.names)
+
+
+def bind_arguments(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The forward call as an ordered {parameter name: value} dict, so names are readable and a
+    positional and a keyword call of the same argument give the same schema."""
+    try:
+        sig = inspect.signature(module.forward)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {"args": tuple(args), "kwargs": dict(kwargs)}
+    return dict(bound.arguments)
+
+
+def call_bound(module: torch.nn.Module, arguments: Mapping[str, Any]) -> Any:
+    try:
+        sig = inspect.signature(module.forward)
+        bound = inspect.BoundArguments(sig, dict(arguments))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return module(*arguments["args"], **arguments["kwargs"])
+    return module(*bound.args, **bound.kwargs)
+
+
+class _FlatModule(torch.nn.Module):
+    """Takes flat tensors, calls the wrapped module with the user's structure, returns flat."""
+
+    def __init__(self, module: torch.nn.Module, input_schema: Schema) -> None:
+        super().__init__()
+        setattr(self, _WRAPPED, module)
+        self._input_schema = input_schema
+        self.output_schema: Schema | None = None
+        self.output_error: TypeError | None = None
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        arguments = unflatten(list(flat), self._input_schema)
+        out = call_bound(getattr(self, _WRAPPED), arguments)
+        try:
+            tensors, schema = flatten(out, prefix="output")
+        except TypeError as err:
+            self.output_error = err
+            raise
+        self.output_schema = schema
+        return tuple(tensors)
+
+
+def module_path(module: torch.nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@contextmanager
+def _preserved_state(module: torch.nn.Module) -> Iterator[None]:
+    """Tracing runs forward once; keep the user's buffers and the RNG streams as they were."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def copy_for_export(module: torch.nn.Module, enabled: bool = True) -> torch.nn.Module:
+    """A deep copy to trace, so export cannot touch the user's weights; skipped with a warning
+    when the copy would not fit in the memory available on the module's device."""
+    if not enabled:
+        return module
+    params = list(module.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    need = _module_bytes(module)
+    have = _available_bytes(device)
+    if have is not None and need > 0.9 * have:
+        warnings.warn(
+            f"ORTModule: not copying {module_path(module)} before export: it needs "
+            f"{need / 2**20:.0f} MiB and {have / 2**20:.0f} MiB are available on {device}. "
+            "The export runs on the module itself; its buffers and RNG state are restored.",
+            stacklevel=3,
+        )
+        return module
+    return copy.deepcopy(module)
+
+
+_OP_PATTERNS = (
+    re.compile(r"Exporting the operator '?(?:aten::)?([\w.]+)'?"),
+    re.compile(r"aten::([\w.]+)"),
+)
+
+
+def _failed_op(err: BaseException) -> str | None:
+    text = str(err)
+    for pattern in _OP_PATTERNS:
+        m = pattern.search(text)
+        if m:
+            name = m.group(1)
+            return name if name.startswith("aten::") else f"aten::{name}"
+    return None
+
+
+def _dynamic_axes(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> dict[str, dict[int, str]]:
+    return {
+        name: {i: f"{name}_dim{i}" for i in range(t.dim())}
+        for name, t in zip(names, tensors, strict=True)
+    }
+
+
+def export(
+    module: torch.nn.Module,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    training: bool,
+    opset: int = DEFAULT_OPSET,
+    static_shapes: bool = False,
+    deepcopy: bool = True,
+    cache: ExportCache | None = None,
+    save: SaveOptions | None = None,
+    verbose: bool = False,
+    cache_extra: str = "",
+) -> ExportedModel:
+    """Export ``module`` called as ``module(*args, **kwargs)``.
+
+    ``training`` chooses the module's mode during the trace (dropout active, batch statistics).
+    Every dim of every input is dynamic unless ``static_shapes``. With ``cache``, a hit skips the
+    export entirely.
+
+    >>> exported = export(torch.nn.Linear(4, 2), (torch.randn(3, 4),), training=True)
+    >>> exported.user_input_names, exported.param_names
+    (('input.input',), ('weight', 'bias'))
+    """
+    check_opset(opset)
+    kwargs = dict(kwargs or {})
+    arguments = bind_arguments(module, args, kwargs)
+    try:
+        tensors, input_schema = flatten(arguments, prefix="input", static_shapes=static_shapes)
+    except TypeError as err:
+        raise ExportError(
+            f"ORTModule cannot pass the inputs of {module_path(module)} to the engine: {err}",
+            module_path=module_path(module),
+        ) from err
+
+    key = None
+    if cache is not None:
+        key = cache.key_for(module, input_schema, training=training, opset=opset, extra=cache_extra)
+        hit = cache.load(key)
+        if hit is not None:
+            hit.from_cache = True
+            if save is not None:
+                _save(hit.model, save, "exported", training)
+            return hit
+
+    start = time.perf_counter()
+    target = copy_for_export(module, deepcopy)
+    flat = _FlatModule(target, input_schema)
+    buf = io.BytesIO()
+    names = list(input_schema.names)
+    mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+    was_training = target.training
+    try:
+        with _preserved_state(target), symbolics_applied(opset), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                flat,
+                tuple(t.detach() for t in tensors),
+                buf,
+                input_names=names,
+                opset_version=opset,
+                do_constant_folding=False,
+                training=mode,
+                dynamic_axes=None if static_shapes else _dynamic_axes(names, tensors),
+                export_params=False,
+                keep_initializers_as_inputs=True,
+                verbose=verbose,
+                dynamo=False,
+            )
+    except Exception as err:
+        if flat.output_error is not None:
+            raise UnsupportedOutputError(
+                f"{module_path(module)} returned an output ORTModule cannot hand back: "
+                f"{flat.output_error}",
+                module_path=module_path(module),
+            ) from err
+        op = _failed_op(err)
+        where = f" at operator {op}" if op else ""
+        raise ExportError(
+            f"ORTModule could not export {module_path(module)}{where}: {err}\n"
+            "Register a symbolic for the operator with ortmodule_exporter.register_symbolic, "
+            "or let ORTModule fall back to PyTorch (see ORTMODULE_FALLBACK_POLICY).",
+            module_path=module_path(module),
+            op=op,
+        ) from err
+    finally:
+        target.train(was_training)
+    assert flat.output_schema is not None
+    model = onnx.load_from_string(buf.getvalue())
+    exported = _finish(model, input_schema, flat.output_schema, training, opset)
+    exported.export_seconds = time.perf_counter() - start
+    if cache is not None and key is not None:
+        cache.store(key, exported)
+    if save is not None:
+        _save(exported.model, save, "exported", training)
+    logger.info(
+        "exported %s (%s) in %.2f s", module_path(module), "training" if training else "inference",
+        exported.export_seconds,
+    )
+    return exported
+
+
+def _finish(
+    model: onnx.ModelProto, input_schema: Schema, output_schema: Schema, training: bool, opset: int
+) -> ExportedModel:
+    onnx_graph.cap_ir_version(model)
+    graph = model.graph
+    user_names = set(input_schema.names)
+    prefix = _WRAPPED + "."
+    user_inputs, params = [], []
+    for vi in list(graph.input):
+        if vi.name in user_names:
+            user_inputs.append(vi.name)
+        elif vi.name.startswith(prefix):
+            new = vi.name[len(prefix) :]
+            onnx_graph.rename_value(graph, vi.name, new)
+            params.append(new)
+        else:
+            raise ExportError(f"exported graph has an input {vi.name!r} that is neither a user input nor a parameter")
+    onnx_graph.name_outputs(graph, list(output_schema.names))
+    for vi in graph.output:
+        onnx_graph.make_dims_symbolic(vi, vi.name)
+    return ExportedModel(
+        model=model,
+        input_schema=input_schema,
+        output_schema=output_schema,
+        user_input_names=tuple(user_inputs),
+        param_names=tuple(params),
+        training=training,
+        opset=opset,
+    )
+
+
+def _save(model: onnx.ModelProto, save: SaveOptions, stage: str, training: bool) -> None:
+    import os
+
+    os.makedirs(save.path, exist_ok=True)
+    onnx.save_model(model, save.file_path(stage, training))

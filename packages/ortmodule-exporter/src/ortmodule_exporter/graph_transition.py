@@ -1,0 +1,122 @@
+"""The one state machine that decides when to (re)export and (re)build.
+
+Every forward computes a :class:`GraphKey`. Each mode (training with gradients, training mode
+without gradients, eval) keeps the graph it built last and the key it was built for: the same
+key reuses it, a new key builds again and logs why at INFO.
+
+Example::
+
+    manager = GraphTransitionManager()
+    graph = manager.get(key, build=lambda: export_and_build(...))
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+from ortmodule_pytree import Schema, describe_difference
+
+logger = logging.getLogger("ortmodule.graph_transition")
+
+T = TypeVar("T")
+
+ParamSig = tuple[str, tuple[int, ...], torch.dtype, bool]
+
+
+def parameter_signature(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[ParamSig, ...]:
+    return tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in named)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Everything that, when it changes, makes the built graph wrong."""
+
+    input_schema: Schema
+    training: bool
+    build_gradient: bool
+    device: str
+    params: tuple[ParamSig, ...]
+    options: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def mode(self) -> str:
+        if self.build_gradient:
+            return "training"
+        return "training-mode inference" if self.training else "inference"
+
+
+def describe_change(old: GraphKey | None, new: GraphKey) -> str:
+    """Why ``new`` needs a new graph, in one readable line."""
+    if old is None:
+        return f"first {new.mode} call"
+    if old.input_schema != new.input_schema:
+        return describe_difference(old.input_schema, new.input_schema) or "input structure changed"
+    if old.device != new.device:
+        return f"device changed {old.device} -> {new.device}"
+    if old.params != new.params:
+        return _describe_params(old.params, new.params)
+    if old.options != new.options:
+        before, after = dict(old.options), dict(new.options)
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        return "options changed: " + ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
+    return "mode changed"
+
+
+def _describe_params(old: tuple[ParamSig, ...], new: tuple[ParamSig, ...]) -> str:
+    before = {p[0]: p for p in old}
+    after = {p[0]: p for p in new}
+    added = sorted(after.keys() - before.keys())
+    removed = sorted(before.keys() - after.keys())
+    if added:
+        return f"parameter '{added[0]}' added" + (f" (+{len(added) - 1} more)" if len(added) > 1 else "")
+    if removed:
+        return f"parameter '{removed[0]}' removed" + (f" (+{len(removed) - 1} more)" if len(removed) > 1 else "")
+    for name, (_, shape, dtype, req) in after.items():
+        _, shape0, dtype0, req0 = before[name]
+        if req != req0:
+            return f"parameter '{name}' requires_grad changed {req0} -> {req}"
+        if shape != shape0:
+            return f"parameter '{name}' shape changed {list(shape0)} -> {list(shape)}"
+        if dtype != dtype0:
+            return f"parameter '{name}' dtype changed {dtype0} -> {dtype}"
+    return "parameter order changed"
+
+
+class GraphTransitionManager(Generic[T]):
+    """Keeps one built graph per mode and rebuilds exactly when its key changes."""
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[bool, bool], tuple[GraphKey, T]] = {}
+        self._lock = threading.Lock()
+        #: how many times a graph was built (each build starts with an export or a cache hit)
+        self.builds = 0
+        #: the reason of each build, in order
+        self.history: list[str] = []
+
+    def get(self, key: GraphKey, build: Callable[[], T]) -> T:
+        slot = (key.training, key.build_gradient)
+        with self._lock:
+            current = self._slots.get(slot)
+            if current is not None and current[0] == key:
+                return current[1]
+            reason = describe_change(current[0] if current else None, key)
+            verb = "export" if current is None else "re-export"
+            logger.info("%s (%s): %s", verb, key.mode, reason)
+            value = build()
+            self._slots[slot] = (key, value)
+            self.builds += 1
+            self.history.append(reason)
+            return value
+
+    def current(self, training: bool, build_gradient: bool) -> T | None:
+        slot = self._slots.get((training, build_gradient))
+        return slot[1] if slot else None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._slots.clear()

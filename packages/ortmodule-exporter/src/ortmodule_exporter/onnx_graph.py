@@ -1,0 +1,75 @@
+"""Small, pure edits of ONNX graphs shared by the export and the post-export passes."""
+
+from __future__ import annotations
+
+import onnx
+
+# ONNX Runtime 1.19 reads models up to IR version 10; onnx >= 1.17 writes newer by default.
+MAX_IR_VERSION = 10
+
+
+def cap_ir_version(model: onnx.ModelProto) -> None:
+    if model.ir_version > MAX_IR_VERSION:
+        model.ir_version = MAX_IR_VERSION
+
+
+def rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """Rename a value everywhere in ``graph`` (node inputs and outputs, graph inputs/outputs)."""
+    if old == new:
+        return
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name == old:
+                node.input[i] = new
+        for i, name in enumerate(node.output):
+            if name == old:
+                node.output[i] = new
+    for seq in (graph.input, graph.output, graph.value_info):
+        for vi in seq:
+            if vi.name == old:
+                vi.name = new
+    for init in graph.initializer:
+        if init.name == old:
+            init.name = new
+
+
+def name_outputs(graph: onnx.GraphProto, names: list[str]) -> None:
+    """Give the graph outputs the names in ``names``, position by position.
+
+    An output that is also a graph input or appears twice gets an Identity node rather than a
+    rename, so that no other value changes name.
+    """
+    if len(names) != len(graph.output):
+        raise ValueError(f"{len(graph.output)} graph outputs but {len(names)} names")
+    graph_inputs = {vi.name for vi in graph.input}
+    seen: set[str] = set()
+    for out, new in zip(graph.output, names, strict=True):
+        old = out.name
+        if old == new:
+            seen.add(old)
+            continue
+        if old in graph_inputs or old in seen:
+            graph.node.append(onnx.helper.make_node("Identity", [old], [new], name=f"{new}_identity"))
+            out.name = new
+        else:
+            rename_value(graph, old, new)
+        seen.add(new)
+
+
+def make_dims_symbolic(vi: onnx.ValueInfoProto, prefix: str) -> None:
+    """Replace every fixed dim of a value's declared shape by a named symbolic dim."""
+    tensor_type = vi.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return
+    for i, dim in enumerate(tensor_type.shape.dim):
+        if not dim.HasField("dim_param"):
+            dim.Clear()
+            dim.dim_param = f"{prefix}_dim{i}"
+
+
+def graph_input_names(model: onnx.ModelProto) -> list[str]:
+    return [vi.name for vi in model.graph.input]
+
+
+def graph_output_names(model: onnx.ModelProto) -> list[str]:
+    return [vi.name for vi in model.graph.output]
