@@ -74,6 +74,8 @@ class BuiltGraph:
     #: backward fetch name -> graph input name it is the gradient of
     grad_of: dict[str, str] = field(default_factory=dict)
     frontier_count: int = 0
+    #: per user output, the graph inputs it depends on (gradients of the others are None in eager)
+    output_dependencies: list[frozenset[str]] = field(default_factory=list)
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -141,7 +143,31 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
         non_differentiable_outputs=frozenset(info.output_grad_indices_non_differentiable),
         grad_of=grad_of,
         frontier_count=len(info.frontier_node_arg_map),
+        output_dependencies=output_dependencies(exported.model, list(info.user_output_names)),
     )
+
+
+def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[frozenset[str]]:
+    """For each output, the graph inputs it is computed from (walking the graph backwards)."""
+    producer = {name: node for node in model.graph.node for name in node.output if name}
+    inputs = {vi.name for vi in model.graph.input}
+    result = []
+    for out in outputs:
+        seen: set[str] = set()
+        found: set[str] = set()
+        stack = [out]
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in inputs:
+                found.add(name)
+            node = producer.get(name)
+            if node is not None:
+                stack.extend(i for i in node.input if i)
+        result.append(frozenset(found))
+    return result
 
 
 # -- sessions --------------------------------------------------------------------------------
@@ -201,7 +227,14 @@ def _session(model_bytes: bytes, cfg: SessionConfig) -> Any:
     try:
         return onnxruntime.InferenceSession(model_bytes, so, providers=providers, provider_options=provider_options)
     except Exception as err:
-        raise EngineBuildError(f"the engine could not create a session: {err}") from err
+        hint = ""
+        if "NOT_IMPLEMENTED" in str(err):
+            hint = (
+                f"\nThe {cfg.device.type} engine has no kernel for this operator at these dtypes "
+                "(float64, bfloat16 and float16 are partly covered on CPU): train in float32 on CPU, "
+                "or use the CUDA engine (ortmodule[cuda]) for float16/bfloat16."
+            )
+        raise EngineBuildError(f"the engine could not create a session: {err}{hint}") from err
 
 
 def _ort_device(device: torch.device) -> Any:

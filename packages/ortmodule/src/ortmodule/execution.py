@@ -1,0 +1,387 @@
+"""One training step through the engine: feeds, the autograd bridge, outputs.
+
+``GraphRunner`` owns the graph transition manager for one wrapped module. Each call flattens the
+inputs, asks the manager for the graph of the current key (building it when the key is new), and
+runs it: in training through :class:`_EngineFunction`, a ``torch.autograd.Function`` whose
+forward runs the engine's forward half and whose backward runs the backward half, handing every
+gradient back to autograd so ``param.grad`` accumulates exactly as in eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from ortmodule_exporter import (
+    ExportCache,
+    GraphKey,
+    GraphTransitionManager,
+    SaveOptions,
+    export,
+    parameter_signature,
+    run_post_export_passes,
+)
+from ortmodule_exporter.engine import (
+    BuiltGraph,
+    GraphConfig,
+    InferenceSession,
+    SessionConfig,
+    TrainingSession,
+    build_graph,
+)
+from ortmodule_exporter.export import bind_arguments
+from ortmodule_pytree import flatten, unflatten
+
+logger = logging.getLogger("ortmodule")
+
+_FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# dtypes the engine trains with CPU kernels; others are refused before the engine sees them
+SUPPORTED_PARAM_DTYPES = {
+    "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+    "cuda": (torch.float32, torch.float16, torch.bfloat16, torch.float64),
+}
+
+
+class UnsupportedDeviceError(RuntimeError):
+    """The module or its inputs live on a device ORTModule does not run on."""
+
+
+class UnsupportedDataError(TypeError):
+    """An input or parameter has a type or dtype the engine cannot take."""
+
+
+@dataclass
+class PhaseTimes:
+    export: float = 0.0
+    graph_build: float = 0.0
+    session: float = 0.0
+    from_cache: bool = False
+
+    def summary(self) -> str:
+        src = " (export cache hit)" if self.from_cache else ""
+        return (
+            f"export {self.export:.2f} s{src}, graph build {self.graph_build:.2f} s, "
+            f"session creation {self.session:.2f} s"
+        )
+
+
+@dataclass
+class CompiledGraph:
+    """A built graph, its session, and how to feed it from the module and the user's inputs."""
+
+    key: GraphKey
+    built: BuiltGraph
+    session: TrainingSession | InferenceSession
+    #: for each feed: ("input", index into flat user tensors) or ("param", (owner module, attr))
+    feeds: list[tuple[str, Any]]
+    #: for each forward output: index into the user's flat outputs, or the buffer it updates
+    output_count: int
+    buffer_updates: list[tuple[int, torch.nn.Module, str]]
+    times: PhaseTimes
+    #: for each feed position: index into the backward outputs, or -1 for no gradient
+    grad_index: list[int] = field(default_factory=list)
+    _reached: dict[frozenset[int], frozenset[str]] = field(default_factory=dict)
+
+    def reached_by(self, outputs: frozenset[int]) -> frozenset[str]:
+        """Graph inputs that any of ``outputs`` depends on (memoised per set of outputs)."""
+        found = self._reached.get(outputs)
+        if found is None:
+            deps = self.built.output_dependencies
+            found = frozenset().union(*(deps[i] for i in outputs if i < len(deps)))
+            self._reached[outputs] = found
+        return found
+
+
+def _owner(module: torch.nn.Module, qualified: str) -> tuple[torch.nn.Module, str]:
+    *path, attr = qualified.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+class _EngineFunction(torch.autograd.Function):
+    """Forward half and backward half of the engine's gradient graph as one autograd node."""
+
+    @staticmethod
+    def forward(ctx: Any, graph: CompiledGraph, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        session = graph.session
+        assert isinstance(session, TrainingSession)
+        outputs, state = session.forward(feeds)
+        ctx.graph = graph
+        ctx.state = state
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
+        ctx.set_materialize_grads(False)
+        non_diff = graph.built.non_differentiable_outputs
+        for i, out in enumerate(outputs):
+            if i in non_diff or out.dtype not in _FLOAT_TYPES:
+                ctx.mark_non_differentiable(out)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        graph: CompiledGraph = ctx.graph
+        state = ctx.state
+        if state is None:
+            raise RuntimeError(
+                "ORTModule: backward ran twice through the same forward; the engine keeps one "
+                "forward state per call. Run forward again instead of retain_graph=True."
+            )
+        ctx.state = None
+        feeds = []
+        non_diff = graph.built.non_differentiable_outputs
+        used = frozenset(i for i, g in enumerate(grad_outputs) if g is not None)
+        for i, grad in enumerate(grad_outputs):
+            if i in non_diff:
+                continue
+            shape, dtype, device = ctx.shapes[i]
+            if dtype not in _FLOAT_TYPES:
+                continue
+            feeds.append(grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device))
+        assert isinstance(graph.session, TrainingSession)
+        grads = graph.session.backward(feeds, state)
+        # like eager, an input that reaches no output with a gradient gets None, not zeros
+        reached = graph.reached_by(used)
+        return (
+            None,
+            *(grads[j] if j >= 0 and name in reached else None for j, name in zip(graph.grad_index, graph.built.feed_names, strict=True)),
+        )
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the runner needs from the options (filled by ORTModule from RuntimeOptions)."""
+
+    opset: int = 17
+    static_shapes: bool = False
+    deepcopy: bool = True
+    cache_dir: str | None = None
+    save: SaveOptions | None = None
+    enable_compute_optimizer: bool = True
+    print_input_density: bool = False
+    engine_log_severity: int = 3
+    exporter_verbose: bool = False
+    conv_algo_search: str = "HEURISTIC"
+    use_memory_efficient_gradient: bool = False
+    pass_options: tuple[tuple[str, Any], ...] = ()
+    transformer_options: tuple[tuple[str, Any], ...] = ()
+
+
+class GraphRunner:
+    """Runs one wrapped module through the engine; one per ORTModule."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: RunnerConfig,
+        quiet: Callable[[], Any] | None = None,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.transitions: GraphTransitionManager[CompiledGraph] = GraphTransitionManager()
+        self.cache = ExportCache(config.cache_dir) if config.cache_dir else None
+        self.exports = 0
+        self._quiet = quiet
+        self.last_times: PhaseTimes | None = None
+
+    # -- the key ---------------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        for t in self.module.parameters():
+            return t.device
+        for t in self.module.buffers():
+            return t.device
+        return torch.device("cpu")
+
+    def _key(self, schema: Any, training_graph: bool, device: torch.device) -> GraphKey:
+        params = parameter_signature(self.module.named_parameters())
+        return GraphKey(
+            input_schema=schema,
+            training=self.module.training,
+            build_gradient=training_graph,
+            device=str(device),
+            params=params,
+            options=(("opset", self.config.opset),),
+        )
+
+    # -- one call ----------------------------------------------------------------------------
+    def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        arguments = bind_arguments(self.module, args, kwargs)
+        try:
+            flat, schema = flatten(arguments, prefix="input", static_shapes=self.config.static_shapes)
+        except TypeError as err:
+            raise UnsupportedDataError(str(err)) from err
+        device = self._device()
+        self._check_inputs(flat, device)
+        wants_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.module.parameters()) or any(t.requires_grad for t in flat)
+        )
+        training_graph = self.module.training and wants_grad
+        key = self._key(schema, training_graph, device)
+        graph = self.transitions.get(key, lambda: self._compile(key, args, kwargs, flat, device))
+        feeds = self._gather(graph, flat)
+        if training_graph:
+            outputs = _EngineFunction.apply(graph, *feeds)
+        else:
+            assert isinstance(graph.session, InferenceSession)
+            outputs = graph.session.forward(feeds)
+        if graph.buffer_updates:
+            with torch.no_grad():
+                for index, owner, attr in graph.buffer_updates:
+                    getattr(owner, attr).copy_(outputs[index])
+                    if attr == "running_mean":
+                        tracked = getattr(owner, "num_batches_tracked", None)
+                        if tracked is not None:
+                            tracked.add_(1)
+        return unflatten(list(outputs[: graph.output_count]), graph.built.exported.output_schema)
+
+    def _check_inputs(self, flat: Sequence[torch.Tensor], device: torch.device) -> None:
+        if device.type not in ("cpu", "cuda"):
+            raise UnsupportedDeviceError(f"ORTModule runs on cpu and cuda, the module is on {device}")
+        for t in flat:
+            if t.device != device:
+                raise UnsupportedDeviceError(
+                    f"an input is on {t.device} but the module is on {device}; move them to one device"
+                )
+            if t.is_sparse or t.is_complex():
+                raise UnsupportedDataError(f"the engine takes dense real tensors, got {t.dtype} layout {t.layout}")
+
+    def _gather(self, graph: CompiledGraph, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        feeds = []
+        for kind, where in graph.feeds:
+            if kind == "input":
+                feeds.append(flat[where])
+            else:
+                owner, attr = where
+                feeds.append(getattr(owner, attr))
+        return feeds
+
+    def _silenced(self) -> Any:
+        return self._quiet() if self._quiet else _Null()
+
+    # -- a new key: export, passes, build, session ---------------------------------------------
+    def _compile(
+        self, key: GraphKey, args: Sequence[Any], kwargs: Mapping[str, Any], flat: Sequence[torch.Tensor], device: torch.device
+    ) -> CompiledGraph:
+        times = PhaseTimes()
+        cfg = self.config
+        for name, p in (*self.module.named_parameters(), *self.module.named_buffers()):
+            if p.is_floating_point() and p.dtype not in SUPPORTED_PARAM_DTYPES[device.type]:
+                raise UnsupportedDataError(
+                    f"parameter '{name}' has dtype {p.dtype}, which the engine cannot train on {device.type}; "
+                    f"use one of {SUPPORTED_PARAM_DTYPES[device.type]}"
+                )
+        t0 = time.perf_counter()
+        with self._silenced():
+            exported = export(
+                self.module,
+                args,
+                kwargs,
+                training=self.module.training,
+                opset=cfg.opset,
+                static_shapes=cfg.static_shapes,
+                deepcopy=cfg.deepcopy,
+                cache=self.cache,
+                save=cfg.save,
+                verbose=cfg.exporter_verbose,
+            )
+        times.from_cache = exported.from_cache
+        if not exported.from_cache:
+            self.exports += 1
+        run_post_export_passes(exported, dict(cfg.pass_options))
+        times.export = time.perf_counter() - t0
+
+        names = list(exported.input_schema.names)
+        index_of = {n: i for i, n in enumerate(names)}
+        params = dict(self.module.named_parameters())
+        trainable = tuple(n for n in exported.param_names if n in params and params[n].requires_grad)
+        input_grads = tuple(
+            n for n in exported.user_input_names if flat[index_of[n]].requires_grad and flat[index_of[n]].is_floating_point()
+        )
+        static = None
+        if cfg.static_shapes:
+            static = tuple(tuple(flat[index_of[n]].shape) for n in exported.user_input_names)
+        graph_config = GraphConfig(
+            build_gradient=key.build_gradient,
+            params_to_train=trainable,
+            inputs_require_grad=input_grads,
+            enable_compute_optimizer=cfg.enable_compute_optimizer,
+            print_input_density=cfg.print_input_density,
+            use_memory_efficient_gradient=cfg.use_memory_efficient_gradient,
+            log_severity=cfg.engine_log_severity,
+            static_input_shapes=static,
+            save=cfg.save,
+            transformer_options=cfg.transformer_options,
+        )
+        t1 = time.perf_counter()
+        with self._silenced():
+            built = build_graph(exported, graph_config)
+        times.graph_build = time.perf_counter() - t1
+
+        session_config = SessionConfig(
+            device=device,
+            intra_op_threads=torch.get_num_threads(),
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            log_severity=cfg.engine_log_severity,
+            conv_algo_search=cfg.conv_algo_search,
+            external_allocator=_torch_allocator(device),
+        )
+        t2 = time.perf_counter()
+        with self._silenced():
+            session: TrainingSession | InferenceSession = (
+                TrainingSession(built, session_config) if key.build_gradient else InferenceSession(built, session_config)
+            )
+        times.session = time.perf_counter() - t2
+
+        feeds: list[tuple[str, Any]] = []
+        for name in built.feed_names:
+            if name in index_of:
+                feeds.append(("input", index_of[name]))
+            else:
+                feeds.append(("param", _owner(self.module, name)))
+        output_names = list(built.user_output_names)
+        n_user = len(exported.output_schema.names)
+        updates = []
+        for out_name, buffer in exported.buffer_updates.items():
+            if out_name in output_names:
+                owner, attr = _owner(self.module, buffer)
+                updates.append((output_names.index(out_name), owner, attr))
+        position = {name: j for j, name in enumerate(built.fetch_names)}
+        grad_by_input = {target: position[fetch] for fetch, target in built.grad_of.items()}
+        grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]
+        self.last_times = times
+        logger.info("ORTModule initialisation (%s): %s", key.mode, times.summary())
+        return CompiledGraph(
+            key=key,
+            built=built,
+            session=session,
+            feeds=feeds,
+            output_count=n_user,
+            buffer_updates=updates,
+            times=times,
+            grad_index=grad_index,
+        )
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _torch_allocator(device: torch.device) -> tuple[int, int, int] | None:
+    """Addresses of alloc/free/empty_cache callbacks into PyTorch's caching allocator.
+
+    Made with ctypes, so nothing is compiled: the engine then allocates CUDA memory from the
+    same pool as PyTorch instead of holding a second arena.
+    """
+    if device.type != "cuda":
+        return None
+    from . import cuda_allocator
+
+    return cuda_allocator.addresses()

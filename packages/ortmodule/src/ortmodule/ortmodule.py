@@ -1,0 +1,171 @@
+"""``ORTModule``: an ``nn.Module`` wrapper whose forward and backward run in ONNX Runtime."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from .debug_options import DebugOptions
+from .execution import GraphRunner
+from .fallback import FallbackManager
+from .options import RuntimeOptions
+from .runner_config import runner_config
+
+logger = logging.getLogger("ortmodule")
+
+_WRAPPED = "_original_module"
+
+
+class ORTModule(torch.nn.Module):
+    """Wrap a module so its training steps run through ONNX Runtime's training engine.
+
+    >>> import torch
+    >>> from ortmodule import ORTModule
+    >>> model = ORTModule(torch.nn.Linear(4, 2))
+    >>> model(torch.randn(3, 4)).sum().backward()
+    >>> model.weight.grad.shape
+    torch.Size([2, 4])
+
+    The wrapper behaves like the module it wraps: ``state_dict`` keys, parameters, buffers and
+    children are the wrapped module's, attributes fall through to it, ``.module`` returns it.
+    """
+
+    def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None) -> None:
+        _check_wrappable(module)
+        super().__init__()
+        self._modules[_WRAPPED] = module
+        self.training = module.training
+        self._debug_options = debug_options
+        self._setup()
+
+    def _setup(self) -> None:
+        options = RuntimeOptions.resolve(self._debug_options)
+        object.__setattr__(self, "_options", options)
+        object.__setattr__(self, "_runner", GraphRunner(self.module, runner_config(options), quiet=_quiet_for(options)))
+        object.__setattr__(self, "_fallback", FallbackManager(options, self.module))
+        object.__setattr__(self, "_warned_hooks", False)
+
+    # -- the wrapped module ------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The module this ORTModule wraps."""
+        return self._modules[_WRAPPED]  # type: ignore[return-value]
+
+    @property
+    def options(self) -> RuntimeOptions:
+        return self._options  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules")
+            if modules is None or _WRAPPED not in modules:
+                raise
+            return getattr(modules[_WRAPPED], name)
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._warn_about_hooks()
+        fallback: FallbackManager = self._fallback
+        if fallback.use_torch():
+            return self.module(*args, **kwargs)
+        try:
+            return self._runner(args, kwargs)
+        except Exception as err:
+            return fallback.handle(err, args, kwargs)
+
+    def _warn_about_hooks(self) -> None:
+        if self._warned_hooks:
+            return
+        object.__setattr__(self, "_warned_hooks", True)
+        hooked = [
+            name or type(self.module).__name__
+            for name, m in self.module.named_modules()
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        ]
+        if hooked:
+            warnings.warn(
+                "ORTModule: forward/backward hooks on submodules run only while the model is "
+                f"exported, not at every step ({', '.join(hooked[:5])}). Register hooks on the "
+                "ORTModule itself, or tensor hooks on parameters (param.register_hook), which "
+                "fire as in eager.",
+                stacklevel=3,
+            )
+
+    # -- nn.Module behaviour delegated to the wrapped module -----------------------------------
+    def train(self, mode: bool = True) -> ORTModule:
+        self.training = mode
+        self.module.train(mode)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ORTModule:  # .to(), .cuda(), .half(), ...
+        self.module._apply(fn, recurse)
+        return self
+
+    def apply(self, fn: Any) -> ORTModule:
+        self.module.apply(fn)
+        return self
+
+    def named_children(self) -> Any:
+        return self.module.named_children()
+
+    def named_modules(self, memo: Any = None, prefix: str = "", remove_duplicate: bool = True) -> Any:
+        return self.module.named_modules(memo, prefix, remove_duplicate)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def extra_repr(self) -> str:
+        return "engine=onnxruntime-training"
+
+    # -- copy and pickle: engine state is rebuilt lazily ---------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_runner", "_fallback", "_options"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ORTModule:
+        import copy
+
+        clone = ORTModule.__new__(ORTModule)
+        memo[id(self)] = clone
+        clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return clone
+
+
+def _check_wrappable(module: Any) -> None:
+    if isinstance(module, torch.nn.DataParallel):
+        raise TypeError(
+            "ORTModule does not support torch.nn.DataParallel. Use "
+            "torch.nn.parallel.DistributedDataParallel(ORTModule(model)) instead."
+        )
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "ORTModule must be inside DistributedDataParallel, not outside it: write "
+            "DistributedDataParallel(ORTModule(model)), not ORTModule(DistributedDataParallel(model))."
+        )
+    if isinstance(module, ORTModule):
+        raise TypeError("this module is already an ORTModule; wrap the original module once")
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"ORTModule wraps a torch.nn.Module, got {type(module).__module__}.{type(module).__qualname__}. "
+            "Wrap the model object (an nn.Module), not a function or a scripted/compiled callable."
+        )
+
+
+def _quiet_for(options: RuntimeOptions) -> Any:
+    from .log import suppress_output
+
+    return lambda: suppress_output(options.log_level)

@@ -1,0 +1,28 @@
+"""RuntimeOptions -> the runner's configuration: the one place options reach the engine."""
+
+from __future__ import annotations
+
+import os
+
+from ortmodule_exporter import SaveOptions
+
+from .execution import RunnerConfig
+from .log import engine_severity, exporter_verbose
+from .options import RuntimeOptions
+
+
+def runner_config(options: RuntimeOptions) -> RunnerConfig:
+    save = None
+    if options.save_onnx:
+        save = SaveOptions(path=options.save_onnx_path or os.getcwd(), prefix=options.onnx_prefix)
+    return RunnerConfig(
+        opset=options.onnx_opset_version,
+        deepcopy=options.deepcopy_before_model_export,
+        cache_dir=options.cache_dir or None,
+        save=save,
+        enable_compute_optimizer=options.enable_compute_optimizer,
+        print_input_density=options.print_input_density,
+        engine_log_severity=engine_severity(options.log_level),
+        exporter_verbose=exporter_verbose(options.log_level),
+        conv_algo_search=options.conv_algo_search,
+    )
