@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +24,32 @@ from .export import ExportedModel, SaveOptions
 logger = logging.getLogger("ortmodule.engine")
 
 
+def import_onnxruntime() -> Any:
+    """Import onnxruntime without its import-time self-check loading the original ORTModule.
+
+    ``onnxruntime/__init__.py`` validates the build by importing ``onnxruntime.training.ortmodule``
+    (the Python package we replace). On current PyTorch that import fails slowly (tens of
+    seconds) and it must never run in our process, so it is blocked for the duration of the
+    import; the engine's C++ API in ``onnxruntime.capi`` does not need it.
+    """
+    already = sys.modules.get("onnxruntime")
+    if already is not None:
+        return already
+    blocked = "onnxruntime.training"
+    present = blocked in sys.modules
+    if not present:
+        sys.modules[blocked] = None  # type: ignore[assignment]
+    try:
+        import onnxruntime
+    finally:
+        if not present and sys.modules.get(blocked, 0) is None:
+            del sys.modules[blocked]
+    return onnxruntime
+
+
 def _C() -> Any:
     try:
+        import_onnxruntime()
         from onnxruntime.capi import _pybind_state as C
     except ImportError as err:  # pragma: no cover - depends on the installed engine
         raise ImportError(
@@ -208,7 +233,7 @@ def _providers(cfg: SessionConfig) -> tuple[list[str], list[dict[str, str]]]:
 
 
 def _session(model_bytes: bytes, cfg: SessionConfig) -> Any:
-    import onnxruntime
+    onnxruntime = import_onnxruntime()
 
     so = onnxruntime.SessionOptions()
     # the partial-graph runs of training hand memory back and forth; patterns do not apply

@@ -10,7 +10,6 @@ gradient back to autograd so ``param.grad`` accumulates exactly as in eager.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,8 @@ from ortmodule_exporter.engine import (
 from ortmodule_exporter.export import bind_arguments
 from ortmodule_pytree import flatten, unflatten
 
+from .log import PhaseTimer, log_initialisation_summary
+
 logger = logging.getLogger("ortmodule")
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -55,21 +56,6 @@ class UnsupportedDataError(TypeError):
 
 
 @dataclass
-class PhaseTimes:
-    export: float = 0.0
-    graph_build: float = 0.0
-    session: float = 0.0
-    from_cache: bool = False
-
-    def summary(self) -> str:
-        src = " (export cache hit)" if self.from_cache else ""
-        return (
-            f"export {self.export:.2f} s{src}, graph build {self.graph_build:.2f} s, "
-            f"session creation {self.session:.2f} s"
-        )
-
-
-@dataclass
 class CompiledGraph:
     """A built graph, its session, and how to feed it from the module and the user's inputs."""
 
@@ -81,7 +67,7 @@ class CompiledGraph:
     #: for each forward output: index into the user's flat outputs, or the buffer it updates
     output_count: int
     buffer_updates: list[tuple[int, torch.nn.Module, str]]
-    times: PhaseTimes
+    times: PhaseTimer
     #: for each feed position: index into the backward outputs, or -1 for no gradient
     grad_index: list[int] = field(default_factory=list)
     _reached: dict[frozenset[int], frozenset[str]] = field(default_factory=dict)
@@ -186,7 +172,7 @@ class GraphRunner:
         self.cache = ExportCache(config.cache_dir) if config.cache_dir else None
         self.exports = 0
         self._quiet = quiet
-        self.last_times: PhaseTimes | None = None
+        self.last_times: PhaseTimer | None = None
 
     # -- the key ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -266,7 +252,7 @@ class GraphRunner:
     def _compile(
         self, key: GraphKey, args: Sequence[Any], kwargs: Mapping[str, Any], flat: Sequence[torch.Tensor], device: torch.device
     ) -> CompiledGraph:
-        times = PhaseTimes()
+        times = PhaseTimer()
         cfg = self.config
         for name, p in (*self.module.named_parameters(), *self.module.named_buffers()):
             if p.is_floating_point() and p.dtype not in SUPPORTED_PARAM_DTYPES[device.type]:
@@ -274,8 +260,7 @@ class GraphRunner:
                     f"parameter '{name}' has dtype {p.dtype}, which the engine cannot train on {device.type}; "
                     f"use one of {SUPPORTED_PARAM_DTYPES[device.type]}"
                 )
-        t0 = time.perf_counter()
-        with self._silenced():
+        with times.phase("export"), self._silenced():
             exported = export(
                 self.module,
                 args,
@@ -288,11 +273,11 @@ class GraphRunner:
                 save=cfg.save,
                 verbose=cfg.exporter_verbose,
             )
-        times.from_cache = exported.from_cache
-        if not exported.from_cache:
+            run_post_export_passes(exported, dict(cfg.pass_options))
+        if exported.from_cache:
+            logger.info("export skipped: loaded from the export cache %s", cfg.cache_dir)
+        else:
             self.exports += 1
-        run_post_export_passes(exported, dict(cfg.pass_options))
-        times.export = time.perf_counter() - t0
 
         names = list(exported.input_schema.names)
         index_of = {n: i for i, n in enumerate(names)}
@@ -316,10 +301,8 @@ class GraphRunner:
             save=cfg.save,
             transformer_options=cfg.transformer_options,
         )
-        t1 = time.perf_counter()
-        with self._silenced():
+        with times.phase("graph build"), self._silenced():
             built = build_graph(exported, graph_config)
-        times.graph_build = time.perf_counter() - t1
 
         session_config = SessionConfig(
             device=device,
@@ -329,12 +312,10 @@ class GraphRunner:
             conv_algo_search=cfg.conv_algo_search,
             external_allocator=_torch_allocator(device),
         )
-        t2 = time.perf_counter()
-        with self._silenced():
+        with times.phase("session creation"), self._silenced():
             session: TrainingSession | InferenceSession = (
                 TrainingSession(built, session_config) if key.build_gradient else InferenceSession(built, session_config)
             )
-        times.session = time.perf_counter() - t2
 
         feeds: list[tuple[str, Any]] = []
         for name in built.feed_names:
@@ -353,7 +334,7 @@ class GraphRunner:
         grad_by_input = {target: position[fetch] for fetch, target in built.grad_of.items()}
         grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]
         self.last_times = times
-        logger.info("ORTModule initialisation (%s): %s", key.mode, times.summary())
+        log_initialisation_summary(times, logger)
         return CompiledGraph(
             key=key,
             built=built,
