@@ -1,0 +1,89 @@
+"""What a developer asks for when debugging one ORTModule: log level and ONNX dumps.
+
+>>> from ortmodule.debug_options import DebugOptions, LogLevel
+>>> DebugOptions(log_level=LogLevel.INFO, save_onnx=True, onnx_prefix="my_model").log_level
+<LogLevel.INFO: 2>
+
+``ORTMODULE_LOG_LEVEL`` wins over ``log_level`` here, and ``ORTMODULE_SAVE_ONNX_PATH`` names the
+folder the models go to (the current working directory when unset); both are read by
+:meth:`ortmodule.options.RuntimeOptions.resolve`, never here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ortmodule_exporter.errors import InvalidOptionError
+
+__all__ = ["DebugOptions", "LogLevel"]
+
+
+class LogLevel(enum.IntEnum):
+    """ORTModule's log levels, most talkative first (see ``docs/options.md`` for what each shows)."""
+
+    VERBOSE = 0
+    DEVINFO = 1
+    INFO = 2
+    WARNING = 3
+    ERROR = 4
+    FATAL = 5
+
+    @classmethod
+    def parse(cls, value: object, source: str = "log_level") -> LogLevel:
+        """A LogLevel from a LogLevel, its name (any case) or its number; ``source`` names the option."""
+        if isinstance(value, cls):
+            return value
+        accepted = ", ".join(level.name for level in cls)
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        raise InvalidOptionError(
+            f"{source}={value!r} is not a log level; use one of {accepted} (LogLevel.<NAME>)."
+        )
+
+
+@dataclass(frozen=True)
+class DebugOptions:
+    """Per-model debugging options passed as ``ORTModule(model, DebugOptions(...))``.
+
+    ``save_onnx=True`` writes the exported, pre-gradient and final ONNX models as
+    ``<onnx_prefix>_<training|inference>_<stage>.onnx`` into ``ORTMODULE_SAVE_ONNX_PATH`` (default:
+    the current working directory), so it needs ``onnx_prefix``.
+    """
+
+    log_level: LogLevel = LogLevel.WARNING
+    save_onnx: bool = False
+    onnx_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        # frozen: normalise through object.__setattr__ so "INFO" and 2 become LogLevel.INFO
+        object.__setattr__(
+            self, "log_level", LogLevel.parse(self.log_level, "DebugOptions.log_level")
+        )
+        if not isinstance(self.save_onnx, bool):
+            raise InvalidOptionError(
+                f"DebugOptions.save_onnx={self.save_onnx!r} must be True or False."
+            )
+        if not isinstance(self.onnx_prefix, str):
+            raise InvalidOptionError(
+                f"DebugOptions.onnx_prefix={self.onnx_prefix!r} must be a string (the file name prefix)."
+            )
+        if self.save_onnx and not self.onnx_prefix:
+            raise InvalidOptionError(
+                "DebugOptions(save_onnx=True) needs onnx_prefix, the prefix of the saved file names: "
+                "DebugOptions(save_onnx=True, onnx_prefix='my_model'). Set ORTMODULE_SAVE_ONNX_PATH "
+                "to choose the folder (default: the current working directory)."
+            )
+        if any(sep in self.onnx_prefix for sep in ("/", "\\")):
+            raise InvalidOptionError(
+                f"DebugOptions.onnx_prefix={self.onnx_prefix!r} must be a file name prefix without a "
+                "path separator; choose the folder with ORTMODULE_SAVE_ONNX_PATH."
+            )

@@ -1,0 +1,285 @@
+"""``ortmodule doctor``: versions, the engine build, devices, settings and problems with fixes.
+
+>>> import io
+>>> from ortmodule.doctor import run_doctor
+>>> run_doctor(io.StringIO(), environ={}) in (0, 1)  # 0 when no problem was found
+True
+
+Everything heavy (torch, onnxruntime) is imported inside the checks, so a broken install is
+reported instead of stopping the report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, TextIO
+
+__all__ = ["OPTIONAL_COMPONENTS", "Problem", "Report", "collect", "run_doctor"]
+
+#: components ORTModule can use when installed: module name -> what it is for
+OPTIONAL_COMPONENTS = {
+    "triton": "Triton kernels (ORTMODULE_USE_TRITON)",
+    "bitsandbytes": "QLoRA 4-bit MatMul export",
+    "deepspeed": "ZeRO stage 3 (ORTMODULE_ENABLE_ZERO_STAGE3)",
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    what: str
+    fix: str
+
+
+@dataclass
+class Report:
+    """The doctor's findings: ``(section, lines)`` in print order, problems and notes."""
+
+    sections: list[tuple[str, list[str]]] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def section(self, title: str) -> list[str]:
+        lines: list[str] = []
+        self.sections.append((title, lines))
+        return lines
+
+    def problem(self, what: str, fix: str) -> None:
+        self.problems.append(Problem(what, fix))
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _python(report: Report) -> None:
+    lines = report.section("Python")
+    lines.append(f"python {platform.python_version()} ({sys.executable})")
+    lines.append(f"platform {platform.platform()}")
+    for dist in ("torch", "onnx", "numpy"):
+        version = _version(dist)
+        lines.append(f"{dist} {version or 'NOT INSTALLED'}")
+        if version is None:
+            report.problem(f"{dist} is not installed", f"pip install {dist}")
+
+
+def _ortmodule_packages(report: Report) -> None:
+    lines = report.section("ORTModule packages")
+    found: dict[str, str] = {}
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("ortmodule"):
+            found.setdefault(name, dist.version)
+    if not found:
+        lines.append("none installed")
+        report.problem("no ortmodule distribution is installed", "pip install 'ortmodule[cpu]'")
+        return
+    for name in sorted(found):
+        lines.append(f"{name} {found[name]}")
+    if len(set(found.values())) > 1:
+        target = found.get("ortmodule", max(found.values()))
+        stray = sorted(n for n, v in found.items() if v != target)
+        report.problem(
+            "ortmodule packages disagree on versions: "
+            + ", ".join(f"{n} {found[n]}" for n in sorted(found)),
+            "they move in lockstep; reinstall them at one version: pip install "
+            + " ".join(f"'{n}=={target}'" for n in stray),
+        )
+    else:
+        lines.append("versions agree")
+
+
+def _engine(report: Report) -> dict[str, Any]:
+    """The engine section; returns what later checks need (providers, build kind)."""
+    from .debug_options import LogLevel
+    from .engine_check import engine_problem, installed_engines
+    from .log import suppress_output
+
+    lines = report.section("Engine (ONNX Runtime)")
+    engines = installed_engines()
+    for dist, version in sorted(engines.items()):
+        lines.append(f"distribution {dist} {version}")
+    problem = engine_problem(engines)
+    if problem:
+        what, _, fix = problem.partition(". ")
+        report.problem(what, fix or problem)
+    info: dict[str, Any] = {"providers": [], "build": None}
+    try:
+        # held back: importing the engine can print (some wheels pull in DeepSpeed, which logs)
+        with suppress_output(LogLevel.WARNING):
+            import onnxruntime
+            from onnxruntime.capi import _pybind_state
+    except Exception as err:  # a broken wheel raises more than ImportError
+        lines.append(f"import onnxruntime failed: {err}")
+        if not problem:
+            report.problem(
+                f"onnxruntime cannot be imported ({err})",
+                "reinstall the engine: pip install --force-reinstall 'ortmodule[cpu]' (or [cuda])",
+            )
+        return info
+    providers = list(onnxruntime.get_available_providers())
+    training = hasattr(_pybind_state, "TrainingAgent")
+    cuda_build = "CUDAExecutionProvider" in providers or "onnxruntime-training" in engines
+    info.update(providers=providers, build="CUDA" if cuda_build else "CPU")
+    kind = f"{'CUDA' if cuda_build else 'CPU'} {'training' if training else 'inference-only'} build"
+    lines.append(f"onnxruntime {onnxruntime.__version__}: {kind}")
+    lines.append(f"training engine (TrainingAgent): {'available' if training else 'MISSING'}")
+    lines.append("execution providers: " + ", ".join(providers))
+    if not training and not problem:
+        report.problem(
+            "the installed onnxruntime has no training engine (no TrainingAgent)",
+            "pip uninstall -y onnxruntime onnxruntime-gpu && pip install 'ortmodule[cpu]' (or [cuda])",
+        )
+    return info
+
+
+def _devices(report: Report, engine: Mapping[str, Any]) -> None:
+    lines = report.section("Devices")
+    try:
+        import torch
+    except Exception as err:
+        lines.append(f"import torch failed: {err}")
+        report.problem(f"torch cannot be imported ({err})", "pip install --force-reinstall torch")
+        return
+    lines.append(f"torch {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
+    if not torch.cuda.is_available():
+        lines.append("cuda: not available (models run on cpu)")
+        if engine.get("build") == "CUDA":
+            report.notes.append(
+                "the engine is the CUDA build but torch sees no CUDA device; only cpu is used"
+            )
+        return
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        lines.append(
+            f"cuda:{i} {torch.cuda.get_device_name(i)} (compute capability {major}.{minor})"
+        )
+    if "CUDAExecutionProvider" not in engine.get("providers", []):
+        report.notes.append(
+            "a CUDA device is present but the engine has no CUDA execution provider; models on cuda "
+            "fall back to PyTorch. For GPU training: pip uninstall -y onnxruntime-training-cpu && "
+            "pip install 'ortmodule[cuda]'"
+        )
+
+
+def _optional(report: Report) -> dict[str, bool]:
+    lines = report.section("Optional components")
+    present = {}
+    for name, purpose in OPTIONAL_COMPONENTS.items():
+        try:
+            present[name] = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            present[name] = False
+        state = f"installed {_version(name) or ''}".rstrip() if present[name] else "not installed"
+        lines.append(f"{name}: {state} ({purpose})")
+    return present
+
+
+def _settings(report: Report, environ: Mapping[str, str], present: Mapping[str, bool]) -> None:
+    from .options import (
+        VARIABLES,
+        InvalidOptionError,
+        RuntimeOptions,
+        format_value,
+        unknown_variables,
+    )
+
+    lines = report.section("Settings (ORTMODULE_* environment variables)")
+    values: dict[str, Any] = {}
+    width = max(len(var.name) for var in VARIABLES)
+    for var in VARIABLES:
+        text = environ.get(var.name, "")
+        if not text.strip():
+            values[var.field] = var.default
+            lines.append(f"{var.name:<{width}} = {format_value(var.default)} (default)")
+            continue
+        try:
+            values[var.field] = var.convert(text)
+        except InvalidOptionError as err:
+            lines.append(f"{var.name:<{width}} = {text!r} (environment, INVALID)")
+            report.problem(
+                str(err),
+                f"unset {var.name} (default {format_value(var.default)}) or set {var.accepted}",
+            )
+            continue
+        lines.append(f"{var.name:<{width}} = {format_value(values[var.field])} (environment)")
+    for name, close in unknown_variables(environ):
+        report.problem(
+            f"{name} is set but no ORTModule option reads it",
+            f"did you mean {close}?"
+            if close
+            else f"unset {name}; see docs/options.md for the variables",
+        )
+    if all(var.field in values for var in VARIABLES):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                RuntimeOptions.resolve(environ=environ)
+            except InvalidOptionError as err:
+                report.problem(str(err), "change the variables as the message says")
+    _needs = (
+        ("use_triton", "triton", "pip install triton (needs a CUDA device)"),
+        ("use_flash_attention", "triton", "pip install triton (needs a CUDA device)"),
+        ("enable_zero_stage3", "deepspeed", "pip install deepspeed"),
+    )
+    for option, component, fix in _needs:
+        if values.get(option) and not present.get(component):
+            report.problem(f"ORTMODULE_{option.upper()}=1 but {component} is not installed", fix)
+
+
+def collect(environ: Mapping[str, str] = os.environ) -> Report:
+    """Run every check; a check that crashes becomes a problem instead of stopping the others."""
+    report = Report()
+    engine: dict[str, Any] = {}
+    present: dict[str, bool] = {}
+
+    def guarded(title: str, check: Callable[[], Any]) -> Any:
+        try:
+            return check()
+        except Exception as err:
+            report.problem(
+                f"the doctor could not check {title}: {type(err).__name__}: {err}", "report this"
+            )
+            return None
+
+    guarded("Python", lambda: _python(report))
+    guarded("ortmodule packages", lambda: _ortmodule_packages(report))
+    engine = guarded("the engine", lambda: _engine(report)) or engine
+    guarded("devices", lambda: _devices(report, engine))
+    present = guarded("optional components", lambda: _optional(report)) or present
+    guarded("settings", lambda: _settings(report, environ, present))
+    return report
+
+
+def run_doctor(stream: TextIO = sys.stdout, environ: Mapping[str, str] = os.environ) -> int:
+    """Print the report to ``stream``; 0 when no problem was found, else 1."""
+    report = collect(environ)
+    out = [f"ortmodule doctor ({platform.node() or 'this machine'})"]
+    for title, lines in report.sections:
+        out.append("")
+        out.append(f"{title}:")
+        out.extend(f"  {line}" for line in lines)
+    if report.notes:
+        out.append("")
+        out.append("Notes:")
+        out.extend(f"  - {note}" for note in report.notes)
+    out.append("")
+    if report.problems:
+        out.append(f"Problems ({len(report.problems)}):")
+        for p in report.problems:
+            out.append(f"  - {p.what}")
+            out.append(f"    fix: {p.fix}")
+    else:
+        out.append("No problems found.")
+    stream.write("\n".join(out) + "\n")
+    stream.flush()
+    return 1 if report.problems else 0

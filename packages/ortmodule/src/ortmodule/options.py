@@ -1,0 +1,597 @@
+"""The one options object: defaults, then :class:`DebugOptions`, then ``ORTMODULE_*`` variables.
+
+>>> from ortmodule.options import RuntimeOptions
+>>> options = RuntimeOptions.resolve(environ={"ORTMODULE_ONNX_OPSET_VERSION": "15"})
+>>> options.onnx_opset_version, options.source("onnx_opset_version"), options.source("cache_dir")
+(15, 'environment', 'default')
+
+Every ``ORTMODULE_*`` variable is declared once in :data:`VARIABLES` (name, type, default,
+accepted values, the package that honours it, a one-line description, an example) and parsed
+here only; ``docs/options.md`` is generated from the same table and a test keeps the two equal.
+Variables for features that live in other packages (memory optimizer, Triton, tuning, ZeRO
+stage 3) are validated here and handed on as fields.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import os
+import shlex
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+from ortmodule_exporter.errors import InvalidOptionError
+
+from .debug_options import DebugOptions, LogLevel
+
+__all__ = [
+    "PREFIX",
+    "VARIABLES",
+    "EnvVar",
+    "FallbackPolicy",
+    "InvalidOptionError",
+    "RuntimeOptions",
+    "SkipCheck",
+    "format_value",
+    "unknown_variables",
+    "variables_markdown",
+]
+
+PREFIX = "ORTMODULE_"
+# kept equal to ortmodule_exporter.export.MIN_OPSET/MAX_OPSET/DEFAULT_OPSET (a test checks it);
+# not imported so that reading options does not import the exporter's torch/onnx machinery
+MIN_OPSET, MAX_OPSET, DEFAULT_OPSET = 14, 20, 17
+
+
+class FallbackPolicy(enum.IntFlag):
+    """Which failures let training continue in PyTorch (``ORTMODULE_FALLBACK_POLICY``)."""
+
+    FALLBACK_DISABLE = enum.auto()
+    FALLBACK_FORCE_TORCH_FORWARD = enum.auto()
+    FALLBACK_FORCE_TORCH_BACKWARD = enum.auto()
+    FALLBACK_UNSUPPORTED_DEVICE = enum.auto()
+    FALLBACK_UNSUPPORTED_DATA = enum.auto()
+    FALLBACK_UNSUPPORTED_TORCH_MODEL = enum.auto()
+    FALLBACK_UNSUPPORTED_ONNX_MODEL = enum.auto()
+    FALLBACK_BAD_INITIALIZATION = enum.auto()
+
+
+class SkipCheck(enum.IntFlag):
+    """Which per-call consistency checks to skip once the graph is built (``ORTMODULE_SKIPCHECK_POLICY``)."""
+
+    SKIP_CHECK_DISABLED = enum.auto()
+    SKIP_CHECK_DEVICE = enum.auto()
+    SKIP_CHECK_BUILD_GRADIENT = enum.auto()
+    SKIP_CHECK_EXECUTION_AGENT = enum.auto()
+
+
+DEFAULT_FALLBACK_POLICY = (
+    FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
+    | FallbackPolicy.FALLBACK_UNSUPPORTED_DATA
+    | FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
+    | FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
+)
+
+_F = TypeVar("_F", bound=enum.IntFlag)
+
+
+def flag_names(value: enum.IntFlag) -> str:
+    """``A|B`` for a combination of flags (``Flag.name`` is None for combinations on Python 3.10)."""
+    return "|".join(m.name for m in type(value) if m.name and m in value and m.value) or "0"
+
+
+# -- parsers: text -> value, raising ValueError with the reason -------------------------------
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(text: str) -> bool:
+    low = text.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError("not a switch")
+
+
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("not an integer") from None
+        if value < lo or (hi is not None and value > hi):
+            raise ValueError("out of range")
+        return value
+
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.upper() not in choices:
+            raise ValueError("not one of the choices")
+        return text.upper()
+
+    return parse
+
+
+def _flags(kind: type[_F], alone: _F) -> Callable[[str], _F]:
+    """``A|B|C`` -> a combination of ``kind``; ``alone`` may not be combined with other flags."""
+
+    def parse(text: str) -> _F:
+        names = [part.strip().upper() for part in text.split("|")]
+        result = kind(0)
+        for name in names:
+            member = kind.__members__.get(name)
+            if member is None:
+                raise ValueError(f"{name or '(empty)'!r} is not a {kind.__name__} flag")
+            result |= member
+        if alone in result and result != alone:
+            raise ValueError(f"{alone.name} cannot be combined with other flags")
+        return result
+
+    return parse
+
+
+def _log_level(text: str) -> LogLevel:
+    try:
+        return LogLevel[text.upper()]
+    except KeyError:
+        raise ValueError("not a log level") from None
+
+
+def _folder(text: str) -> str:
+    path = os.path.expanduser(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} exists and is not a folder")
+    return path
+
+
+def _existing_file(text: str) -> str:
+    path = os.path.expanduser(text)
+    if not os.path.isfile(path):
+        raise ValueError(f"no file at {os.path.abspath(path)}")
+    return path
+
+
+def _path(text: str) -> str:
+    return os.path.expanduser(text)
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One ``ORTMODULE_*`` variable: how to parse it and how to document it."""
+
+    name: str
+    type: str
+    default: Any
+    parse: Callable[[str], Any]
+    accepted: str
+    honoured_by: str
+    doc: str
+    example: str
+
+    @property
+    def field(self) -> str:
+        """The :class:`RuntimeOptions` field: the name lower-cased without ``ORTMODULE_``."""
+        return self.name[len(PREFIX) :].lower()
+
+    def convert(self, text: str) -> Any:
+        """Parse ``text``; an :class:`InvalidOptionError` names the variable, value and choices."""
+        try:
+            return self.parse(text.strip())
+        except ValueError as err:
+            raise InvalidOptionError(
+                f"{self.name}={text!r} is invalid ({err}); accepted: {self.accepted}. "
+                f"For example: export {self.name}={shlex.quote(self.example)}, or unset it for the default "
+                f"({format_value(self.default)})."
+            ) from None
+
+
+_SWITCH = "1 or 0 (also true/false, yes/no, on/off)"
+_RUNTIME = "ortmodule"
+_EXPORTER = "ortmodule-exporter"
+_MEMORY = "ortmodule-memory"
+_TRITON = "ortmodule-triton"
+
+
+def _switch(name: str, default: bool, honoured_by: str, doc: str) -> EnvVar:
+    return EnvVar(name, "bool", default, _bool, _SWITCH, honoured_by, doc, "0" if default else "1")
+
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar(
+        "ORTMODULE_ONNX_OPSET_VERSION",
+        "int",
+        DEFAULT_OPSET,
+        _int_in(MIN_OPSET, MAX_OPSET),
+        f"an integer from {MIN_OPSET} to {MAX_OPSET}",
+        _EXPORTER,
+        "ONNX opset the model is exported with; pin it to stay on a validated opset.",
+        "15",
+    ),
+    EnvVar(
+        "ORTMODULE_FALLBACK_POLICY",
+        "FallbackPolicy",
+        DEFAULT_FALLBACK_POLICY,
+        _flags(FallbackPolicy, FallbackPolicy.FALLBACK_DISABLE),
+        "FallbackPolicy flag names joined with |; FALLBACK_DISABLE stands alone",
+        _RUNTIME,
+        "Which failures let training continue in PyTorch; FALLBACK_DISABLE makes every failure an error.",
+        "FALLBACK_DISABLE",
+    ),
+    _switch(
+        "ORTMODULE_FALLBACK_RETRY",
+        False,
+        _RUNTIME,
+        "After a fallback, try the engine again on the next call instead of staying in PyTorch.",
+    ),
+    EnvVar(
+        "ORTMODULE_LOG_LEVEL",
+        "LogLevel",
+        LogLevel.WARNING,
+        _log_level,
+        ", ".join(level.name for level in LogLevel) + " (any case)",
+        _RUNTIME,
+        "ORTModule log level; wins over DebugOptions(log_level=...).",
+        "INFO",
+    ),
+    EnvVar(
+        "ORTMODULE_SAVE_ONNX_PATH",
+        "path",
+        None,
+        _folder,
+        "a folder (created when missing)",
+        _EXPORTER,
+        "Folder for the models saved by DebugOptions(save_onnx=True); unset: the current working directory.",
+        "/tmp/onnx_models",
+    ),
+    _switch(
+        "ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT",
+        False,
+        _EXPORTER,
+        "Allow exporting torch.utils.checkpoint regions as PythonOp (PyTorch then computes them).",
+    ),
+    _switch(
+        "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD",
+        True,
+        _EXPORTER,
+        "Export torch.autograd.Function subclasses as PythonOp; 0 exports their forward inline.",
+    ),
+    _switch(
+        "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER",
+        True,
+        _RUNTIME,
+        "Engine graph transformers that save compute; 0 keeps exactly the eager computation.",
+    ),
+    _switch(
+        "ORTMODULE_ENABLE_SPARSE_OPTIMIZER",
+        True,
+        _RUNTIME,
+        "Input-sparsity optimizations (label and embedding padding); the switch over both below.",
+    ),
+    _switch(
+        "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER",
+        True,
+        _RUNTIME,
+        "Skip padded labels (ignore_index) in the loss when label density is low.",
+    ),
+    _switch(
+        "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER",
+        False,
+        _RUNTIME,
+        "Skip padding tokens in embedding inputs when their density is low.",
+    ),
+    _switch(
+        "ORTMODULE_PRINT_INPUT_DENSITY",
+        False,
+        _RUNTIME,
+        "Print the label and embedding input density of each step.",
+    ),
+    _switch(
+        "ORTMODULE_PRINT_MEMORY_STATS",
+        False,
+        _MEMORY,
+        "Print memory statistics before and after forward and backward of each step.",
+    ),
+    EnvVar(
+        "ORTMODULE_CACHE_DIR",
+        "path",
+        None,
+        _folder,
+        "a folder (created when missing); unset disables the cache",
+        _EXPORTER,
+        "Cache exported models here and reuse them in later runs.",
+        "/tmp/ortmodule_cache",
+    ),
+    _switch(
+        "ORTMODULE_USE_EFFICIENT_ATTENTION",
+        False,
+        _EXPORTER,
+        "Fuse attention patterns and run them with PyTorch's efficient_attention ATen kernel.",
+    ),
+    _switch(
+        "ORTMODULE_ATEN_SDPA_FALLBACK",
+        False,
+        _EXPORTER,
+        "Export scaled_dot_product_attention as an ATen op that PyTorch runs, not decomposed.",
+    ),
+    _switch(
+        "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT",
+        True,
+        _EXPORTER,
+        "Deep-copy the module before export so export cannot change it; 0 saves the copy's memory.",
+    ),
+    EnvVar(
+        "ORTMODULE_MEMORY_OPT_LEVEL",
+        "int",
+        0,
+        _int_in(0, 2),
+        "0 (plans in ORTMODULE_MEMORY_OPT_CONFIG), 1 (recompute every transformer layer), "
+        "2 (layers, compromised subgraphs included)",
+        _MEMORY,
+        "Recompute level that trades compute for activation memory.",
+        "1",
+    ),
+    EnvVar(
+        "ORTMODULE_MEMORY_OPT_CONFIG",
+        "path",
+        None,
+        _existing_file,
+        "an existing JSON file of recompute plans",
+        _MEMORY,
+        "Recompute plans applied at ORTMODULE_MEMORY_OPT_LEVEL=0.",
+        "mem_opt.json",
+    ),
+    _switch(
+        "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
+        False,
+        _RUNTIME,
+        "Hand each gradient to its parameter as soon as it is computed, freeing it early.",
+    ),
+    _switch(
+        "ORTMODULE_ENABLE_ZERO_STAGE3",
+        False,
+        _RUNTIME,
+        "Support DeepSpeed ZeRO stage 3 partitioned parameters.",
+    ),
+    EnvVar(
+        "ORTMODULE_CONV_ALGO_SEARCH",
+        "str",
+        "HEURISTIC",
+        _choice("HEURISTIC", "EXHAUSTIVE", "DEFAULT"),
+        "HEURISTIC, EXHAUSTIVE or DEFAULT (any case)",
+        _RUNTIME,
+        "cuDNN convolution algorithm search of the CUDA execution provider.",
+        "EXHAUSTIVE",
+    ),
+    EnvVar(
+        "ORTMODULE_SKIPCHECK_POLICY",
+        "SkipCheck",
+        SkipCheck.SKIP_CHECK_DISABLED,
+        _flags(SkipCheck, SkipCheck.SKIP_CHECK_DISABLED),
+        "SkipCheck flag names joined with |; SKIP_CHECK_DISABLED stands alone",
+        _RUNTIME,
+        "Per-call checks to skip after the first step (device, gradient build, execution agent).",
+        "SKIP_CHECK_DEVICE|SKIP_CHECK_BUILD_GRADIENT",
+    ),
+    _switch(
+        "ORTMODULE_USE_TRITON",
+        False,
+        _TRITON,
+        "Run supported ONNX subgraphs with generated Triton kernels.",
+    ),
+    EnvVar(
+        "ORTMODULE_TRITON_CONFIG_FILE",
+        "path",
+        None,
+        _existing_file,
+        "an existing JSON file (ops, initializer, min_nodes)",
+        _TRITON,
+        "Which ops Triton may take and how; unset: every supported op.",
+        "triton_config.json",
+    ),
+    _switch(
+        "ORTMODULE_TRITON_DEBUG",
+        False,
+        _TRITON,
+        "Save the subgraphs and generated Triton code under ./triton_debug.",
+    ),
+    _switch(
+        "ORTMODULE_ENABLE_TUNING",
+        False,
+        _TRITON,
+        "Tune ops that have several implementations online on the target device.",
+    ),
+    EnvVar(
+        "ORTMODULE_MAX_TUNING_DURATION_MS",
+        "int",
+        None,
+        _int_in(1),
+        "a positive integer (milliseconds)",
+        _TRITON,
+        "Upper bound on online tuning time per op; unset: the engine's default.",
+        "9999",
+    ),
+    EnvVar(
+        "ORTMODULE_TUNING_RESULTS_PATH",
+        "path",
+        None,
+        _path,
+        "a path",
+        _TRITON,
+        "Where tuning results are saved (tuning on) or loaded from (tuning off).",
+        "/tmp/tuning_results",
+    ),
+    _switch(
+        "ORTMODULE_USE_FLASH_ATTENTION",
+        False,
+        _TRITON,
+        "Fuse attention and run Flash Attention's Triton kernel; needs ORTMODULE_USE_TRITON=1.",
+    ),
+)
+
+_BY_NAME: Mapping[str, EnvVar] = {var.name: var for var in VARIABLES}
+_DEBUG_FIELDS = ("log_level", "save_onnx", "onnx_prefix")
+
+DEFAULT, DEBUG_OPTIONS, ENVIRONMENT = "default", "DebugOptions", "environment"
+
+
+def format_value(value: Any) -> str:
+    """How a value is written in docs and reports: switches as 1/0, flags as ``A|B``."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, enum.IntFlag):
+        return flag_names(value)
+    if isinstance(value, enum.Enum):
+        return value.name
+    return str(value)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``ORTMODULE_*`` names in ``environ`` that no option reads, each with a close known name."""
+    found = []
+    for name in sorted(environ):
+        if name.startswith(PREFIX) and name not in _BY_NAME:
+            # compare without the shared prefix, which would make every name look close
+            tails = [known[len(PREFIX) :] for known in _BY_NAME]
+            close = difflib.get_close_matches(name[len(PREFIX) :], tails, n=1)
+            found.append((name, PREFIX + close[0] if close else None))
+    return found
+
+
+def _warn_unknown(environ: Mapping[str, str]) -> None:
+    for name, close in unknown_variables(environ):
+        hint = f"; did you mean {close}?" if close else ""
+        warnings.warn(
+            f"{name} is not an ORTModule option and is ignored{hint}", UserWarning, stacklevel=3
+        )
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Every option ORTModule and its components read, with where each value came from.
+
+    Build it with :meth:`resolve`; ``source(field)`` says ``"default"``, ``"DebugOptions"`` or
+    ``"environment"``.
+    """
+
+    log_level: LogLevel
+    save_onnx: bool
+    onnx_prefix: str
+    save_onnx_path: str | None
+    onnx_opset_version: int
+    fallback_policy: FallbackPolicy
+    fallback_retry: bool
+    allow_autograd_checkpoint: bool
+    enable_custom_autograd: bool
+    enable_compute_optimizer: bool
+    enable_sparse_optimizer: bool
+    enable_label_sparse_optimizer: bool
+    enable_embedding_sparse_optimizer: bool
+    print_input_density: bool
+    print_memory_stats: bool
+    cache_dir: str | None
+    use_efficient_attention: bool
+    aten_sdpa_fallback: bool
+    deepcopy_before_model_export: bool
+    memory_opt_level: int
+    memory_opt_config: str | None
+    enable_mem_efficient_grad_mgmt: bool
+    enable_zero_stage3: bool
+    conv_algo_search: str
+    skipcheck_policy: SkipCheck
+    use_triton: bool
+    triton_config_file: str | None
+    triton_debug: bool
+    enable_tuning: bool
+    max_tuning_duration_ms: int | None
+    tuning_results_path: str | None
+    use_flash_attention: bool
+    sources: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def resolve(
+        cls, debug_options: DebugOptions | None = None, environ: Mapping[str, str] = os.environ
+    ) -> RuntimeOptions:
+        """Defaults, then ``debug_options``, then ``ORTMODULE_*`` variables in ``environ``.
+
+        An empty variable counts as unset. Raises :class:`InvalidOptionError` naming the
+        variable, its value and the accepted values; warns about unknown ``ORTMODULE_*`` names.
+        """
+        values: dict[str, Any] = {var.field: var.default for var in VARIABLES}
+        sources = dict.fromkeys(values, DEFAULT)
+        base = debug_options if debug_options is not None else DebugOptions()
+        for name in _DEBUG_FIELDS:
+            values[name] = getattr(base, name)
+            sources[name] = DEBUG_OPTIONS if debug_options is not None else DEFAULT
+        for var in VARIABLES:
+            text = environ.get(var.name, "")
+            if text.strip():
+                values[var.field] = var.convert(text)
+                sources[var.field] = ENVIRONMENT
+        if values["use_flash_attention"] and not values["use_triton"]:
+            raise InvalidOptionError(
+                "ORTMODULE_USE_FLASH_ATTENTION=1 needs ORTMODULE_USE_TRITON=1 (the kernel is "
+                "Triton's); set both, or unset ORTMODULE_USE_FLASH_ATTENTION."
+            )
+        _warn_unknown(environ)
+        return cls(**values, sources=MappingProxyType(sources))
+
+    @classmethod
+    def defaults(cls) -> RuntimeOptions:
+        """The options with no DebugOptions and no environment variables."""
+        return cls.resolve(None, environ={})
+
+    def source(self, name: str) -> str:
+        """Where field ``name`` came from: ``"default"``, ``"DebugOptions"`` or ``"environment"``."""
+        try:
+            return self.sources[name]
+        except KeyError:
+            known = ", ".join(f.name for f in fields(self) if f.name != "sources")
+            raise KeyError(f"RuntimeOptions has no field {name!r}; fields: {known}") from None
+
+    def settings(self) -> list[tuple[str, str, str]]:
+        """``(variable, value as text, source)`` for every ``ORTMODULE_*`` variable, table order."""
+        return [
+            (var.name, format_value(getattr(self, var.field)), self.source(var.field))
+            for var in VARIABLES
+        ]
+
+
+# -- documentation ------------------------------------------------------------------------------
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def variables_markdown(variables: Iterable[EnvVar] = VARIABLES) -> str:
+    """The variables table of ``docs/options.md``, generated from :data:`VARIABLES`."""
+    lines = [
+        "| Variable | Type | Default | Accepted values | Honoured by | Description | Example |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for var in variables:
+        cells = (
+            f"`{var.name}`",
+            var.type,
+            f"`{format_value(var.default)}`",
+            var.accepted,
+            var.honoured_by,
+            var.doc,
+            f"`export {var.name}={shlex.quote(var.example)}`",
+        )
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
