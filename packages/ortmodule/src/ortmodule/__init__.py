@@ -7,10 +7,15 @@
 >>> loss.backward()
 """
 
+import sys as _sys
+
 from .engine_check import check_engine
 
-check_engine()
+# `ortmodule doctor` must run (and report the problem) even when the engine is missing.
+if _sys.argv[1:2] != ["doctor"]:
+    check_engine()
 
+# ruff: noqa: E402 - the engine check must run before anything imports the engine
 from ortmodule_exporter import EngineBuildError, ExportError, ORTModuleError, register_symbolic
 
 from .debug_options import DebugOptions, LogLevel

@@ -11,9 +11,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="report versions, the engine build, devices, settings and problems")
     demo = sub.add_parser("demo", help="train a small GPT under eager and under ORTModule, side by side")
-    from .demo import add_arguments
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["demo"]:
+        from .demo import add_arguments
 
-    add_arguments(demo)
+        add_arguments(demo)
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from .doctor import run_doctor

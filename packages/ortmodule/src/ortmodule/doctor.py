@@ -116,7 +116,9 @@ def _engine(report: Report) -> dict[str, Any]:
     try:
         # held back: importing the engine can print (some wheels pull in DeepSpeed, which logs)
         with suppress_output(LogLevel.WARNING):
-            import onnxruntime
+            from ortmodule_exporter.engine import import_onnxruntime
+
+            onnxruntime = import_onnxruntime()
             from onnxruntime.capi import _pybind_state
     except Exception as err:  # a broken wheel raises more than ImportError
         lines.append(f"import onnxruntime failed: {err}")

@@ -70,7 +70,7 @@ class FallbackManager:
                 "Training continues in PyTorch. To make this an error, set "
                 "ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE."
             )
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warnings.warn(message, UserWarning, stacklevel=5)  # the user's model(...) line
         return self.module(*args, **kwargs)
 
 

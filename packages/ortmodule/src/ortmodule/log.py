@@ -201,8 +201,9 @@ def configure_logger(level: LogLevel, rank: int | None = None) -> logging.Logger
 
 def apply_engine_severity(level: LogLevel) -> None:
     """Set the engine's process-wide default logger (graph build uses it) to ``level``'s severity."""
-    import onnxruntime
+    from ortmodule_exporter.engine import import_onnxruntime
 
+    onnxruntime = import_onnxruntime()
     onnxruntime.set_default_logger_severity(engine_severity(level))
 
 

@@ -11,7 +11,7 @@ import torch
 from .debug_options import DebugOptions
 from .execution import GraphRunner
 from .fallback import FallbackManager
-from .log import configure_logger
+from .log import apply_engine_severity, configure_logger
 from .options import RuntimeOptions
 from .runner_config import runner_config
 
@@ -45,6 +45,7 @@ class ORTModule(torch.nn.Module):
     def _setup(self) -> None:
         options = RuntimeOptions.resolve(self._debug_options)
         configure_logger(options.log_level)
+        apply_engine_severity(options.log_level)
         object.__setattr__(self, "_options", options)
         object.__setattr__(self, "_runner", GraphRunner(self.module, runner_config(options), quiet=_quiet_for(options)))
         object.__setattr__(self, "_fallback", FallbackManager(options, self.module))
