@@ -1,0 +1,152 @@
+"""flatten and unflatten: the one mechanism for every input and output ORTModule handles."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from ortmodule_pytree._torch_pytree import TreeSpec, children, graft, tree_flatten
+from ortmodule_pytree.containers import ContainerNode, handler_for
+from ortmodule_pytree.leaves import (
+    CONSTANT,
+    CONTAINER,
+    KIND_CACHE,
+    SUPPORTED_LEAVES,
+    TENSOR,
+    constant_key,
+    leaf_kind,
+)
+from ortmodule_pytree.naming import access_path, leaf_key_paths
+from ortmodule_pytree.schema import Schema, TensorMeta
+
+__all__ = ["flatten", "unflatten"]
+
+
+def flatten(
+    obj: Any, *, prefix: str = "input", static_shapes: bool = False
+) -> tuple[list[torch.Tensor], Schema]:
+    """Split a nested structure into its tensors, in a stable order, and a :class:`Schema`.
+
+    >>> tensors, schema = flatten(((x,), {"mask": m, "flag": True}))
+    >>> schema.names
+    ('input.0.0', 'input.1.mask')
+    >>> rebuilt = unflatten(tensors, schema)  # the same types, the very same tensors
+
+    ``prefix`` starts every name (``"output"`` for outputs). With ``static_shapes=True`` the
+    tensor shapes are part of the schema; by default only dtype, rank, device and
+    requires_grad are, so a new batch size or sequence length keeps the schema.
+    """
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"prefix must be a non-empty str, got {prefix!r}")
+    leaves, spec = tree_flatten(obj)
+    while True:
+        tensors: list[torch.Tensor] = []
+        positions: list[int] = []
+        meta: list[TensorMeta] = []
+        constants: list[Any] = []
+        constant_keys: list[Hashable] = []
+        found_container = False
+        for index, leaf in enumerate(leaves):
+            cls = type(leaf)
+            kind = KIND_CACHE.get(cls)
+            if kind is None:
+                kind = leaf_kind(cls)
+            if kind == TENSOR:
+                tensors.append(leaf)
+                positions.append(index)
+                meta.append(
+                    (
+                        leaf.dtype,
+                        leaf.dim(),
+                        leaf.device,
+                        leaf.requires_grad,
+                        leaf.shape if static_shapes else None,
+                    )
+                )
+            elif kind == CONSTANT:
+                constants.append(leaf)
+                constant_keys.append(constant_key(leaf))
+            elif kind == CONTAINER:
+                found_container = True
+                break
+            else:
+                raise _unsupported(leaf, index, spec, prefix)
+        if not found_container:
+            break
+        # A container torch's pytree does not know came out as a leaf (rare): expand every
+        # such leaf, then classify the expanded leaves from the start.
+        leaves, spec = _expand_containers(leaves, spec)
+    schema = Schema(
+        spec,
+        prefix=prefix,
+        static_shapes=static_shapes,
+        tensor_positions=tuple(positions),
+        tensor_meta=tuple(meta),
+        constants=tuple(constants),
+        constant_keys=tuple(constant_keys),
+    )
+    return tensors, schema
+
+
+def unflatten(tensors: Sequence[torch.Tensor], schema: Schema) -> Any:
+    """The inverse of :func:`flatten`: the original structure with ``tensors`` in place.
+
+    Containers come back as the same types (namedtuple class, OrderedDict or dict, dataclass,
+    subclass); non-tensor leaves come from the schema.
+
+    >>> out = unflatten(session_outputs, output_schema)
+    """
+    if len(tensors) != schema.num_tensors:
+        raise ValueError(
+            f"unflatten got {len(tensors)} tensors for a schema of {schema.num_tensors} "
+            f"({', '.join(schema.names) or 'none'})"
+        )
+    return schema._rebuild(tensors)
+
+
+def _expand_containers(leaves: list[Any], spec: TreeSpec) -> tuple[list[Any], TreeSpec]:
+    """Flatten the private containers among ``leaves`` and graft their specs into ``spec``.
+
+    They are wrapped in :class:`ContainerNode` and flattened by torch in one call, so the work
+    is proportional to the containers' contents, not to the whole tree.
+    """
+    found: list[int] = []
+    nodes: list[ContainerNode] = []
+    for index, leaf in enumerate(leaves):
+        cls = type(leaf)
+        if cls not in KIND_CACHE:
+            handler = handler_for(cls)
+            if handler is not None:
+                found.append(index)
+                nodes.append(ContainerNode(handler, leaf))
+    if not found:
+        return leaves, spec
+    node_leaves, nodes_spec = tree_flatten(nodes)
+    # Containers nested in containers are wrapped while flattening; only those under a type
+    # torch handles (a dataclass in a dict in a dataclass) come out as leaves again.
+    node_leaves, nodes_spec = _expand_containers(node_leaves, nodes_spec)
+    expanded: list[Any] = []
+    grafts: dict[int, TreeSpec] = {}
+    start = previous = 0
+    for index, node_spec in zip(found, children(nodes_spec), strict=True):
+        expanded.extend(leaves[previous:index])
+        stop = start + node_spec.num_leaves
+        expanded.extend(node_leaves[start:stop])
+        start, previous = stop, index + 1
+        grafts[index] = node_spec
+    expanded.extend(leaves[previous:])
+    return expanded, graft(spec, grafts)
+
+
+def _unsupported(leaf: Any, index: int, spec: TreeSpec, prefix: str) -> TypeError:
+    path = access_path(prefix, leaf_key_paths(spec)[index])
+    cls = type(leaf)
+    qualified = f"{cls.__module__}.{cls.__qualname__}"
+    return TypeError(
+        f"cannot flatten {path} of type {qualified}: supported leaves are "
+        f"{SUPPORTED_LEAVES}, in lists, tuples, dicts, namedtuples, OrderedDicts and "
+        "dataclasses. To pass it through, register it: "
+        f"ortmodule_pytree.register_container({cls.__qualname__}, flatten_fn, unflatten_fn)"
+    )
