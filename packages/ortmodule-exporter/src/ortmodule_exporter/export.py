@@ -92,11 +92,25 @@ class ExportedModel:
         return tuple(self.output_schema.names)
 
 
-def bind_arguments(module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def forward_signature(module: torch.nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def bind_arguments(
+    module: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    signature: inspect.Signature | None = None,
+) -> dict[str, Any]:
     """The forward call as an ordered {parameter name: value} dict, so names are readable and a
     positional and a keyword call of the same argument give the same schema."""
+    sig = signature or forward_signature(module)
     try:
-        sig = inspect.signature(module.forward)
+        if sig is None:
+            raise TypeError("no signature")
         bound = sig.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return {"args": tuple(args), "kwargs": dict(kwargs)}

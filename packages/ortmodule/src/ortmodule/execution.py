@@ -32,7 +32,7 @@ from ortmodule_exporter.engine import (
     TrainingSession,
     build_graph,
 )
-from ortmodule_exporter.export import bind_arguments
+from ortmodule_exporter.export import bind_arguments, forward_signature
 from ortmodule_pytree import flatten, unflatten
 
 from .log import PhaseTimer, log_initialisation_summary
@@ -173,6 +173,7 @@ class GraphRunner:
         self.exports = 0
         self._quiet = quiet
         self.last_times: PhaseTimer | None = None
+        self._signature: Any = None
 
     # -- the key ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -182,8 +183,10 @@ class GraphRunner:
             return t.device
         return torch.device("cpu")
 
-    def _key(self, schema: Any, training_graph: bool, device: torch.device) -> GraphKey:
-        params = parameter_signature(self.module.named_parameters())
+    def _key(
+        self, schema: Any, training_graph: bool, device: torch.device, named: list[tuple[str, torch.nn.Parameter]]
+    ) -> GraphKey:
+        params = parameter_signature(named)
         return GraphKey(
             input_schema=schema,
             training=self.module.training,
@@ -195,18 +198,21 @@ class GraphRunner:
 
     # -- one call ----------------------------------------------------------------------------
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        arguments = bind_arguments(self.module, args, kwargs)
+        if self._signature is None:
+            self._signature = forward_signature(self.module)
+        arguments = bind_arguments(self.module, args, kwargs, self._signature)
         try:
             flat, schema = flatten(arguments, prefix="input", static_shapes=self.config.static_shapes)
         except TypeError as err:
             raise UnsupportedDataError(str(err)) from err
-        device = self._device()
+        named = list(self.module.named_parameters())
+        device = named[0][1].device if named else self._device()
         self._check_inputs(flat, device)
         wants_grad = torch.is_grad_enabled() and (
-            any(p.requires_grad for p in self.module.parameters()) or any(t.requires_grad for t in flat)
+            any(p.requires_grad for _, p in named) or any(t.requires_grad for t in flat)
         )
         training_graph = self.module.training and wants_grad
-        key = self._key(schema, training_graph, device)
+        key = self._key(schema, training_graph, device, named)
         graph = self.transitions.get(key, lambda: self._compile(key, args, kwargs, flat, device))
         feeds = self._gather(graph, flat)
         if training_graph:
