@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from ortmodule_exporter import (
+    EngineBuildError,
     ExportCache,
     GraphKey,
     GraphTransitionManager,
@@ -308,7 +309,16 @@ class GraphRunner:
             transformer_options=cfg.transformer_options,
         )
         with times.phase("graph build"), self._silenced():
-            built = build_graph(exported, graph_config)
+            try:
+                built = build_graph(exported, graph_config)
+            except EngineBuildError as err:
+                if not graph_config.enable_compute_optimizer:
+                    raise
+                # The engine's compute optimizer has shape-inference gaps (e.g. UpStreamGather on
+                # a sliced dynamic dim); the graph is still correct without it, only slower.
+                logger.info("the engine's compute optimizer failed on this graph (%s); building without it", err)
+                graph_config = replace(graph_config, enable_compute_optimizer=False)
+                built = build_graph(exported, graph_config)
 
         session_config = SessionConfig(
             device=device,
