@@ -134,13 +134,26 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
         os.makedirs(config.save.path, exist_ok=True)
         transformer.optimized_pre_grad_filepath = config.save.file_path("optimized_pre_grad", exported.training)
 
-    builder = C.OrtModuleGraphBuilder()
-    try:
+    def run_builder() -> Any:
+        builder = C.OrtModuleGraphBuilder()
         builder.initialize(exported.model.SerializeToString(), builder_config)
         if config.static_input_shapes is not None:
             builder.build(transformer, [list(s) for s in config.static_input_shapes])
         else:
             builder.build(transformer)
+        return builder
+
+    try:
+        try:
+            builder = run_builder()
+        except RuntimeError as err:
+            if not config.enable_compute_optimizer:
+                raise
+            # The compute optimizer has shape-inference gaps (UpStreamGather on a sliced dynamic
+            # dim, e.g. logits[:, :-1]); the graph is correct without it, only slower.
+            logger.info("the engine's compute optimizer failed on this graph (%s); building without it", err)
+            transformer.enable_compute_optimizer = False
+            builder = run_builder()
     except Exception as err:
         raise EngineBuildError(
             f"the engine could not build the {'gradient' if config.build_gradient else 'inference'} "

@@ -84,6 +84,9 @@ class ExportedModel:
     opset: int
     #: extra graph outputs holding a buffer's new value: output name -> buffer name
     buffer_updates: dict[str, str] = field(default_factory=dict)
+    #: running-variance outputs to rescale to PyTorch's unbiased update:
+    #: output name -> (element-count output name, weight of the old value)
+    variance_updates: dict[str, tuple[str, float]] = field(default_factory=dict)
     export_seconds: float = 0.0
     from_cache: bool = False
 

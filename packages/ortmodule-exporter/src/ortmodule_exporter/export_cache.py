@@ -116,7 +116,10 @@ class ExportCache:
         digest, sep, payload = rest.partition(b"\n")
         if not sep or hashlib.sha256(payload).hexdigest().encode() != digest:
             raise ValueError("checksum mismatch (truncated or corrupted)")
-        record = _NoImportUnpickler(io.BytesIO(payload)).load()
+        with warnings.catch_warnings():
+            # torch's pytree rebuilds leaf specs through a class it marks deprecated
+            warnings.simplefilter("ignore", FutureWarning)
+            record = _NoImportUnpickler(io.BytesIO(payload)).load()
         if record.get("key") != key:
             raise ValueError("entry belongs to a different model")
         exported: ExportedModel = record["exported"]

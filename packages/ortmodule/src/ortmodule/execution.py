@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from ortmodule_exporter import (
-    EngineBuildError,
     ExportCache,
     GraphKey,
     GraphTransitionManager,
@@ -56,6 +55,43 @@ class UnsupportedDataError(TypeError):
     """An input or parameter has a type or dtype the engine cannot take."""
 
 
+@dataclass(frozen=True)
+class BufferUpdate:
+    """A graph output that holds a module buffer's new value."""
+
+    index: int
+    owner: torch.nn.Module
+    attr: str
+    #: for a running variance: the output holding elements per channel, else -1
+    count_index: int = -1
+    #: the weight of the old value in the engine's update (ONNX BatchNorm momentum)
+    momentum: float = 0.0
+
+
+def _apply_buffer_updates(
+    updates: list[BufferUpdate], outputs: Sequence[torch.Tensor], old: list[torch.Tensor]
+) -> None:
+    """Copy new buffer values into the module, as eager BatchNorm would have left them.
+
+    The engine folds the population variance into a running variance, PyTorch the unbiased
+    one: new = m*old + (engine - m*old) * n/(n-1), with n elements per channel.
+    """
+    olds = iter(old)
+    with torch.no_grad():
+        for u in updates:
+            value = outputs[u.index]
+            if u.count_index >= 0:
+                previous = next(olds)
+                n = int(outputs[u.count_index])
+                kept = previous * u.momentum
+                value = kept + (value - kept) * (n / (n - 1)) if n > 1 else value
+            getattr(u.owner, u.attr).copy_(value)
+            if u.attr == "running_mean":
+                tracked = getattr(u.owner, "num_batches_tracked", None)
+                if tracked is not None:
+                    tracked.add_(1)
+
+
 @dataclass
 class CompiledGraph:
     """A built graph, its session, and how to feed it from the module and the user's inputs."""
@@ -67,7 +103,7 @@ class CompiledGraph:
     feeds: list[tuple[str, Any]]
     #: for each forward output: index into the user's flat outputs, or the buffer it updates
     output_count: int
-    buffer_updates: list[tuple[int, torch.nn.Module, str]]
+    buffer_updates: list[BufferUpdate]
     times: PhaseTimer
     #: for each feed position: index into the backward outputs, or -1 for no gradient
     grad_index: list[int] = field(default_factory=list)
@@ -216,19 +252,15 @@ class GraphRunner:
         key = self._key(schema, training_graph, device, named)
         graph = self.transitions.get(key, lambda: self._compile(key, args, kwargs, flat, device))
         feeds = self._gather(graph, flat)
+        # the engine's training BatchNorm overwrites running buffers in place: keep the old ones
+        old = [getattr(u.owner, u.attr).detach().clone() for u in graph.buffer_updates if u.count_index >= 0]
         if training_graph:
             outputs = _EngineFunction.apply(graph, *feeds)
         else:
             assert isinstance(graph.session, InferenceSession)
             outputs = graph.session.forward(feeds)
         if graph.buffer_updates:
-            with torch.no_grad():
-                for index, owner, attr in graph.buffer_updates:
-                    getattr(owner, attr).copy_(outputs[index])
-                    if attr == "running_mean":
-                        tracked = getattr(owner, "num_batches_tracked", None)
-                        if tracked is not None:
-                            tracked.add_(1)
+            _apply_buffer_updates(graph.buffer_updates, outputs, old)
         return unflatten(list(outputs[: graph.output_count]), graph.built.exported.output_schema)
 
     def _check_inputs(self, flat: Sequence[torch.Tensor], device: torch.device) -> None:
@@ -309,16 +341,7 @@ class GraphRunner:
             transformer_options=cfg.transformer_options,
         )
         with times.phase("graph build"), self._silenced():
-            try:
-                built = build_graph(exported, graph_config)
-            except EngineBuildError as err:
-                if not graph_config.enable_compute_optimizer:
-                    raise
-                # The engine's compute optimizer has shape-inference gaps (e.g. UpStreamGather on
-                # a sliced dynamic dim); the graph is still correct without it, only slower.
-                logger.info("the engine's compute optimizer failed on this graph (%s); building without it", err)
-                graph_config = replace(graph_config, enable_compute_optimizer=False)
-                built = build_graph(exported, graph_config)
+            built = build_graph(exported, graph_config)
 
         session_config = SessionConfig(
             device=device,
@@ -345,7 +368,9 @@ class GraphRunner:
         for out_name, buffer in exported.buffer_updates.items():
             if out_name in output_names:
                 owner, attr = _owner(self.module, buffer)
-                updates.append((output_names.index(out_name), owner, attr))
+                count_name, momentum = exported.variance_updates.get(out_name, ("", 0.0))
+                count_index = output_names.index(count_name) if count_name in output_names else -1
+                updates.append(BufferUpdate(output_names.index(out_name), owner, attr, count_index, momentum))
         position = {name: j for j, name in enumerate(built.fetch_names)}
         grad_by_input = {target: position[fetch] for fetch, target in built.grad_of.items()}
         grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]

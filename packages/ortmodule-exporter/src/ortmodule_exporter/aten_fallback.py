@@ -1,0 +1,601 @@
+"""Operators exported as ``org.pytorch.aten::ATen`` nodes, which PyTorch runs inside the engine.
+
+Three routes lead there:
+
+* symbolics for operators the engine cannot train well from their ONNX export: ``embedding``
+  with ``padding_idx`` (ONNX Gather would update the padding row), bicubic upsampling (ONNX
+  Resize(cubic) has no gradient), einsum equations with a repeated index inside one operand, and
+  ``scaled_dot_product_attention`` (``ORTMODULE_ATEN_SDPA_FALLBACK=1`` or
+  ``ORTMODULE_USE_EFFICIENT_ATTENTION=1``: PyTorch's fused attention kernels);
+* any operator with no ONNX symbolic at all, when the export runs with
+  ``operator_export_type=ONNX_ATEN_FALLBACK``: the exporter writes an ATen node for it and
+  :func:`prepare_aten_nodes` gives it a gradient, so one unsupported operator no longer sends the
+  whole model back to PyTorch;
+* ``ORTMODULE_USE_EFFICIENT_ATTENTION=1`` also fuses the unfused attention pattern
+  ``Softmax(Q @ K^T * scale [+ mask]) @ V`` into PyTorch's attention kernel.
+
+>>> from ortmodule_exporter.aten_fallback import configure_aten_routes
+>>> configure_aten_routes(sdpa_fallback=True)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import torch
+from torch.onnx import symbolic_helper as sh
+
+from . import aten_executor
+from .aten_executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+from .custom_gradients import VJP, has_gradient, register_generic_gradient
+from .post_export import register_post_export_pass
+from .symbolic_registry import register_symbolic, unregister_symbolic
+
+__all__ = [
+    "EINSUM",
+    "aten_routes",
+    "configure_aten_routes",
+    "fuse_attention",
+    "prepare_aten_nodes",
+]
+
+logger = logging.getLogger("ortmodule.exporter")
+
+#: our einsum operator; its overload_name is the equation (a string cannot be a node input)
+EINSUM = "_ortmodule_einsum"
+
+
+@dataclass
+class _Routes:
+    sdpa_fallback: bool = False
+    efficient_attention: bool = False
+
+
+_ROUTES = _Routes()
+
+
+def aten_routes() -> _Routes:
+    return _ROUTES
+
+
+def configure_aten_routes(sdpa_fallback: bool = False, efficient_attention: bool = False) -> None:
+    """Install the ATen symbolics; ``sdpa_fallback``/``efficient_attention`` route attention too.
+
+    The symbolics only apply to ORTModule's exports (see :mod:`ortmodule_exporter.symbolic_registry`).
+    """
+    _ROUTES.sdpa_fallback = bool(sdpa_fallback)
+    _ROUTES.efficient_attention = bool(efficient_attention)
+    register_symbolic("aten::embedding", _embedding, 9)
+    register_symbolic("aten::upsample_bicubic2d", _upsample_bicubic2d, 11)
+    register_symbolic("aten::einsum", _einsum, 12)
+    if sdpa_fallback or efficient_attention:
+        register_symbolic("aten::scaled_dot_product_attention", _sdpa, 14)
+    else:
+        unregister_symbolic("aten::scaled_dot_product_attention")
+
+
+# -- helpers for symbolics -----------------------------------------------------------------------
+
+
+def _const(g: Any, value: Any, dtype: torch.dtype | None = None) -> Any:
+    return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
+
+
+def _none(g: Any) -> Any:
+    value = g.op("prim::Constant")
+    value.setType(torch._C.NoneType.get())
+    return value
+
+
+def _sizes(value: Any) -> list[int | None] | None:
+    try:
+        sizes = value.type().varyingSizes()
+    except RuntimeError:
+        return None
+    return list(sizes) if sizes is not None else None
+
+
+def _typed(value: Any, like: Any, sizes: Sequence[int | None] | None, dtype: torch.dtype | None = None) -> Any:
+    """Give an ATen node's output the dtype of ``like`` and ``sizes`` (None: a dynamic dim)."""
+    base = like.type()
+    if dtype is not None:
+        base = base.with_dtype(dtype)
+    value.setType(base.with_sizes(list(sizes)) if sizes is not None else base)
+    return value
+
+
+def _aten(g: Any, operator: str, inputs: Sequence[Any], overload: str = "", outputs: int = 1) -> Any:
+    return g.op(f"{ATEN_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s=overload, outputs=outputs)
+
+
+# -- embedding -------------------------------------------------------------------------------------
+
+
+def _embedding(g: Any, weight: Any, indices: Any, padding_idx: Any, scale_grad_by_freq: Any, sparse: Any) -> Any:
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset9
+
+    padding = sh._maybe_get_const(padding_idx, "i")
+    by_freq = sh._maybe_get_const(scale_grad_by_freq, "b")
+    if not isinstance(padding, int) or not isinstance(by_freq, (bool, int)) or (padding < 0 and not by_freq):
+        return symbolic_opset9.embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    out = _aten(g, "embedding", [weight, indices, _const(g, padding), _const(g, bool(by_freq)), _const(g, False)])
+    index_sizes, weight_sizes = _sizes(indices), _sizes(weight)
+    sizes = None
+    if index_sizes is not None and weight_sizes is not None and len(weight_sizes) == 2:
+        sizes = [*index_sizes, weight_sizes[1]]
+    return _typed(out, weight, sizes)
+
+
+# -- bicubic upsampling ----------------------------------------------------------------------------
+
+
+def _upsample_bicubic2d(g: Any, x: Any, output_size: Any, align_corners: Any, *rest: Any) -> Any:
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset11
+
+    scale_factors = rest[0] if rest else None
+    size = None if sh._is_none(output_size) else sh._maybe_get_const(output_size, "is")
+    scales = None if scale_factors is None or sh._is_none(scale_factors) else sh._maybe_get_const(scale_factors, "fs")
+    corners = sh._maybe_get_const(align_corners, "b")
+    constant = (size is None or isinstance(size, list)) and (scales is None or isinstance(scales, list))
+    if not constant or not isinstance(corners, (bool, int)) or (size is None and scales is None):
+        return symbolic_opset11.upsample_bicubic2d(g, x, output_size, align_corners, *rest)
+    inputs = [
+        x,
+        _none(g) if size is None else _const(g, [int(s) for s in size], torch.int64),
+        _const(g, bool(corners)),
+        _none(g) if scales is None else _const(g, [float(s) for s in scales], torch.float64),
+    ]
+    out = _aten(g, "upsample_bicubic2d", inputs, overload="vec")
+    in_sizes = _sizes(x)
+    sizes = None
+    if in_sizes is not None and len(in_sizes) == 4:
+        spatial: list[int | None] = list(size) if size is not None else [None, None]
+        if size is None and scales is not None:
+            spatial = [int(d * s) if d is not None else None for d, s in zip(in_sizes[2:], scales, strict=True)]
+        sizes = [*in_sizes[:2], *spatial]
+    return _typed(out, x, sizes)
+
+
+# -- einsum ----------------------------------------------------------------------------------------
+
+
+def einsum_needs_aten(equation: str) -> bool:
+    """Equations whose ONNX Einsum the engine cannot differentiate: a letter repeated inside
+    one operand (a diagonal, ``ii->i``, ``bii->b``)."""
+    inputs = equation.replace(" ", "").split("->")[0]
+    for operand in inputs.split(","):
+        letters = operand.replace("...", "")
+        if len(set(letters)) != len(letters):
+            return True
+    return False
+
+
+def _einsum(g: Any, equation: Any, tensor_list: Any, *rest: Any) -> Any:
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset12
+
+    eq = sh._maybe_get_const(equation, "s")
+    if not isinstance(eq, str) or not einsum_needs_aten(eq):
+        return symbolic_opset12.einsum(g, equation, tensor_list, *rest)
+    tensors = sh._unpack_list(tensor_list)
+    out = _aten(g, EINSUM, tensors, overload=eq)
+    rank = _einsum_rank(eq, [_sizes(t) for t in tensors])
+    return _typed(out, tensors[0], [None] * rank if rank is not None else None)
+
+
+def _einsum_rank(equation: str, sizes: list[list[int | None] | None]) -> int | None:
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "..." in eq:
+        return None
+    return len(eq.split("->")[1])
+
+
+def _run_einsum(equation: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [torch.einsum(equation, *inputs)]
+
+
+register_aten_function(EINSUM, AtenFunction(_run_einsum, lambda _eq, _i, _is_input: True))
+
+
+# -- scaled dot product attention -------------------------------------------------------------------
+
+
+def _sdpa(
+    g: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: Any = None,
+    is_causal: Any = None,
+    scale: Any = None,
+    enable_gqa: Any = None,
+) -> Any:
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset14
+
+    def default() -> Any:
+        return symbolic_opset14.scaled_dot_product_attention(
+            g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        )
+
+    dropout = 0.0 if dropout_p is None else sh._maybe_get_const(dropout_p, "f")
+    causal = False if is_causal is None else sh._maybe_get_const(is_causal, "b")
+    gqa = False if enable_gqa is None or sh._is_none(enable_gqa) else sh._maybe_get_const(enable_gqa, "b")
+    scale_value = None if scale is None or sh._is_none(scale) else sh._maybe_get_const(scale, "f")
+    q_sizes, v_sizes = _sizes(query), _sizes(value)
+    if (
+        not isinstance(dropout, float)
+        or dropout != 0.0
+        or not isinstance(causal, (bool, int))
+        or gqa
+        or (scale_value is not None and not isinstance(scale_value, float))
+        or q_sizes is None
+        or v_sizes is None
+        or len(q_sizes) != 4
+        or len(v_sizes) != 4
+    ):
+        return default()
+    device = query.type().device()
+    mask = attn_mask
+    if mask is not None and not sh._is_none(mask):
+        if mask.type().scalarType() == "Bool":
+            # the fused kernels take an additive float mask
+            zero = _const(g, 0.0, torch.float32)
+            neg_inf = _const(g, float("-inf"), torch.float32)
+            mask = g.op("Where", mask, zero, neg_inf)
+            dtype = query.type().scalarType()
+            if dtype != "Float":
+                from torch.onnx._internal.torchscript_exporter import _type_utils
+
+                mask = g.op("Cast", mask, to_i=_type_utils.JitScalarType._from_name(dtype).onnx_type())
+    else:
+        mask = _none(g)
+    scale_input = _none(g) if scale_value is None else _const(g, float(scale_value), torch.float64)
+    out_sizes = [*q_sizes[:3], v_sizes[3]]
+    if device is not None and device.type == "cuda":
+        outs = _aten(
+            g,
+            "_scaled_dot_product_efficient_attention",
+            [query, key, value, mask, _const(g, True), _const(g, 0.0, torch.float64), _const(g, bool(causal)), scale_input],
+            outputs=4,
+        )
+    else:
+        outs = _aten(
+            g,
+            "_scaled_dot_product_flash_attention_for_cpu",
+            [query, key, value, _const(g, 0.0, torch.float64), _const(g, bool(causal)), mask, scale_input],
+            outputs=2,
+        )
+    _typed(outs[1], query, None, torch.float32)
+    return _typed(outs[0], query, out_sizes)
+
+
+# -- the post-export pass over ATen nodes -------------------------------------------------------------
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            value = onnx.helper.get_attribute_value(a)
+            return value.decode() if isinstance(value, bytes) else value
+    return default
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    types = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            types[vi.name] = vi.type.tensor_type.elem_type
+    for init in graph.initializer:
+        types[init.name] = init.data_type
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.name == "value":
+                    types[node.output[0]] = a.t.data_type
+    return types
+
+
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
+
+def _known(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None] | None]]:
+    """name -> (elem_type, dims or None) for every value ONNX shape inference can type."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - types are filled best effort
+        inferred = model
+    graph = inferred.graph
+    known: dict[str, tuple[int, list[int | None] | None]] = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        t = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type") or not t.elem_type:
+            continue
+        dims = None
+        if t.HasField("shape"):
+            dims = [int(d.dim_value) if d.HasField("dim_value") else None for d in t.shape.dim]
+        known[vi.name] = (t.elem_type, dims)
+    for init in graph.initializer:
+        known[init.name] = (init.data_type, list(init.dims))
+    return known
+
+
+def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    values = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.name == "value":
+                    values[node.output[0]] = onnx.numpy_helper.to_array(a.t)
+    return values
+
+
+def _output_types(
+    node: onnx.NodeProto,
+    known: Mapping[str, tuple[int, list[int | None] | None]],
+    constants: Mapping[str, np.ndarray],
+) -> list[tuple[int, int | None]] | None:
+    """(elem_type, rank) of each output of an ATen node, found by running its operator on
+    PyTorch's meta device (no data, no compute); None when that is not possible."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    operator = _attr(node, "operator", "")
+    overload = _attr(node, "overload_name", "") or ""
+    inputs: list[torch.Tensor | None] = []
+    for name in node.input:
+        if not name:
+            inputs.append(None)
+        elif name in constants:
+            inputs.append(torch.from_numpy(np.array(constants[name])))
+        elif name in known:
+            elem_type, dims = known[name]
+            dtype = torch.from_numpy(np.zeros(0, dtype=tensor_dtype_to_np_dtype(elem_type))).dtype
+            shape = [d if d else 2 for d in dims] if dims is not None else [2]
+            inputs.append(torch.empty(shape, dtype=dtype, device="meta"))
+        else:
+            return None
+    try:
+        with torch.no_grad():
+            results = aten_executor.execute(operator, overload, inputs)
+    except Exception:  # noqa: BLE001
+        return None
+    types: list[tuple[int, int | None]] = []
+    for r in results:
+        if r is None:
+            types.append((onnx.TensorProto.FLOAT, None))
+            continue
+        np_dtype = torch.empty(0, dtype=r.dtype).numpy().dtype
+        types.append((onnx.helper.np_dtype_to_tensor_dtype(np_dtype), r.dim()))
+    return types
+
+
+def _type_aten_outputs(model: onnx.ModelProto) -> None:
+    """Declare the element type (and rank) of ATen outputs the exporter left untyped: the
+    engine cannot infer them, an ATen node's outputs may be of any type."""
+    graph = model.graph
+    # The engine turns graph outputs into inputs of its Yield node and keeps only value_info
+    # types there, so an ATen node's graph output needs a value_info entry too.
+    in_value_info = {vi.name for vi in graph.value_info}
+    for vi in graph.output:
+        producer = next((n for n in graph.node if vi.name in n.output), None)
+        if producer is not None and producer.domain == ATEN_DOMAIN and vi.type.tensor_type.elem_type:
+            if vi.name not in in_value_info:
+                graph.value_info.append(vi)
+    declared = {vi.name for vi in (*graph.value_info, *graph.output) if vi.type.tensor_type.elem_type}
+    todo = [n for n in graph.node if n.domain == ATEN_DOMAIN and any(o and o not in declared for o in n.output)]
+    if not todo:
+        return
+    constants = _constant_values(graph)
+    known = _known(model)
+    for node in todo:
+        if any(name and name not in known and name not in constants for name in node.input):
+            known = _known(model)
+        types = _output_types(node, known, constants)
+        if types is None:
+            logger.warning("could not type the outputs of ATen node %s; the engine may refuse it", node.name)
+            continue
+        for name, (elem_type, rank) in zip(node.output, types, strict=False):
+            if not name or name in declared:
+                continue
+            shape = [None] * rank if rank is not None else None
+            graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem_type, shape))
+            declared.add(name)
+            known[name] = (elem_type, [None] * rank if rank is not None else None)
+        for vi in graph.output:  # a graph output produced by the node: fill its type in place
+            if vi.name in node.output and not vi.type.tensor_type.elem_type:
+                vi.type.tensor_type.elem_type = types[list(node.output).index(vi.name)][0]
+
+
+def prepare_aten_nodes(model: onnx.ModelProto) -> int:
+    """Make every ATen node of ``model`` runnable and trainable; returns how many there are.
+
+    * ``org.pytorch.aten::<op>`` nodes (what the exporter writes when a symbolic gives up under
+      ``ONNX_ATEN_FALLBACK``) become ``ATen(operator=<op>)``;
+    * bool inputs are recorded for the executor (the engine hands bool tensors over as uint8)
+      and bool outputs are cast back from the uint8 the executor returns;
+    * an operator without a registered gradient gets the generic one (recompute + autograd).
+    """
+    graph = model.graph
+    for node in graph.node:
+        if node.domain == ATEN_DOMAIN and node.op_type != "ATen":
+            operator = node.op_type
+            node.op_type = "ATen"
+            del node.attribute[:]
+            node.attribute.extend(
+                [onnx.helper.make_attribute("operator", operator), onnx.helper.make_attribute("overload_name", "")]
+            )
+    _type_aten_outputs(model)
+    types = _value_types(model)
+    count = 0
+    added: list[tuple[int, onnx.NodeProto]] = []
+    for index, node in enumerate(graph.node):
+        if node.domain != ATEN_DOMAIN:
+            continue
+        count += 1
+        operator = _attr(node, "operator", "")
+        overload = _attr(node, "overload_name", "") or ""
+        if operator == VJP or operator.startswith("_ortmodule_") and operator != EINSUM:
+            continue
+        bools = {i for i, name in enumerate(node.input) if name and types.get(name) == onnx.TensorProto.BOOL}
+        if bools:
+            aten_executor.BOOL_INPUTS.setdefault((operator, overload), set()).update(bools)
+        for slot, name in enumerate(node.output):
+            if name and types.get(name) == onnx.TensorProto.BOOL:
+                raw = f"{name}__uint8"
+                node.output[slot] = raw
+                added.append((index, onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL)))
+        if not has_gradient(operator, overload):
+            outputs = [j for j, name in enumerate(node.output) if name and types.get(name) in _FLOATS]
+            if outputs:
+                try:
+                    register_generic_gradient(operator, overload, len(node.input), outputs)
+                except aten_executor.UnsupportedAtenOperatorError as err:
+                    logger.warning("no gradient for ATen node %s: %s", node.name, err)
+    for offset, (index, cast) in enumerate(added):
+        graph.node.insert(index + 1 + offset, cast)
+    return count
+
+
+def _aten_pass(exported: Any, _options: Mapping[str, Any]) -> None:
+    prepare_aten_nodes(exported.model)
+
+
+# -- attention fusion (ORTMODULE_USE_EFFICIENT_ATTENTION) ---------------------------------------------
+
+
+def _scalar_constant(graph: onnx.GraphProto, name: str, producers: Mapping[str, onnx.NodeProto]) -> float | None:
+    node = producers.get(name)
+    array = None
+    if node is not None and node.op_type == "Constant":
+        for a in node.attribute:
+            if a.name == "value":
+                array = onnx.numpy_helper.to_array(a.t)
+    else:
+        for init in graph.initializer:
+            if init.name == name:
+                array = onnx.numpy_helper.to_array(init)
+    if array is None or array.size != 1:
+        return None
+    return float(np.asarray(array).reshape(-1)[0])
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001
+        return {}
+    ranks = {}
+    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        if vi.type.tensor_type.HasField("shape"):
+            ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
+    return ranks
+
+
+def fuse_attention(model: onnx.ModelProto) -> int:
+    """Replace ``MatMul(Softmax(MatMul(Q, Transpose(K)) {*,/} c [+ mask]), V)`` on 4-D tensors
+    with PyTorch's fused attention (an ATen node); returns how many were fused."""
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    outputs = {o.name for o in graph.output}
+    ranks = _ranks(model)
+
+    def single_use(name: str) -> bool:
+        return len(consumers.get(name, [])) == 1 and name not in outputs
+
+    fused = 0
+    removed: set[int] = set()
+    for node in list(graph.node):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+            continue
+        probs, v = node.input
+        softmax = producers.get(probs)
+        if softmax is None or softmax.op_type != "Softmax" or not single_use(probs):
+            continue
+        axis = _attr(softmax, "axis", -1)
+        if axis not in (-1, 3):
+            continue
+        chain = [softmax]
+        scores = softmax.input[0]
+        mask = ""
+        step = producers.get(scores)
+        if step is not None and step.op_type == "Add" and single_use(scores):
+            chain.append(step)
+            left, right = step.input
+            left_node = producers.get(left)
+            if left_node is not None and left_node.op_type in ("Mul", "Div", "MatMul"):
+                scores, mask = left, right
+            else:
+                scores, mask = right, left
+            step = producers.get(scores)
+        scale = 1.0
+        if step is not None and step.op_type in ("Mul", "Div") and single_use(scores):
+            c = _scalar_constant(graph, step.input[1], producers)
+            if c is None or c == 0.0:
+                continue
+            scale = c if step.op_type == "Mul" else 1.0 / c
+            chain.append(step)
+            scores = step.input[0]
+            step = producers.get(scores)
+        if step is None or step.op_type != "MatMul" or not single_use(scores):
+            continue
+        chain.append(step)
+        q, kt = step.input
+        transpose = producers.get(kt)
+        if transpose is None or transpose.op_type != "Transpose" or not single_use(kt):
+            continue
+        if list(_attr(transpose, "perm", [])) != [0, 1, 3, 2]:
+            continue
+        chain.append(transpose)
+        k = transpose.input[0]
+        if any(ranks.get(x) != 4 for x in (q, k, v)):
+            continue
+        tag = f"fused_attention_{fused}"
+        scale_name = f"{tag}_scale"
+        constants = [
+            onnx.helper.make_node("Constant", [], [f"{tag}_dropout"], value=onnx.numpy_helper.from_array(np.array(0.0))),
+            onnx.helper.make_node("Constant", [], [f"{tag}_causal"], value=onnx.numpy_helper.from_array(np.array(False))),
+            onnx.helper.make_node("Constant", [], [scale_name], value=onnx.numpy_helper.from_array(np.array(scale))),
+        ]
+        attention = onnx.helper.make_node(
+            "ATen",
+            [q, k, v, f"{tag}_dropout", f"{tag}_causal", mask, scale_name],
+            [node.output[0], f"{tag}_logsumexp"],
+            name=tag,
+            domain=ATEN_DOMAIN,
+            operator="_scaled_dot_product_flash_attention_for_cpu",
+            overload_name="",
+        )
+        position = list(graph.node).index(node)
+        for extra in reversed([*constants, attention]):
+            graph.node.insert(position, extra)
+        dead = {id(n) for n in [*chain, node]}
+        removed |= dead
+        fused += 1
+    if fused:
+        keep = [n for n in graph.node if id(n) not in removed]
+        del graph.node[:]
+        graph.node.extend(keep)
+        if not any(o.domain == ATEN_DOMAIN for o in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid(ATEN_DOMAIN, 1))
+    return fused
+
+
+def _attention_pass(exported: Any, _options: Mapping[str, Any]) -> None:
+    if _ROUTES.efficient_attention:
+        n = fuse_attention(exported.model)
+        if n:
+            logger.info("fused %d attention pattern(s) into PyTorch's attention kernel", n)
+
+
+register_post_export_pass("aten_efficient_attention", _attention_pass, order=30)
+register_post_export_pass("aten_nodes", _aten_pass, order=40)

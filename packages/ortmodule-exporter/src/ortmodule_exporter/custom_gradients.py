@@ -1,0 +1,322 @@
+"""Gradients of ATen nodes: which backward operator the engine builds for each forward one.
+
+The engine differentiates an ``org.pytorch.aten::ATen`` node only through a gradient definition
+registered under ``org.pytorch.aten::ATen::<operator>::<overload_name>``: a short list of nodes
+that read the forward node's inputs ``I(i)``, outputs ``O(i)`` and output gradients ``GO(i)``
+and produce the input gradients ``GI(i)``.
+
+>>> from ortmodule_exporter.custom_gradients import GradientNode, register_aten_gradient
+>>> register_aten_gradient("my_op", "", [
+...     GradientNode.aten("my_op_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
+... ])
+
+Operators with no explicit backward get a generic one, :data:`VJP`: it recomputes the forward
+operator in PyTorch with autograd and returns its vector-Jacobian product. That costs one more
+forward of that operator, and makes every operator PyTorch can differentiate trainable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import aten_executor
+from .aten_executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+
+__all__ = [
+    "VJP",
+    "GradientNode",
+    "gradient_key",
+    "has_gradient",
+    "install_gradients",
+    "register_aten_gradient",
+    "register_generic_gradient",
+    "register_stop_gradient_edges",
+    "registered_gradients",
+]
+
+logger = logging.getLogger("ortmodule.exporter")
+
+#: our generic backward operator; its overload_name is JSON: [operator, overload, [output indices]]
+VJP = "_ortmodule_vjp"
+
+
+@dataclass(frozen=True)
+class GradientNode:
+    """One node of a gradient definition. ``attributes``: name -> (value, dtype[, is_tensor]),
+    dtype being ``int``, ``float``, ``string``, ``bool``, ``IElemType(i)`` or ``OElemType(i)``."""
+
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    domain: str = ""
+    attributes: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def aten(cls, operator: str, inputs: Sequence[str], outputs: Sequence[str], overload: str = "") -> GradientNode:
+        attrs: dict[str, tuple[Any, ...]] = {"operator": (operator, "string")}
+        if overload:
+            attrs["overload_name"] = (overload, "string")
+        return cls("ATen", tuple(inputs), tuple(outputs), ATEN_DOMAIN, attrs)
+
+    @classmethod
+    def onnx(cls, op_type: str, inputs: Sequence[str], outputs: Sequence[str], **attributes: tuple[Any, ...]) -> GradientNode:
+        return cls(op_type, tuple(inputs), tuple(outputs), "", attributes)
+
+
+def gradient_key(operator: str, overload: str = "") -> str:
+    """The engine's registry key of an ATen node's gradient."""
+    return f"{ATEN_DOMAIN}::ATen::{operator}::{overload}"
+
+
+_LOCK = threading.RLock()
+_GRADIENTS: dict[str, tuple[GradientNode, ...]] = {}
+_STOP_EDGES: dict[str, frozenset[int]] = {}
+_SENT: set[str] = set()
+_INSTALLED = [False]
+
+
+def register_aten_gradient(operator: str, overload: str, nodes: Sequence[GradientNode]) -> None:
+    """The backward of ATen nodes ``operator.overload`` is ``nodes`` (sent to the engine at once
+    when it is installed, else on :func:`install_gradients`). A key is sent once per process:
+    the engine keeps the first definition it gets."""
+    key = gradient_key(operator, overload)
+    with _LOCK:
+        if key in _SENT:
+            if _GRADIENTS.get(key) != tuple(nodes):
+                logger.warning("gradient of %s was already given to the engine; the new one is ignored", key)
+            return
+        _GRADIENTS[key] = tuple(nodes)
+        if _INSTALLED[0]:
+            _send(key)
+
+
+def register_stop_gradient_edges(operator: str, overload: str, inputs: Sequence[int]) -> None:
+    """Inputs of ``operator.overload`` the engine must not differentiate (indices, flags, ...)."""
+    key = gradient_key(operator, overload)
+    with _LOCK:
+        _STOP_EDGES[key] = frozenset(inputs)
+        if _INSTALLED[0]:
+            _send_stop_edges(key)
+
+
+def has_gradient(operator: str, overload: str = "") -> bool:
+    with _LOCK:
+        return gradient_key(operator, overload) in _GRADIENTS
+
+
+def registered_gradients() -> dict[str, tuple[GradientNode, ...]]:
+    with _LOCK:
+        return dict(_GRADIENTS)
+
+
+def _definition(nodes: Sequence[GradientNode]) -> list[Any]:
+    from .engine import _C
+
+    C = _C()
+    result = []
+    for node in nodes:
+        d = C.GradientNodeDefinition()
+        d.op_type = node.op_type
+        d.domain = node.domain
+        d.inputs = list(node.inputs)
+        d.outputs = list(node.outputs)
+        attrs = []
+        for name, spec in node.attributes.items():
+            a = C.GradientNodeAttributeDefinition()
+            a.name = name
+            a.value_json = json.dumps(spec[0])
+            a.dtype = spec[1]
+            a.is_tensor = bool(spec[2]) if len(spec) > 2 else False
+            attrs.append(a)
+        d.attributes = attrs
+        result.append(d)
+    return result
+
+
+def _send(key: str) -> None:
+    from .engine import _C
+
+    _C().register_gradient_definition(key, _definition(_GRADIENTS[key]))
+    _SENT.add(key)
+
+
+def _send_stop_edges(key: str) -> None:
+    from .engine import _C
+
+    _C().register_custom_stop_gradient_edges(key, set(_STOP_EDGES[key]))
+
+
+def install_gradients() -> None:
+    """Give the engine every registered gradient (idempotent); later ones go as registered."""
+    with _LOCK:
+        _INSTALLED[0] = True
+        for key in list(_GRADIENTS):
+            if key not in _SENT:
+                _send(key)
+        for key in _STOP_EDGES:
+            _send_stop_edges(key)
+
+
+# -- the generic backward -----------------------------------------------------------------------
+
+
+def _differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _vjp_spec(overload: str) -> tuple[str, str, list[int]]:
+    operator, forward_overload, outputs = json.loads(overload)
+    return str(operator), str(forward_overload), [int(i) for i in outputs]
+
+
+def _tensor_inputs(operator: str, overload: str, count: int) -> list[int]:
+    return [i for i in range(count) if aten_executor.is_tensor_argument(operator, overload, i, True)]
+
+
+def _run_vjp(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    operator, forward_overload, differentiable_outputs = _vjp_spec(overload)
+    grads_out = inputs[: len(differentiable_outputs)]
+    forward_inputs = list(inputs[len(differentiable_outputs) :])
+    tensor_positions = _tensor_inputs(operator, forward_overload, len(forward_inputs))
+    leaves = {}
+    for i in tensor_positions:
+        t = forward_inputs[i]
+        if _differentiable(t):
+            assert t is not None
+            leaves[i] = t.detach().requires_grad_(True)
+            forward_inputs[i] = leaves[i]
+    with torch.enable_grad():
+        outputs = aten_executor.execute(operator, forward_overload, forward_inputs)
+    pairs = [
+        (outputs[j], g)
+        for j, g in zip(differentiable_outputs, grads_out, strict=True)
+        if g is not None and outputs[j] is not None and outputs[j].requires_grad  # type: ignore[union-attr]
+    ]
+    grads: dict[int, torch.Tensor | None] = {}
+    if pairs and leaves:
+        computed = torch.autograd.grad(
+            [o for o, _ in pairs], list(leaves.values()), [g for _, g in pairs], allow_unused=True
+        )
+        grads = dict(zip(leaves, computed, strict=True))
+    result: list[torch.Tensor | None] = []
+    for i in tensor_positions:
+        if i not in leaves:
+            result.append(None)
+            continue
+        g = grads.get(i)
+        result.append(g if g is not None else torch.zeros_like(leaves[i]))
+    return result
+
+
+def _vjp_is_tensor(overload: str, index: int, is_input: bool) -> bool:
+    if not is_input:
+        return True
+    operator, forward_overload, outputs = _vjp_spec(overload)
+    if index < len(outputs):
+        return True
+    return aten_executor.is_tensor_argument(operator, forward_overload, index - len(outputs), True)
+
+
+register_aten_function(VJP, AtenFunction(_run_vjp, _vjp_is_tensor))
+
+
+def register_generic_gradient(operator: str, overload: str, n_inputs: int, differentiable_outputs: Sequence[int]) -> None:
+    """Give ``operator.overload`` (an aten operator or one of ours) the generic backward.
+
+    ``n_inputs`` is the forward node's input count, ``differentiable_outputs`` the outputs whose
+    gradient the backward reads (floating-point tensors: GO of an integer output never exists).
+    """
+    if has_gradient(operator, overload):
+        return
+    tensor_positions = _tensor_inputs(operator, overload, n_inputs)
+    spec = json.dumps([operator, overload, list(differentiable_outputs)], separators=(",", ":"))
+    node = GradientNode.aten(
+        VJP,
+        [*(f"GO({j})" for j in differentiable_outputs), *(f"I({i})" for i in range(n_inputs))],
+        [f"GI({i})" for i in tensor_positions],
+        overload=spec,
+    )
+    register_aten_gradient(operator, overload, [node])
+    stop = [i for i in range(n_inputs) if i not in tensor_positions]
+    if stop:
+        register_stop_gradient_edges(operator, overload, stop)
+
+
+# -- explicit backward operators ----------------------------------------------------------------
+
+
+def _register_builtin_gradients() -> None:
+    # embedding: PyTorch's embedding_backward honours padding_idx (no gradient for that row) and
+    # scale_grad_by_freq, which the ONNX Gather gradient cannot.
+    register_aten_gradient(
+        "embedding",
+        "",
+        [
+            GradientNode.onnx("Shape", ["I(0)"], ["Shape_W"]),
+            GradientNode.onnx("Constant", [], ["Zero"], value=(0, "int", True)),
+            GradientNode.onnx("Gather", ["Shape_W", "Zero"], ["Num_W"], axis=(0, "int")),
+            GradientNode.aten("embedding_backward", ["GO(0)", "I(1)", "Num_W", "I(2)", "I(3)", "I(4)"], ["GI(0)"]),
+        ],
+    )
+    register_stop_gradient_edges("embedding", "", [1, 2, 3, 4])
+    # PyTorch's CPU flash attention and its backward (ORTMODULE_ATEN_SDPA_FALLBACK)
+    register_aten_gradient(
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "",
+        [
+            GradientNode.aten(
+                "_scaled_dot_product_flash_attention_for_cpu_backward",
+                ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)", "I(5)", "I(6)"],
+                ["GI(0)", "GI(1)", "GI(2)"],
+            )
+        ],
+    )
+    register_stop_gradient_edges("_scaled_dot_product_flash_attention_for_cpu", "", [3, 4, 5, 6])
+    # memory-efficient attention on CUDA; the mask (attn_bias) gets no gradient
+    register_aten_gradient(
+        "_scaled_dot_product_efficient_attention",
+        "",
+        [
+            GradientNode.onnx("Constant", [], ["Grad_Mask"], value=([1, 1, 1, 0], "int", True)),
+            GradientNode.aten(
+                "_scaled_dot_product_efficient_attention_backward",
+                ["GO(0)", "I(0)", "I(1)", "I(2)", "I(3)", "O(0)", "O(1)", "O(2)", "O(3)", "I(5)",
+                 "Grad_Mask", "I(6)", "I(7)"],
+                ["GI(0)", "GI(1)", "GI(2)", ""],
+            ),
+        ],
+    )
+    register_stop_gradient_edges("_scaled_dot_product_efficient_attention", "", [3, 4, 5, 6, 7])
+    # bicubic upsampling: ONNX Resize(cubic) has no gradient in the engine
+    register_aten_gradient(
+        "upsample_bicubic2d",
+        "vec",
+        [GradientNode.aten(_BICUBIC_BACKWARD, ["GO(0)", "I(0)", "O(0)", "I(1)", "I(2)", "I(3)"], ["GI(0)"])],
+    )
+    register_stop_gradient_edges("upsample_bicubic2d", "vec", [1, 2, 3])
+
+
+_BICUBIC_BACKWARD = "_ortmodule_upsample_bicubic2d_backward"
+
+
+def _bicubic_backward(_overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    grad, x, y, _output_size, align_corners, scale_factors = inputs
+    assert grad is not None and x is not None and y is not None and align_corners is not None
+    scales: list[float | None] = [None, None]
+    if scale_factors is not None:
+        scales = [float(s) for s in scale_factors.reshape(-1).tolist()]
+    result = torch.ops.aten.upsample_bicubic2d_backward(
+        grad, list(y.shape[2:]), list(x.shape), bool(align_corners.reshape(-1)[0]), scales[0], scales[1]
+    )
+    return [result]
+
+
+register_aten_function(_BICUBIC_BACKWARD, AtenFunction(_bicubic_backward, lambda _o, i, is_input: not is_input or i < 3))
+_register_builtin_gradients()

@@ -1,0 +1,421 @@
+"""Run a Function's ``forward`` and ``backward`` when the engine meets its PythonOp nodes.
+
+The engine calls two native callbacks, a forward runner for ``PythonOp`` and a backward runner
+for ``PythonOpGrad``. Ours are ``ctypes`` callbacks (nothing compiled): they turn the engine's
+DLPack tensors into torch tensors without copies, call the user's code in PyTorch and hand the
+results back the same way.
+
+>>> from ortmodule_exporter import python_op_runner
+>>> python_op_runner.install()           # once per process; ORTModule does it for you
+>>> python_op_runner.live_contexts()     # forward calls still waiting for their backward
+0
+
+The context a Function sees is a :class:`torch.autograd.function.FunctionCtx` with the usual
+API: ``save_for_backward``/``saved_tensors``, ``needs_input_grad``, ``mark_dirty``,
+``mark_non_differentiable``, ``set_materialize_grads`` and any attribute the Function sets.
+It lives from the forward call until its backward has run, then it is released.
+
+A Function that raises inside the engine: the engine only sees a failed node, so the exception
+is kept and :func:`user_errors` raises it (with the user's traceback and a note naming the
+Function) in place of the engine's error (see :mod:`ortmodule_exporter.callback_errors`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.function import Function, FunctionCtx, _SingleLevelFunction
+
+from . import dlpack_bridge as bridge
+from .callback_errors import remember, take_pending_error, user_errors
+from .python_op import REGISTRY, FunctionEntry
+
+__all__ = [
+    "install",
+    "installed",
+    "kernel_count",
+    "live_contexts",
+    "take_pending_error",
+    "user_errors",
+]
+
+logger = logging.getLogger("ortmodule.exporter")
+
+# std::vector<PyObject*> runner(const char* func_name, void* callback,
+#     const std::vector<int64_t>& requires_grad_flags, const std::vector<int64_t>& tensor_type_flags,
+#     bool is_training_mode, const std::vector<int64_t>& inplace_map, const char* kernel_invoke_id,
+#     bool safe_run_mode, const std::vector<PyObject*>& args)
+# The by-value vector travels through a hidden first pointer (see dlpack_bridge), returned again.
+_RUNNER = ctypes.CFUNCTYPE(
+    ctypes.c_void_p,  # the result vector's address, returned as the ABI requires
+    ctypes.c_void_p,  # where to construct the result vector
+    ctypes.c_char_p,  # func_name
+    ctypes.c_void_p,  # callback (the engine's copy of the Function; unused, see python_op._EngineStub)
+    ctypes.c_void_p,  # requires_grad_flags
+    ctypes.c_void_p,  # tensor_type_flags
+    ctypes.c_bool,  # is_training_mode
+    ctypes.c_void_p,  # inplace_map
+    ctypes.c_char_p,  # kernel_invoke_id
+    ctypes.c_bool,  # safe_run_mode
+    ctypes.c_void_p,  # args
+)
+
+
+# -- the context ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool = False
+    non_differentiable: bool = False
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
+@dataclass
+class _CallState:
+    entry: FunctionEntry
+    #: per forward argument: the tensor's metadata, None for a non-tensor (or None) argument
+    inputs: list[_TensorMeta | None]
+    #: per forward output: the tensor's metadata, None for a non-tensor output
+    outputs: list[_TensorMeta | None] = field(default_factory=list)
+    released: bool = False
+
+
+class _Context(FunctionCtx):
+    """The ``ctx`` of one forward call run by the engine (what ``Function.apply`` would create)."""
+
+    def __init__(self, state: _CallState, needs_input_grad: tuple[bool, ...]) -> None:
+        self._ortmodule_call = state
+        self.needs_input_grad = needs_input_grad
+        self.materialize_grads = True
+        self.to_save: tuple[Any, ...] = ()
+        self.dirty_tensors: tuple[Any, ...] = ()
+        self.non_differentiable: tuple[Any, ...] = ()
+
+    @property
+    def saved_tensors(self) -> tuple[Any, ...]:
+        if self._ortmodule_call.released:
+            raise RuntimeError(
+                f"{self._ortmodule_call.entry.name}: the saved tensors were released after its "
+                "backward ran; backward runs once per forward."
+            )
+        return tuple(self.to_save)
+
+    saved_variables = saved_tensors
+
+    def __repr__(self) -> str:
+        return f"<ORTModule PythonOp context of {self._ortmodule_call.entry.name}>"
+
+
+#: contexts whose forward ran and whose backward has not: id -> context
+_LIVE: dict[int, _Context] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+def live_contexts() -> int:
+    """How many forward calls still hold a context for their backward."""
+    with _LIVE_LOCK:
+        return len(_LIVE)
+
+
+# -- per-kernel facts learnt on the first call ------------------------------------------------------
+
+
+@dataclass
+class _KernelState:
+    seen: bool = False
+    #: argument positions to copy before forward because the Function writes them in place
+    clone: frozenset[int] = frozenset()
+
+
+_KERNELS: OrderedDict[bytes, _KernelState] = OrderedDict()
+_MAX_KERNELS = 4096
+
+
+def _kernel(invoke_id: bytes) -> _KernelState:
+    state = _KERNELS.get(invoke_id)
+    if state is None:
+        state = _KERNELS[invoke_id] = _KernelState()
+        while len(_KERNELS) > _MAX_KERNELS:
+            _KERNELS.popitem(last=False)
+    return state
+
+
+def kernel_count() -> int:
+    return len(_KERNELS)
+
+
+# -- forward ----------------------------------------------------------------------------------------
+
+
+def _calls_setup_context(cls: type) -> bool:
+    return getattr(cls, "setup_context", _SingleLevelFunction.setup_context) is not _SingleLevelFunction.setup_context
+
+
+def _backward_fn(cls: Any) -> Any:
+    backward, vjp = cls.backward, cls.vjp
+    if backward is not Function.backward and vjp is not Function.vjp:
+        raise RuntimeError(f"{cls.__qualname__} implements both backward and vjp; implement one of them")
+    return vjp if vjp is not Function.vjp else backward
+
+
+def run_forward(
+    func_name: str,
+    requires_grad: Sequence[int],
+    tensor_flags: Sequence[int],
+    training: bool,
+    invoke_id: bytes,
+    raw_args: Sequence[Any],
+) -> list[Any]:
+    """The forward of one PythonOp call: ``[ctx or None, output capsule or None, ...]``."""
+    entry = REGISTRY.lookup(func_name)
+    cls = entry.cls
+    kernel = _kernel(invoke_id)
+    args: list[Any] = []
+    fed: dict[int, torch.Tensor] = {}
+    cloned: set[int] = set()
+    inputs: list[_TensorMeta | None] = []
+    for position, (obj, is_tensor) in enumerate(zip(raw_args, tensor_flags, strict=True)):
+        if not is_tensor or obj is None:
+            args.append(obj)
+            inputs.append(None)
+            continue
+        tensor = bridge.tensor_from_capsule(obj)
+        if position in entry.bool_inputs and tensor.dtype == torch.uint8:
+            tensor = tensor.view(torch.bool)
+        # the engine's buffer may feed other nodes: a Function that writes its input in place
+        # gets a copy (every argument on the first call, then the ones it wrote)
+        if not kernel.seen or position in kernel.clone:
+            tensor = tensor.clone()
+            cloned.add(position)
+        wants = bool(training and requires_grad[position] and (tensor.is_floating_point() or tensor.is_complex()))
+        if wants:
+            tensor.requires_grad_(True)
+        fed[position] = tensor
+        args.append(tensor)
+        inputs.append(_TensorMeta(tensor.shape, tensor.dtype, tensor.device, requires_grad=wants))
+    versions = {position: t._version for position, t in fed.items()}
+
+    state = _CallState(entry, inputs)
+    ctx = _Context(state, tuple(meta is not None and meta.requires_grad for meta in inputs))
+    with torch.no_grad():
+        if _calls_setup_context(cls):
+            result = cls.forward(*args)
+            cls.setup_context(ctx, tuple(args), result)
+        else:
+            result = cls.forward(ctx, *args)
+
+    written = {position for position, t in fed.items() if t._version != versions[position]}
+    dirty = {id(t) for t in ctx.dirty_tensors or ()}
+    written |= {position for position, t in fed.items() if id(t) in dirty}
+    if written - cloned:
+        raise RuntimeError(
+            f"{entry.name}.forward wrote argument(s) {sorted(written - cloned)} in place on this "
+            "call but not on its first call, so the engine's buffer was changed. A Function run "
+            "by ORTModule must write the same arguments in place (mark_dirty) on every call."
+        )
+    if not kernel.seen:
+        kernel.clone = frozenset(written)
+        kernel.seen = True
+
+    outputs = result if isinstance(result, tuple) else (result,)
+    non_differentiable = {id(t) for t in ctx.non_differentiable or ()}
+    returned: list[Any] = []
+    for out in outputs:
+        if not isinstance(out, torch.Tensor):
+            state.outputs.append(None)
+            returned.append(None)
+            continue
+        state.outputs.append(
+            _TensorMeta(out.shape, out.dtype, out.device, non_differentiable=id(out) in non_differentiable)
+        )
+        value = out.detach()
+        if value.dtype == torch.bool:  # the engine imports bool as uint8 (declared so at export)
+            value = value.view(torch.uint8)
+        if not value.is_contiguous():
+            value = value.contiguous()
+        returned.append(bridge.tensor_to_capsule(value))
+
+    keep = training and any(ctx.needs_input_grad)
+    if keep:
+        with _LIVE_LOCK:
+            _LIVE[id(ctx)] = ctx
+    return [ctx if keep else None, *returned]
+
+
+# -- backward ---------------------------------------------------------------------------------------
+
+
+def _fit(grad: torch.Tensor, meta: _TensorMeta, name: str, position: int) -> torch.Tensor:
+    if grad.shape != meta.shape:
+        try:
+            grad = grad.sum_to_size(meta.shape)
+        except RuntimeError:
+            raise RuntimeError(
+                f"{name}.backward returned a gradient of shape {tuple(grad.shape)} for argument "
+                f"{position}, whose shape is {tuple(meta.shape)}"
+            ) from None
+    if grad.dtype != meta.dtype:
+        grad = grad.to(meta.dtype)
+    grad = grad.detach()
+    return grad if grad.is_contiguous() else grad.contiguous()
+
+
+def run_backward(func_name: str, raw_args: Sequence[Any]) -> list[Any]:
+    """The backward of one PythonOp call: one capsule or None per forward argument."""
+    ctx = raw_args[0]
+    entry = REGISTRY.lookup(func_name)
+    with _LIVE_LOCK:
+        live = _LIVE.pop(id(ctx), None) if isinstance(ctx, _Context) else None
+    if live is not ctx:
+        raise RuntimeError(f"{entry.name}: backward ran without a pending forward (or ran twice)")
+    state: _CallState = ctx._ortmodule_call
+    if len(raw_args) - 1 != len(state.outputs):
+        raise RuntimeError(
+            f"{entry.name}: the engine passed {len(raw_args) - 1} output gradients for "
+            f"{len(state.outputs)} outputs"
+        )
+    grads: list[Any] = []
+    for obj, meta in zip(raw_args[1:], state.outputs, strict=True):
+        if meta is None:
+            grads.append(None)
+            continue
+        grad = None if obj is None or meta.non_differentiable else bridge.tensor_from_capsule(obj)
+        if grad is None and ctx.materialize_grads:
+            grad = meta.zeros()
+        grads.append(grad)
+
+    backward = _backward_fn(entry.cls)
+    try:
+        with torch.no_grad():
+            if getattr(entry.cls, "boxed_grads_call", False):
+                result = backward(ctx, list(grads))
+            else:
+                result = backward(ctx, *grads)
+    finally:
+        state.released = True
+        ctx.to_save = ()
+    del grads
+    result = result if isinstance(result, tuple) else (result,)
+    count = len(state.inputs)
+    if len(result) < count or any(r is not None for r in result[count:]):
+        raise RuntimeError(
+            f"{entry.name}.backward returned {len(result)} gradients; it must return one per "
+            f"forward argument ({count})"
+        )
+    returned: list[Any] = []
+    for position, (grad, meta) in enumerate(zip(result[:count], state.inputs, strict=True)):
+        if meta is None:
+            if isinstance(grad, torch.Tensor):
+                raise RuntimeError(
+                    f"{entry.name}.backward returned a gradient for argument {position}, which is not a tensor"
+                )
+            returned.append(None)
+            continue
+        if grad is None:
+            # the engine adds this gradient into others: give it zeros rather than nothing
+            returned.append(bridge.tensor_to_capsule(meta.zeros()) if meta.requires_grad else None)
+            continue
+        returned.append(bridge.tensor_to_capsule(_fit(grad, meta, entry.name, position)))
+    return returned
+
+
+# -- the native callbacks ---------------------------------------------------------------------------
+
+def _name(raw: bytes | None) -> str:
+    return (raw or b"").decode("utf-8", "replace")
+
+
+def _forward_entry(
+    result: int, func_name: bytes, _callback: int, requires_grad: int, tensor_flags: int, training: bool,
+    _inplace: int, invoke_id: bytes, _safe: bool, args: int,
+) -> int:
+    name = _name(func_name)
+    try:
+        objects = [bridge.object_from_pointer(p) if p else None for p in bridge.read_pointer_vector(args)]
+        values = run_forward(
+            name,
+            bridge.read_int64_vector(requires_grad),
+            bridge.read_int64_vector(tensor_flags),
+            bool(training),
+            invoke_id or b"",
+            objects,
+        )
+        del objects
+    except BaseException as err:  # noqa: BLE001 - must not unwind through the engine
+        remember(err, f"raised in {name}.forward, a torch.autograd.Function that ONNX Runtime ran as a PythonOp")
+        values = []  # an empty result makes the engine fail the node cleanly
+    bridge.write_object_vector(result, values)
+    return result
+
+
+def _backward_entry(
+    result: int, func_name: bytes, _callback: int, _requires_grad: int, _tensor_flags: int, _training: bool,
+    _inplace: int, _invoke_id: bytes, _safe: bool, args: int,
+) -> int:
+    name = _name(func_name)
+    try:
+        objects = [bridge.object_from_pointer(p) if p else None for p in bridge.read_pointer_vector(args)]
+        values = run_backward(name, objects)
+        del objects
+    except BaseException as err:  # noqa: BLE001
+        remember(err, f"raised in {name}.backward, a torch.autograd.Function that ONNX Runtime ran as a PythonOp")
+        values = []
+    bridge.write_object_vector(result, values)
+    return result
+
+
+# the engine keeps only the addresses: these objects must live as long as the process
+_FORWARD_CALLBACK = _RUNNER(_forward_entry)
+_BACKWARD_CALLBACK = _RUNNER(_backward_entry)
+_INSTALLED = False
+_INSTALL_LOCK = threading.Lock()
+
+
+def _address(callback: Any) -> int:
+    return int(ctypes.cast(callback, ctypes.c_void_p).value or 0)
+
+
+def install() -> None:
+    """Register the forward and backward runners with the engine (idempotent)."""
+    global _INSTALLED
+    with _INSTALL_LOCK:
+        if _INSTALLED:
+            return
+        from .engine import _C
+
+        C = _C()
+        C.register_forward_runner(_address(_FORWARD_CALLBACK))
+        C.register_backward_runner(_address(_BACKWARD_CALLBACK))
+        atexit.register(_release_engine_references)
+        _INSTALLED = True
+
+
+def installed() -> bool:
+    return _INSTALLED
+
+
+def _release_engine_references() -> None:
+    # The engine's pools hold Python objects; they must be dropped while the interpreter still
+    # runs (their C++ destructors would otherwise take the GIL during shutdown).
+    with _LIVE_LOCK:
+        _LIVE.clear()
+    try:
+        from .engine import _C
+
+        _C().unregister_python_functions()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
