@@ -17,10 +17,10 @@ import os
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import nox
+import tomllib
 
 ROOT = Path(__file__).parent
 PACKAGES_DIR = ROOT / "packages"

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from ortmodule import ORTModule
 from ortmodule_testing.zoo import ZOO
 
@@ -55,7 +56,9 @@ def test_ddp_over_ortmodule_matches_ddp_over_the_plain_model(tmp_path) -> None: 
         results[wrap] = torch.load(out)
     assert list(results[True]) == list(results[False])
     for name, ref in results[False].items():
-        torch.testing.assert_close(results[True][name], ref, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            results[True][name], ref, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_wrong_wrapping_order_is_explained() -> None:

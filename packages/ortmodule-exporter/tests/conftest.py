@@ -9,8 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from ortmodule_exporter import export, run_post_export_passes
-from ortmodule_exporter.engine import BuiltGraph, GraphConfig, SessionConfig, TrainingSession, build_graph
+from ortmodule_exporter.engine import (
+    BuiltGraph,
+    GraphConfig,
+    SessionConfig,
+    TrainingSession,
+    build_graph,
+)
 from ortmodule_exporter.export import bind_arguments
 from ortmodule_pytree import flatten
 
@@ -25,7 +32,10 @@ class EngineRun:
 
 
 def _clone_inputs(args: Sequence[Any]) -> list[Any]:
-    return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+    return [
+        a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
 
 
 def run_engine(
@@ -43,21 +53,34 @@ def run_engine(
     params = dict(module.named_parameters())
     trainable = tuple(n for n in exported.param_names if n in params and params[n].requires_grad)
     inputs_rg = tuple(
-        n for n in exported.user_input_names if flat[index[n]].requires_grad and flat[index[n]].dtype in FLOATS
+        n
+        for n in exported.user_input_names
+        if flat[index[n]].requires_grad and flat[index[n]].dtype in FLOATS
     )
     built = build_graph(
-        exported, GraphConfig(build_gradient=True, params_to_train=trainable, inputs_require_grad=inputs_rg)
+        exported,
+        GraphConfig(build_gradient=True, params_to_train=trainable, inputs_require_grad=inputs_rg),
     )
     session = TrainingSession(built, SessionConfig())
     state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     feeds = [flat[index[n]] if n in index else state[n] for n in built.feed_names]
     outputs, run_state = session.forward(feeds)
-    diff = [i for i, o in enumerate(outputs) if i not in built.non_differentiable_outputs and o.dtype in FLOATS]
+    diff = [
+        i
+        for i, o in enumerate(outputs)
+        if i not in built.non_differentiable_outputs and o.dtype in FLOATS
+    ]
     if grad_outputs is None:
         gen = torch.Generator().manual_seed(1234)
-        grad_outputs = [torch.randn(outputs[i].shape, generator=gen, dtype=outputs[i].dtype) for i in diff]
+        grad_outputs = [
+            torch.randn(outputs[i].shape, generator=gen, dtype=outputs[i].dtype) for i in diff
+        ]
     grads = session.backward(list(grad_outputs), run_state)
-    by_name = {built.grad_of[name]: grads[j] for j, name in enumerate(built.fetch_names) if name in built.grad_of}
+    by_name = {
+        built.grad_of[name]: grads[j]
+        for j, name in enumerate(built.fetch_names)
+        if name in built.grad_of
+    }
     return EngineRun(built, outputs, by_name)
 
 
@@ -81,7 +104,9 @@ def assert_engine_matches_eager(
     n_user = len(run.built.exported.output_schema.names)
     assert len(eager_flat) == n_user
     for i, (a, b) in enumerate(zip(run.outputs[:n_user], eager_flat, strict=True)):
-        torch.testing.assert_close(a, b.detach(), rtol=rtol, atol=atol, msg=lambda m, i=i: f"output {i}: {m}")
+        torch.testing.assert_close(
+            a, b.detach(), rtol=rtol, atol=atol, msg=lambda m, i=i: f"output {i}: {m}"
+        )
 
     diff = [
         i
@@ -89,19 +114,25 @@ def assert_engine_matches_eager(
         if i not in run.built.non_differentiable_outputs and o.dtype in FLOATS and i < n_user
     ]
     gen = torch.Generator().manual_seed(1234)
-    grads_out = [torch.randn(run.outputs[i].shape, generator=gen, dtype=run.outputs[i].dtype) for i in diff]
+    grads_out = [
+        torch.randn(run.outputs[i].shape, generator=gen, dtype=run.outputs[i].dtype) for i in diff
+    ]
     tensors = [eager_flat[i] for i in diff]
     pairs = [(t, g) for t, g in zip(tensors, grads_out, strict=True) if t.requires_grad]
     if pairs:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
     eager_params = dict(eager_module.named_parameters())
-    flat_in, schema = flatten(bind_arguments(eager_module, eager_args, eager_kwargs), prefix="input")
+    flat_in, schema = flatten(
+        bind_arguments(eager_module, eager_args, eager_kwargs), prefix="input"
+    )
     eager_inputs = dict(zip(schema.names, flat_in, strict=True))
     for name, grad in run.grads.items():
         ref = eager_params[name].grad if name in eager_params else eager_inputs[name].grad
         assert ref is not None, f"eager has no gradient for {name}"
-        torch.testing.assert_close(grad, ref, rtol=rtol, atol=atol, msg=lambda m, name=name: f"grad of {name}: {m}")
+        torch.testing.assert_close(
+            grad, ref, rtol=rtol, atol=atol, msg=lambda m, name=name: f"grad of {name}: {m}"
+        )
     for name, p in eager_params.items():
         if p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0:
             assert name in run.grads, f"the engine produced no gradient for parameter {name}"

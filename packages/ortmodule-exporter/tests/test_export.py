@@ -10,6 +10,7 @@ import onnx
 import pytest
 import torch
 from conftest import assert_engine_matches_eager
+
 from ortmodule_exporter import ExportError, SaveOptions, UnsupportedOutputError, export
 from ortmodule_exporter import export as export_fn
 from ortmodule_exporter.engine import GraphConfig, build_graph
@@ -89,7 +90,9 @@ def test_export_does_not_touch_weights_buffers_or_rng() -> None:
         assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_copy_is_skipped_with_a_warning_when_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_copy_is_skipped_with_a_warning_when_memory_is_short(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(export_module, "_available_bytes", lambda device: 16)
     model = ZOO["mlp"].build(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -105,7 +108,9 @@ def test_save_onnx_writes_the_documented_files(tmp_path: Path) -> None:
     args, kwargs = ZOO["mlp"].make_batch(0)
     save = SaveOptions(path=str(tmp_path), prefix="mlp")
     exported = export(model, args, kwargs, training=True, save=save)
-    build_graph(exported, GraphConfig(build_gradient=True, params_to_train=exported.param_names, save=save))
+    build_graph(
+        exported, GraphConfig(build_gradient=True, params_to_train=exported.param_names, save=save)
+    )
     names = sorted(os.listdir(tmp_path))
     assert names == [
         "mlp_training_exported.onnx",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ortmodule_exporter import ExportCache, export
 from ortmodule_pytree import flatten
 
@@ -48,7 +49,9 @@ def test_hit_skips_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert second.output_schema == first.output_schema
 
 
-def test_key_changes_with_mode_opset_and_shapes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_changes_with_mode_opset_and_shapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = _count_exports(monkeypatch)
     cache = ExportCache(str(tmp_path))
     x = torch.randn(2, 4)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from ortmodule import ExportError, ORTModule
 from ortmodule import execution as execution_module
 from ortmodule_exporter import EngineBuildError
@@ -61,7 +62,9 @@ POLICIES = {
 @pytest.mark.parametrize("retry", [False, True], ids=["no-retry", "retry"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_fallback_matrix(monkeypatch: pytest.MonkeyPatch, training: bool, policy: str, retry: bool) -> None:
+def test_fallback_matrix(
+    monkeypatch: pytest.MonkeyPatch, training: bool, policy: str, retry: bool
+) -> None:
     if POLICIES[policy] is None:
         monkeypatch.delenv("ORTMODULE_FALLBACK_POLICY", raising=False)
     else:
@@ -77,7 +80,10 @@ def test_fallback_matrix(monkeypatch: pytest.MonkeyPatch, training: bool, policy
     if not falls_back:
         with pytest.raises(ExportError) as info:
             wrapped(x)
-        assert str(info.value) == f"{__name__}.OddOutput returned an output ORTModule cannot hand back: {REASON}"
+        assert (
+            str(info.value)
+            == f"{__name__}.OddOutput returned an output ORTModule cannot hand back: {REASON}"
+        )
         assert isinstance(info.value.__cause__, Exception)
         return
 
@@ -88,7 +94,9 @@ def test_fallback_matrix(monkeypatch: pytest.MonkeyPatch, training: bool, policy
             if training:
                 out["y"].sum().backward()
     messages = [str(w.message) for w in caught if "ORTModule could not run" in str(w.message)]
-    assert messages == [EXPECTED_WARNING], "one warning, naming the cause and how to make it an error"
+    assert messages == [EXPECTED_WARNING], (
+        "one warning, naming the cause and how to make it an error"
+    )
     assert caught[0].filename == __file__, "the warning points at the user's call"
     assert attempts[0] == (3 if retry else 1)
     ref = eager(x)
@@ -128,7 +136,12 @@ class Box:
 CAUSES = {
     # cause: (module factory, input factory, the flag named in the warning, error type without fallback)
     "data": (Meta, lambda: Box(torch.randn(2, 3)), "FALLBACK_UNSUPPORTED_DATA", TypeError),
-    "device": (lambda: Meta().to("meta"), lambda: torch.randn(2, 3, device="meta"), "FALLBACK_UNSUPPORTED_DEVICE", RuntimeError),
+    "device": (
+        lambda: Meta().to("meta"),
+        lambda: torch.randn(2, 3, device="meta"),
+        "FALLBACK_UNSUPPORTED_DEVICE",
+        RuntimeError,
+    ),
     "onnx-model": (
         lambda: torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU()).double(),
         lambda: torch.randn(2, 3, dtype=torch.float64),
@@ -139,7 +152,9 @@ CAUSES = {
 
 
 @pytest.mark.parametrize("cause", list(CAUSES))
-def test_each_cause_is_classified_and_only_its_flag_falls_back(monkeypatch: pytest.MonkeyPatch, cause: str) -> None:
+def test_each_cause_is_classified_and_only_its_flag_falls_back(
+    monkeypatch: pytest.MonkeyPatch, cause: str
+) -> None:
     make_model, make_input, flag, error = CAUSES[cause]
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", flag)
     with pytest.warns(UserWarning, match=rf"\({flag}\)"):

@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 import torch
+
 from ortmodule import EngineBuildError, ORTModule
 
 
@@ -20,7 +21,9 @@ class TwoHeads(torch.nn.Module):
         self.head_a = torch.nn.Linear(8, 3)
         self.head_b = torch.nn.Linear(8, 2)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         h = torch.tanh(self.body(x))
         a = self.head_a(h)
         b = self.head_b(h)
@@ -31,14 +34,20 @@ def _pair(module: torch.nn.Module) -> tuple[torch.nn.Module, ORTModule]:
     return module, ORTModule(copy.deepcopy(module))
 
 
-def _assert_grads_equal(eager: torch.nn.Module, wrapped: ORTModule, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    for (name, p), (name2, q) in zip(eager.named_parameters(), wrapped.named_parameters(), strict=True):
+def _assert_grads_equal(
+    eager: torch.nn.Module, wrapped: ORTModule, rtol: float = 1e-4, atol: float = 1e-5
+) -> None:
+    for (name, p), (name2, q) in zip(
+        eager.named_parameters(), wrapped.named_parameters(), strict=True
+    ):
         assert name == name2
         if p.grad is None:
             assert q.grad is None, name
         else:
             assert q.grad is not None, name
-            torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                q.grad, p.grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 def test_state_dict_keys_and_round_trip() -> None:
@@ -64,7 +73,9 @@ def test_attribute_fallthrough_module_property_and_modes() -> None:
     wrapped = ORTModule(inner)
     assert wrapped.module is inner
     assert wrapped.head_a is inner.head_a
-    assert not wrapped.training and not inner.training, "wrapping an eval-mode model keeps eval mode"
+    assert not wrapped.training and not inner.training, (
+        "wrapping an eval-mode model keeps eval mode"
+    )
     wrapped.train()
     assert wrapped.training and inner.training and inner.body.training
     wrapped.eval()
@@ -98,7 +109,9 @@ def test_several_outputs_unused_outputs_and_non_differentiable_outputs() -> None
     ea.pow(2).sum().backward()  # head_b unused by the loss
     wa.pow(2).sum().backward()
     _assert_grads_equal(eager, wrapped)
-    assert wrapped.head_b.weight.grad is None, "as in eager, a head the loss does not use gets no gradient"
+    assert wrapped.head_b.weight.grad is None, (
+        "as in eager, a head the loss does not use gets no gradient"
+    )
 
 
 def test_input_gradients_and_non_contiguous_inputs() -> None:
@@ -184,7 +197,9 @@ def test_re_export_exactly_when_the_schema_changes() -> None:
     assert len(history) == 2
     step(torch.randn(2, 3, 4), torch.ones(2, 3, 4, dtype=torch.bool))  # dtype
     assert len(history) == 3 and "mask" in history[-1] and "bool" in history[-1]
-    step(torch.randn(2, 3, 4), torch.ones(2, 3, 4, dtype=torch.bool), scale=2.0)  # a non-tensor value
+    step(
+        torch.randn(2, 3, 4), torch.ones(2, 3, 4, dtype=torch.bool), scale=2.0
+    )  # a non-tensor value
     assert len(history) == 4 and "scale" in history[-1]
     wrapped.module.fc.weight.requires_grad_(False)  # a frozen parameter
     step(torch.randn(2, 3, 4), torch.ones(2, 3, 4, dtype=torch.bool), scale=2.0)
@@ -227,7 +242,9 @@ def test_unsupported_parameter_dtype_gets_a_clear_error(monkeypatch: pytest.Monk
 
 def test_float16_trains_on_cpu() -> None:
     torch.manual_seed(0)
-    eager = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).half()
+    eager = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+    ).half()
     wrapped = ORTModule(copy.deepcopy(eager))
     x = torch.randn(3, 4).half()
     eager(x).float().sum().backward()
@@ -237,10 +254,14 @@ def test_float16_trains_on_cpu() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_dtypes_without_cpu_kernels_get_a_clear_error(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+def test_dtypes_without_cpu_kernels_get_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
     """The CPU engine trains float32; where it lacks a kernel the error says what to do."""
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(
+        dtype
+    )
     wrapped = ORTModule(model)
     with pytest.raises(EngineBuildError, match="no kernel.*train in float32"):
         wrapped(torch.randn(3, 4, dtype=dtype)).sum().backward()

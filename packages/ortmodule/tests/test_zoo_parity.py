@@ -6,14 +6,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ortmodule import ORTModule
-from ortmodule_testing.parity import TrainRecord, assert_same_training, assert_tree_close, clone_model, eval_outputs, train_steps
+from ortmodule_testing.parity import (
+    TrainRecord,
+    assert_same_training,
+    assert_tree_close,
+    clone_model,
+    eval_outputs,
+    train_steps,
+)
 from ortmodule_testing.zoo import ZOO
 
 STEPS = 20
 
 
-def _without_noise_driven(eager: TrainRecord, other: TrainRecord) -> tuple[TrainRecord, TrainRecord]:
+def _without_noise_driven(
+    eager: TrainRecord, other: TrainRecord
+) -> tuple[TrainRecord, TrainRecord]:
     """Exclude, from the final-state comparison only, elements whose gradient is analytically zero.
 
     An attention key bias (softmax is shift-invariant per query; in a fused qkv bias, its key
@@ -50,7 +60,12 @@ def test_eval_outputs_match_eager(name: str) -> None:
     case = ZOO[name]
     model = case.build(seed=0)
     rtol, atol = case.tolerance
-    assert_tree_close(eval_outputs(ORTModule(clone_model(model)), case), eval_outputs(model, case), rtol=rtol, atol=atol)
+    assert_tree_close(
+        eval_outputs(ORTModule(clone_model(model)), case),
+        eval_outputs(model, case),
+        rtol=rtol,
+        atol=atol,
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt", "cnn"])
@@ -83,7 +98,9 @@ def test_state_dict_round_trip_both_ways() -> None:
     plain.load_state_dict(wrapped.state_dict())
     args, kwargs = case.make_batch(5)
     with torch.no_grad():
-        assert_tree_close(wrapped.eval()(*args, **kwargs), plain.eval()(*args, **kwargs), rtol=1e-4, atol=1e-5)
+        assert_tree_close(
+            wrapped.eval()(*args, **kwargs), plain.eval()(*args, **kwargs), rtol=1e-4, atol=1e-5
+        )
     wrapped.load_state_dict(case.build(seed=2).state_dict())
     fresh = case.build(seed=2).eval()
     with torch.no_grad():

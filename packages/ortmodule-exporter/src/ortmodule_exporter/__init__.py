@@ -7,11 +7,29 @@
 ('weight', 'bias')
 """
 
-from .errors import EngineBuildError, ExportError, InvalidOptionError, ORTModuleError, UnsupportedOutputError
-from .export import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, ExportedModel, SaveOptions, check_opset, export
+from .errors import (
+    EngineBuildError,
+    ExportError,
+    InvalidOptionError,
+    ORTModuleError,
+    UnsupportedOutputError,
+)
+from .export import (
+    DEFAULT_OPSET,
+    MAX_OPSET,
+    MIN_OPSET,
+    ExportedModel,
+    SaveOptions,
+    check_opset,
+    export,
+)
 from .export_cache import ExportCache
 from .graph_transition import GraphKey, GraphTransitionManager, describe_change, parameter_signature
-from .post_export import register_post_export_pass, run_post_export_passes, unregister_post_export_pass
+from .post_export import (
+    register_post_export_pass,
+    run_post_export_passes,
+    unregister_post_export_pass,
+)
 from .symbolic_registry import register_symbolic, registered_symbolics, unregister_symbolic
 from .symbolics import register_builtin_symbolics
 

@@ -117,11 +117,17 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     C = _C()
     builder_config = C.OrtModuleGraphBuilderConfiguration()
     builder_config.initializer_names = list(exported.param_names)
-    builder_config.initializer_names_to_train = list(config.params_to_train) if config.build_gradient else []
-    builder_config.input_names_require_grad = list(config.inputs_require_grad) if config.build_gradient else []
+    builder_config.initializer_names_to_train = (
+        list(config.params_to_train) if config.build_gradient else []
+    )
+    builder_config.input_names_require_grad = (
+        list(config.inputs_require_grad) if config.build_gradient else []
+    )
     builder_config.build_gradient_graph = config.build_gradient
     builder_config.enable_caching = False
-    builder_config.loglevel = C.Severity(config.log_severity) if hasattr(C, "Severity") else config.log_severity
+    builder_config.loglevel = (
+        C.Severity(config.log_severity) if hasattr(C, "Severity") else config.log_severity
+    )
     builder_config.use_memory_efficient_gradient = config.use_memory_efficient_gradient
 
     transformer = C.TrainingGraphTransformerConfiguration()
@@ -132,7 +138,9 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
         setattr(transformer, key, value)
     if config.save is not None:
         os.makedirs(config.save.path, exist_ok=True)
-        transformer.optimized_pre_grad_filepath = config.save.file_path("optimized_pre_grad", exported.training)
+        transformer.optimized_pre_grad_filepath = config.save.file_path(
+            "optimized_pre_grad", exported.training
+        )
 
     def run_builder() -> Any:
         builder = C.OrtModuleGraphBuilder()
@@ -151,7 +159,9 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
                 raise
             # The compute optimizer has shape-inference gaps (UpStreamGather on a sliced dynamic
             # dim, e.g. logits[:, :-1]); the graph is correct without it, only slower.
-            logger.info("the engine's compute optimizer failed on this graph (%s); building without it", err)
+            logger.info(
+                "the engine's compute optimizer failed on this graph (%s); building without it", err
+            )
             transformer.enable_compute_optimizer = False
             builder = run_builder()
     except Exception as err:
@@ -160,7 +170,9 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
             f"graph: {err}"
         ) from err
     info = builder.get_graph_info()
-    model_bytes = builder.get_gradient_model() if config.build_gradient else builder.get_forward_model()
+    model_bytes = (
+        builder.get_gradient_model() if config.build_gradient else builder.get_forward_model()
+    )
     model = onnx.load_from_string(model_bytes)
     if config.save is not None:
         onnx.save_model(model, config.save.file_path("optimized", exported.training))
@@ -168,7 +180,9 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     fetch_names = [vi.name for vi in model.graph.output]
     grad_of: dict[str, str] = {}
     if config.build_gradient:
-        by_grad = dict(zip(info.initializer_grad_names_to_train, info.initializer_names_to_train, strict=True))
+        by_grad = dict(
+            zip(info.initializer_grad_names_to_train, info.initializer_names_to_train, strict=True)
+        )
         by_grad.update({g: n for n, g in info.user_input_grad_names.items()})
         grad_of = {name: by_grad[name] for name in fetch_names if name in by_grad}
     return BuiltGraph(
@@ -236,7 +250,9 @@ def _providers(cfg: SessionConfig) -> tuple[list[str], list[dict[str, str]]]:
         if cfg.external_allocator is not None:
             alloc, free, empty = cfg.external_allocator
             opts.update(
-                gpu_external_alloc=str(alloc), gpu_external_free=str(free), gpu_external_empty_cache=str(empty)
+                gpu_external_alloc=str(alloc),
+                gpu_external_free=str(free),
+                gpu_external_empty_cache=str(empty),
             )
         opts.update(dict(cfg.extra_provider_options))
         return ["CUDAExecutionProvider", "CPUExecutionProvider"], [opts, {}]
@@ -256,14 +272,18 @@ def _session(model_bytes: bytes, cfg: SessionConfig) -> Any:
     so.log_severity_level = cfg.log_severity
     so.intra_op_num_threads = cfg.intra_op_threads
     so.execution_order = (
-        onnxruntime.ExecutionOrder.MEMORY_EFFICIENT if cfg.memory_efficient_order else onnxruntime.ExecutionOrder.DEFAULT
+        onnxruntime.ExecutionOrder.MEMORY_EFFICIENT
+        if cfg.memory_efficient_order
+        else onnxruntime.ExecutionOrder.DEFAULT
     )
     so.add_session_config_entry("session.disable_prepacking", "1")
     if cfg.optimized_model_path:
         so.optimized_model_filepath = cfg.optimized_model_path
     providers, provider_options = _providers(cfg)
     try:
-        return onnxruntime.InferenceSession(model_bytes, so, providers=providers, provider_options=provider_options)
+        return onnxruntime.InferenceSession(
+            model_bytes, so, providers=providers, provider_options=provider_options
+        )
     except Exception as err:
         hint = ""
         if "NOT_IMPLEMENTED" in str(err):
@@ -359,7 +379,9 @@ class InferenceSession:
             if not tensor.is_contiguous():
                 tensor = tensor.contiguous()
             is_bool = tensor.dtype == torch.bool
-            value = C.OrtValue.from_dlpack(to_dlpack(tensor.view(torch.uint8) if is_bool else tensor), is_bool)
+            value = C.OrtValue.from_dlpack(
+                to_dlpack(tensor.view(torch.uint8) if is_bool else tensor), is_bool
+            )
             binding.bind_ortvalue_input(name, value)
         device = _ort_device(self._device)
         for name in self.built.fetch_names:

@@ -22,6 +22,7 @@ from typing import Any
 
 import onnx
 import torch
+
 from ortmodule_pytree import Schema, flatten, unflatten
 
 from . import onnx_graph
@@ -228,7 +229,9 @@ def _failed_op(err: BaseException) -> str | None:
     return None
 
 
-def _dynamic_axes(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> dict[str, dict[int, str]]:
+def _dynamic_axes(
+    names: Sequence[str], tensors: Sequence[torch.Tensor]
+) -> dict[str, dict[int, str]]:
     return {
         name: {i: f"{name}_dim{i}" for i in range(t.dim())}
         for name, t in zip(names, tensors, strict=True)
@@ -331,7 +334,9 @@ def export(
     if save is not None:
         _save(exported.model, save, "exported", training)
     logger.info(
-        "exported %s (%s) in %.2f s", module_path(module), "training" if training else "inference",
+        "exported %s (%s) in %.2f s",
+        module_path(module),
+        "training" if training else "inference",
         exported.export_seconds,
     )
     return exported
@@ -353,7 +358,9 @@ def _finish(
             onnx_graph.rename_value(graph, vi.name, new)
             params.append(new)
         else:
-            raise ExportError(f"exported graph has an input {vi.name!r} that is neither a user input nor a parameter")
+            raise ExportError(
+                f"exported graph has an input {vi.name!r} that is neither a user input nor a parameter"
+            )
     onnx_graph.name_outputs(graph, list(output_schema.names))
     for vi in graph.output:
         onnx_graph.make_dims_symbolic(vi, vi.name)

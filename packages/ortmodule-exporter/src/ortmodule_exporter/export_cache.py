@@ -40,7 +40,9 @@ class _NoImportUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         mod = sys.modules.get(module)
         if mod is None:
-            raise pickle.UnpicklingError(f"cache entry names {module}.{name}, which is not imported")
+            raise pickle.UnpicklingError(
+                f"cache entry names {module}.{name}, which is not imported"
+            )
         obj: Any = mod
         for part in name.split("."):
             obj = getattr(obj, part)
@@ -65,17 +67,29 @@ class ExportCache:
 
     # -- keys ---------------------------------------------------------------------------
     def key_for(
-        self, module: torch.nn.Module, input_schema: Schema, *, training: bool, opset: int, extra: str = ""
+        self,
+        module: torch.nn.Module,
+        input_schema: Schema,
+        *,
+        training: bool,
+        opset: int,
+        extra: str = "",
     ) -> str:
         h = hashlib.sha256()
-        classes = sorted({type(m) for m in module.modules()}, key=lambda c: (c.__module__, c.__qualname__))
+        classes = sorted(
+            {type(m) for m in module.modules()}, key=lambda c: (c.__module__, c.__qualname__)
+        )
         for cls in classes:
             h.update(f"{cls.__module__}.{cls.__qualname__}\n".encode())
             h.update(_class_source(cls).encode())
         for name, t in (*module.named_parameters(), *module.named_buffers()):
-            h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{t.requires_grad}|{t.device.type}\n".encode())
+            h.update(
+                f"{name}|{tuple(t.shape)}|{t.dtype}|{t.requires_grad}|{t.device.type}\n".encode()
+            )
         h.update(repr(input_schema).encode())
-        h.update(f"|training={training}|opset={opset}|torch={torch.__version__}|ours={_VERSION}|{extra}".encode())
+        h.update(
+            f"|training={training}|opset={opset}|torch={torch.__version__}|ours={_VERSION}|{extra}".encode()
+        )
         return h.hexdigest()
 
     def _file(self, key: str) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
+
 from ortmodule_pytree import Schema, describe_difference
 
 logger = logging.getLogger("ortmodule.graph_transition")
@@ -63,7 +64,9 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
     if old.options != new.options:
         before, after = dict(old.options), dict(new.options)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-        return "options changed: " + ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
+        return "options changed: " + ", ".join(
+            f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed
+        )
     return "mode changed"
 
 
@@ -73,9 +76,13 @@ def _describe_params(old: tuple[ParamSig, ...], new: tuple[ParamSig, ...]) -> st
     added = sorted(after.keys() - before.keys())
     removed = sorted(before.keys() - after.keys())
     if added:
-        return f"parameter '{added[0]}' added" + (f" (+{len(added) - 1} more)" if len(added) > 1 else "")
+        return f"parameter '{added[0]}' added" + (
+            f" (+{len(added) - 1} more)" if len(added) > 1 else ""
+        )
     if removed:
-        return f"parameter '{removed[0]}' removed" + (f" (+{len(removed) - 1} more)" if len(removed) > 1 else "")
+        return f"parameter '{removed[0]}' removed" + (
+            f" (+{len(removed) - 1} more)" if len(removed) > 1 else ""
+        )
     for name, (_, shape, dtype, req) in after.items():
         _, shape0, dtype0, req0 = before[name]
         if req != req0:

@@ -49,7 +49,9 @@ def name_outputs(graph: onnx.GraphProto, names: list[str]) -> None:
             seen.add(old)
             continue
         if old in graph_inputs or old in seen:
-            graph.node.append(onnx.helper.make_node("Identity", [old], [new], name=f"{new}_identity"))
+            graph.node.append(
+                onnx.helper.make_node("Identity", [old], [new], name=f"{new}_identity")
+            )
             out.name = new
         else:
             rename_value(graph, old, new)

@@ -51,7 +51,9 @@ def unregister_post_export_pass(name: str) -> None:
         _PASSES.pop(name, None)
 
 
-def run_post_export_passes(exported: ExportedModel, options: Mapping[str, Any] | None = None) -> list[str]:
+def run_post_export_passes(
+    exported: ExportedModel, options: Mapping[str, Any] | None = None
+) -> list[str]:
     """Apply every registered pass in order; returns the names that ran."""
     with _LOCK:
         passes = sorted(_PASSES.values(), key=lambda p: (p.order, p.name))

@@ -7,10 +7,16 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ortmodule", description="PyTorch training through ONNX Runtime")
+    parser = argparse.ArgumentParser(
+        prog="ortmodule", description="PyTorch training through ONNX Runtime"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="report versions, the engine build, devices, settings and problems")
-    demo = sub.add_parser("demo", help="train a small GPT under eager and under ORTModule, side by side")
+    sub.add_parser(
+        "doctor", help="report versions, the engine build, devices, settings and problems"
+    )
+    demo = sub.add_parser(
+        "demo", help="train a small GPT under eager and under ORTModule, side by side"
+    )
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["demo"]:

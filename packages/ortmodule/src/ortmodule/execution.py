@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from ortmodule_exporter import (
     ExportCache,
     GraphKey,
@@ -164,14 +165,19 @@ class _EngineFunction(torch.autograd.Function):
             shape, dtype, device = ctx.shapes[i]
             if dtype not in _FLOAT_TYPES:
                 continue
-            feeds.append(grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device))
+            feeds.append(
+                grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device)
+            )
         assert isinstance(graph.session, TrainingSession)
         grads = graph.session.backward(feeds, state)
         # like eager, an input that reaches no output with a gradient gets None, not zeros
         reached = graph.reached_by(used)
         return (
             None,
-            *(grads[j] if j >= 0 and name in reached else None for j, name in zip(graph.grad_index, graph.built.feed_names, strict=True)),
+            *(
+                grads[j] if j >= 0 and name in reached else None
+                for j, name in zip(graph.grad_index, graph.built.feed_names, strict=True)
+            ),
         )
 
 
@@ -221,7 +227,11 @@ class GraphRunner:
         return torch.device("cpu")
 
     def _key(
-        self, schema: Any, training_graph: bool, device: torch.device, named: list[tuple[str, torch.nn.Parameter]]
+        self,
+        schema: Any,
+        training_graph: bool,
+        device: torch.device,
+        named: list[tuple[str, torch.nn.Parameter]],
     ) -> GraphKey:
         params = parameter_signature(named)
         return GraphKey(
@@ -239,7 +249,9 @@ class GraphRunner:
             self._signature = forward_signature(self.module)
         arguments = bind_arguments(self.module, args, kwargs, self._signature)
         try:
-            flat, schema = flatten(arguments, prefix="input", static_shapes=self.config.static_shapes)
+            flat, schema = flatten(
+                arguments, prefix="input", static_shapes=self.config.static_shapes
+            )
         except TypeError as err:
             raise UnsupportedDataError(str(err)) from err
         named = list(self.module.named_parameters())
@@ -253,7 +265,11 @@ class GraphRunner:
         graph = self.transitions.get(key, lambda: self._compile(key, args, kwargs, flat, device))
         feeds = self._gather(graph, flat)
         # the engine's training BatchNorm overwrites running buffers in place: keep the old ones
-        old = [getattr(u.owner, u.attr).detach().clone() for u in graph.buffer_updates if u.count_index >= 0]
+        old = [
+            getattr(u.owner, u.attr).detach().clone()
+            for u in graph.buffer_updates
+            if u.count_index >= 0
+        ]
         if training_graph:
             outputs = _EngineFunction.apply(graph, *feeds)
         else:
@@ -265,14 +281,18 @@ class GraphRunner:
 
     def _check_inputs(self, flat: Sequence[torch.Tensor], device: torch.device) -> None:
         if device.type not in ("cpu", "cuda"):
-            raise UnsupportedDeviceError(f"ORTModule runs on cpu and cuda, the module is on {device}")
+            raise UnsupportedDeviceError(
+                f"ORTModule runs on cpu and cuda, the module is on {device}"
+            )
         for t in flat:
             if t.device != device:
                 raise UnsupportedDeviceError(
                     f"an input is on {t.device} but the module is on {device}; move them to one device"
                 )
             if t.is_sparse or t.is_complex():
-                raise UnsupportedDataError(f"the engine takes dense real tensors, got {t.dtype} layout {t.layout}")
+                raise UnsupportedDataError(
+                    f"the engine takes dense real tensors, got {t.dtype} layout {t.layout}"
+                )
 
     def _gather(self, graph: CompiledGraph, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         feeds = []
@@ -289,7 +309,12 @@ class GraphRunner:
 
     # -- a new key: export, passes, build, session ---------------------------------------------
     def _compile(
-        self, key: GraphKey, args: Sequence[Any], kwargs: Mapping[str, Any], flat: Sequence[torch.Tensor], device: torch.device
+        self,
+        key: GraphKey,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        flat: Sequence[torch.Tensor],
+        device: torch.device,
     ) -> CompiledGraph:
         times = PhaseTimer()
         cfg = self.config
@@ -321,9 +346,13 @@ class GraphRunner:
         names = list(exported.input_schema.names)
         index_of = {n: i for i, n in enumerate(names)}
         params = dict(self.module.named_parameters())
-        trainable = tuple(n for n in exported.param_names if n in params and params[n].requires_grad)
+        trainable = tuple(
+            n for n in exported.param_names if n in params and params[n].requires_grad
+        )
         input_grads = tuple(
-            n for n in exported.user_input_names if flat[index_of[n]].requires_grad and flat[index_of[n]].is_floating_point()
+            n
+            for n in exported.user_input_names
+            if flat[index_of[n]].requires_grad and flat[index_of[n]].is_floating_point()
         )
         static = None
         if cfg.static_shapes:
@@ -353,7 +382,9 @@ class GraphRunner:
         )
         with times.phase("session creation"), self._silenced():
             session: TrainingSession | InferenceSession = (
-                TrainingSession(built, session_config) if key.build_gradient else InferenceSession(built, session_config)
+                TrainingSession(built, session_config)
+                if key.build_gradient
+                else InferenceSession(built, session_config)
             )
 
         feeds: list[tuple[str, Any]] = []
@@ -370,7 +401,9 @@ class GraphRunner:
                 owner, attr = _owner(self.module, buffer)
                 count_name, momentum = exported.variance_updates.get(out_name, ("", 0.0))
                 count_index = output_names.index(count_name) if count_name in output_names else -1
-                updates.append(BufferUpdate(output_names.index(out_name), owner, attr, count_index, momentum))
+                updates.append(
+                    BufferUpdate(output_names.index(out_name), owner, attr, count_index, momentum)
+                )
         position = {name: j for j, name in enumerate(built.fetch_names)}
         grad_by_input = {target: position[fetch] for fetch, target in built.grad_of.items()}
         grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]

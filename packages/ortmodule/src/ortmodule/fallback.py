@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 import torch
+
 from ortmodule_exporter import EngineBuildError, ExportError
 
 from .execution import UnsupportedDataError, UnsupportedDeviceError
@@ -49,7 +50,10 @@ class FallbackManager:
     def forced(self) -> bool:
         return bool(
             self.policy
-            & (FallbackPolicy.FALLBACK_FORCE_TORCH_FORWARD | FallbackPolicy.FALLBACK_FORCE_TORCH_BACKWARD)
+            & (
+                FallbackPolicy.FALLBACK_FORCE_TORCH_FORWARD
+                | FallbackPolicy.FALLBACK_FORCE_TORCH_BACKWARD
+            )
         )
 
     def use_torch(self) -> bool:

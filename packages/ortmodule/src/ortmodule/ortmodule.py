@@ -47,7 +47,11 @@ class ORTModule(torch.nn.Module):
         configure_logger(options.log_level)
         apply_engine_severity(options.log_level)
         object.__setattr__(self, "_options", options)
-        object.__setattr__(self, "_runner", GraphRunner(self.module, runner_config(options), quiet=_quiet_for(options)))
+        object.__setattr__(
+            self,
+            "_runner",
+            GraphRunner(self.module, runner_config(options), quiet=_quiet_for(options)),
+        )
         object.__setattr__(self, "_fallback", FallbackManager(options, self.module))
         object.__setattr__(self, "_warned_hooks", False)
 
@@ -88,7 +92,10 @@ class ORTModule(torch.nn.Module):
         hooked = [
             name or type(self.module).__name__
             for name, m in self.module.named_modules()
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+            if m._forward_hooks
+            or m._forward_pre_hooks
+            or m._backward_hooks
+            or m._backward_pre_hooks
         ]
         if hooked:
             warnings.warn(
@@ -116,11 +123,17 @@ class ORTModule(torch.nn.Module):
     def named_children(self) -> Any:
         return self.module.named_children()
 
-    def named_modules(self, memo: Any = None, prefix: str = "", remove_duplicate: bool = True) -> Any:
+    def named_modules(
+        self, memo: Any = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Any:
         return self.module.named_modules(memo, prefix, remove_duplicate)
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> Any:
+        return self.module.state_dict(
+            *args, destination=destination, prefix=prefix, keep_vars=keep_vars
+        )
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
