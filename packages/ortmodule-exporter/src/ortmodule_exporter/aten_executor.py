@@ -119,7 +119,12 @@ def _kind(jit_type: Any) -> tuple[str, bool]:
     kind = jit_type.kind()
     if kind == "ListType":
         element = jit_type.getElementType().kind()
-        names = {"IntType": "int[]", "SymIntType": "int[]", "FloatType": "float[]", "BoolType": "bool[]"}
+        names = {
+            "IntType": "int[]",
+            "SymIntType": "int[]",
+            "FloatType": "float[]",
+            "BoolType": "bool[]",
+        }
         return names.get(element, "other"), optional
     names = {
         "TensorType": "Tensor",
@@ -139,7 +144,9 @@ def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenO
     overload taking ``n_inputs`` arguments when there is no default."""
     namespace, _, name = op_name.rpartition("::")
     if namespace not in ("", "aten"):
-        raise UnsupportedAtenOperatorError(f"ATen node names {op_name!r}; only aten:: operators run")
+        raise UnsupportedAtenOperatorError(
+            f"ATen node names {op_name!r}; only aten:: operators run"
+        )
     try:
         packet = getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
@@ -147,7 +154,11 @@ def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenO
     overloads = list(packet.overloads())
     chosen = overload_name or "default"
     if chosen not in overloads:
-        fitting = [o for o in overloads if n_inputs < 0 or len(getattr(packet, o)._schema.arguments) == n_inputs]
+        fitting = [
+            o
+            for o in overloads
+            if n_inputs < 0 or len(getattr(packet, o)._schema.arguments) == n_inputs
+        ]
         if overload_name or len(fitting) != 1:
             raise UnsupportedAtenOperatorError(
                 f"aten::{name} has no overload {overload_name!r} for {n_inputs} inputs (it has {overloads})"
@@ -158,7 +169,9 @@ def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenO
     for a in op._schema.arguments:
         kind, optional = _kind(a.type)
         has_default = a.has_default_value()
-        args.append(_Arg(a.name, kind, optional, has_default, a.default_value if has_default else None))
+        args.append(
+            _Arg(a.name, kind, optional, has_default, a.default_value if has_default else None)
+        )
     returns = tuple(_kind(r.type)[0] for r in op._schema.returns)
     return AtenOperator(op, tuple(args), returns)
 
@@ -195,14 +208,18 @@ def _read(arg: _Arg, value: torch.Tensor | None, as_bool: bool) -> Any:
         return [float(v) for v in flat.tolist()]
     if arg.kind == "bool[]":
         return [bool(v) for v in flat.tolist()]
-    raise UnsupportedAtenOperatorError(f"argument {arg.name!r} has a type the ATen executor cannot pass")
+    raise UnsupportedAtenOperatorError(
+        f"argument {arg.name!r} has a type the ATen executor cannot pass"
+    )
 
 
 #: (operator, overload) -> input positions that were bool tensors at export (they arrive as uint8)
 BOOL_INPUTS: dict[tuple[str, str], set[int]] = {}
 
 
-def call_aten(op_name: str, overload_name: str, inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+def call_aten(
+    op_name: str, overload_name: str, inputs: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
     """Run ``aten::op_name.overload_name`` on the node's inputs (tensors or None)."""
     op = aten_operator(op_name, overload_name, len(inputs))
     if len(inputs) != len(op.args):
@@ -241,7 +258,9 @@ def _as_output(value: Any) -> torch.Tensor | None:
     raise UnsupportedAtenOperatorError(f"the ATen executor cannot return a {type(value).__name__}")
 
 
-def execute(op_name: str, overload_name: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+def execute(
+    op_name: str, overload_name: str, inputs: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
     """Run one ATen node: our own function when ``op_name`` is one, else the aten operator."""
     own = _FUNCTIONS.get(op_name)
     if own is not None:
@@ -262,7 +281,9 @@ def is_tensor_argument(op_name: str, overload_name: str, index: int, is_input: b
 # -- the native callbacks -------------------------------------------------------------------------
 
 # bool is_tensor_argument(const char* op_name, const char* overload_name, size_t index, bool is_input)
-_IS_TENSOR = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_bool)
+_IS_TENSOR = ctypes.CFUNCTYPE(
+    ctypes.c_bool, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_bool
+)
 # void execute(const char* op_name, const char* overload_name, size_t input_size,
 #              DLManagedTensor** inputs, size_t output_size, DLManagedTensor** outputs)
 _EXECUTE = ctypes.CFUNCTYPE(
@@ -328,22 +349,30 @@ def call_count() -> int:
 
 def _is_tensor_entry(op_name: bytes, overload_name: bytes, index: int, is_input: bool) -> bool:
     try:
-        return is_tensor_argument(op_name.decode(), (overload_name or b"").decode(), int(index), bool(is_input))
+        return is_tensor_argument(
+            op_name.decode(), (overload_name or b"").decode(), int(index), bool(is_input)
+        )
     except BaseException as err:  # noqa: BLE001 - must not unwind through the engine
         logger.warning("ATen executor: cannot describe %s argument %d: %s", op_name, index, err)
         return False
 
 
-def _execute_entry(op_name: bytes, overload_name: bytes, n_in: int, inputs: Any, n_out: int, outputs: Any) -> None:
+def _execute_entry(
+    op_name: bytes, overload_name: bytes, n_in: int, inputs: Any, n_out: int, outputs: Any
+) -> None:
     name = op_name.decode()
     overload = (overload_name or b"").decode()
     try:
         # own every input first: their deleters must run even when the operator fails
-        tensors = [bridge.tensor_from_pointer(inputs[i]) if inputs[i] else None for i in range(n_in)]
+        tensors = [
+            bridge.tensor_from_pointer(inputs[i]) if inputs[i] else None for i in range(n_in)
+        ]
         results = execute(name, overload, tensors)
         del tensors
         if len(results) != n_out:
-            raise UnsupportedAtenOperatorError(f"{name} returned {len(results)} values, the node has {n_out} outputs")
+            raise UnsupportedAtenOperatorError(
+                f"{name} returned {len(results)} values, the node has {n_out} outputs"
+            )
         addresses = []
         for r in results:
             if r is None:

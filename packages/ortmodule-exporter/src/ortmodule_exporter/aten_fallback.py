@@ -101,7 +101,9 @@ def _sizes(value: Any) -> list[int | None] | None:
     return list(sizes) if sizes is not None else None
 
 
-def _typed(value: Any, like: Any, sizes: Sequence[int | None] | None, dtype: torch.dtype | None = None) -> Any:
+def _typed(
+    value: Any, like: Any, sizes: Sequence[int | None] | None, dtype: torch.dtype | None = None
+) -> Any:
     """Give an ATen node's output the dtype of ``like`` and ``sizes`` (None: a dynamic dim)."""
     base = like.type()
     if dtype is not None:
@@ -110,21 +112,41 @@ def _typed(value: Any, like: Any, sizes: Sequence[int | None] | None, dtype: tor
     return value
 
 
-def _aten(g: Any, operator: str, inputs: Sequence[Any], overload: str = "", outputs: int = 1) -> Any:
-    return g.op(f"{ATEN_DOMAIN}::ATen", *inputs, operator_s=operator, overload_name_s=overload, outputs=outputs)
+def _aten(
+    g: Any, operator: str, inputs: Sequence[Any], overload: str = "", outputs: int = 1
+) -> Any:
+    return g.op(
+        f"{ATEN_DOMAIN}::ATen",
+        *inputs,
+        operator_s=operator,
+        overload_name_s=overload,
+        outputs=outputs,
+    )
 
 
 # -- embedding -------------------------------------------------------------------------------------
 
 
-def _embedding(g: Any, weight: Any, indices: Any, padding_idx: Any, scale_grad_by_freq: Any, sparse: Any) -> Any:
+def _embedding(
+    g: Any, weight: Any, indices: Any, padding_idx: Any, scale_grad_by_freq: Any, sparse: Any
+) -> Any:
     from torch.onnx._internal.torchscript_exporter import symbolic_opset9
 
     padding = sh._maybe_get_const(padding_idx, "i")
     by_freq = sh._maybe_get_const(scale_grad_by_freq, "b")
-    if not isinstance(padding, int) or not isinstance(by_freq, (bool, int)) or (padding < 0 and not by_freq):
-        return symbolic_opset9.embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse)
-    out = _aten(g, "embedding", [weight, indices, _const(g, padding), _const(g, bool(by_freq)), _const(g, False)])
+    if (
+        not isinstance(padding, int)
+        or not isinstance(by_freq, (bool, int))
+        or (padding < 0 and not by_freq)
+    ):
+        return symbolic_opset9.embedding(
+            g, weight, indices, padding_idx, scale_grad_by_freq, sparse
+        )
+    out = _aten(
+        g,
+        "embedding",
+        [weight, indices, _const(g, padding), _const(g, bool(by_freq)), _const(g, False)],
+    )
     index_sizes, weight_sizes = _sizes(indices), _sizes(weight)
     sizes = None
     if index_sizes is not None and weight_sizes is not None and len(weight_sizes) == 2:
@@ -140,9 +162,15 @@ def _upsample_bicubic2d(g: Any, x: Any, output_size: Any, align_corners: Any, *r
 
     scale_factors = rest[0] if rest else None
     size = None if sh._is_none(output_size) else sh._maybe_get_const(output_size, "is")
-    scales = None if scale_factors is None or sh._is_none(scale_factors) else sh._maybe_get_const(scale_factors, "fs")
+    scales = (
+        None
+        if scale_factors is None or sh._is_none(scale_factors)
+        else sh._maybe_get_const(scale_factors, "fs")
+    )
     corners = sh._maybe_get_const(align_corners, "b")
-    constant = (size is None or isinstance(size, list)) and (scales is None or isinstance(scales, list))
+    constant = (size is None or isinstance(size, list)) and (
+        scales is None or isinstance(scales, list)
+    )
     if not constant or not isinstance(corners, (bool, int)) or (size is None and scales is None):
         return symbolic_opset11.upsample_bicubic2d(g, x, output_size, align_corners, *rest)
     inputs = [
@@ -157,7 +185,10 @@ def _upsample_bicubic2d(g: Any, x: Any, output_size: Any, align_corners: Any, *r
     if in_sizes is not None and len(in_sizes) == 4:
         spatial: list[int | None] = list(size) if size is not None else [None, None]
         if size is None and scales is not None:
-            spatial = [int(d * s) if d is not None else None for d, s in zip(in_sizes[2:], scales, strict=True)]
+            spatial = [
+                int(d * s) if d is not None else None
+                for d, s in zip(in_sizes[2:], scales, strict=True)
+            ]
         sizes = [*in_sizes[:2], *spatial]
     return _typed(out, x, sizes)
 
@@ -225,7 +256,11 @@ def _sdpa(
 
     dropout = 0.0 if dropout_p is None else sh._maybe_get_const(dropout_p, "f")
     causal = False if is_causal is None else sh._maybe_get_const(is_causal, "b")
-    gqa = False if enable_gqa is None or sh._is_none(enable_gqa) else sh._maybe_get_const(enable_gqa, "b")
+    gqa = (
+        False
+        if enable_gqa is None or sh._is_none(enable_gqa)
+        else sh._maybe_get_const(enable_gqa, "b")
+    )
     scale_value = None if scale is None or sh._is_none(scale) else sh._maybe_get_const(scale, "f")
     q_sizes, v_sizes = _sizes(query), _sizes(value)
     if (
@@ -252,7 +287,9 @@ def _sdpa(
             if dtype != "Float":
                 from torch.onnx._internal.torchscript_exporter import _type_utils
 
-                mask = g.op("Cast", mask, to_i=_type_utils.JitScalarType._from_name(dtype).onnx_type())
+                mask = g.op(
+                    "Cast", mask, to_i=_type_utils.JitScalarType._from_name(dtype).onnx_type()
+                )
     else:
         mask = _none(g)
     scale_input = _none(g) if scale_value is None else _const(g, float(scale_value), torch.float64)
@@ -261,14 +298,31 @@ def _sdpa(
         outs = _aten(
             g,
             "_scaled_dot_product_efficient_attention",
-            [query, key, value, mask, _const(g, True), _const(g, 0.0, torch.float64), _const(g, bool(causal)), scale_input],
+            [
+                query,
+                key,
+                value,
+                mask,
+                _const(g, True),
+                _const(g, 0.0, torch.float64),
+                _const(g, bool(causal)),
+                scale_input,
+            ],
             outputs=4,
         )
     else:
         outs = _aten(
             g,
             "_scaled_dot_product_flash_attention_for_cpu",
-            [query, key, value, _const(g, 0.0, torch.float64), _const(g, bool(causal)), mask, scale_input],
+            [
+                query,
+                key,
+                value,
+                _const(g, 0.0, torch.float64),
+                _const(g, bool(causal)),
+                mask,
+                scale_input,
+            ],
             outputs=2,
         )
     _typed(outs[1], query, None, torch.float32)
@@ -302,7 +356,12 @@ def _value_types(model: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
-_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+_FLOATS = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.BFLOAT16,
+}
 
 
 def _known(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None] | None]]:
@@ -384,11 +443,21 @@ def _type_aten_outputs(model: onnx.ModelProto) -> None:
     in_value_info = {vi.name for vi in graph.value_info}
     for vi in graph.output:
         producer = next((n for n in graph.node if vi.name in n.output), None)
-        if producer is not None and producer.domain == ATEN_DOMAIN and vi.type.tensor_type.elem_type:
+        if (
+            producer is not None
+            and producer.domain == ATEN_DOMAIN
+            and vi.type.tensor_type.elem_type
+        ):
             if vi.name not in in_value_info:
                 graph.value_info.append(vi)
-    declared = {vi.name for vi in (*graph.value_info, *graph.output) if vi.type.tensor_type.elem_type}
-    todo = [n for n in graph.node if n.domain == ATEN_DOMAIN and any(o and o not in declared for o in n.output)]
+    declared = {
+        vi.name for vi in (*graph.value_info, *graph.output) if vi.type.tensor_type.elem_type
+    }
+    todo = [
+        n
+        for n in graph.node
+        if n.domain == ATEN_DOMAIN and any(o and o not in declared for o in n.output)
+    ]
     if not todo:
         return
     constants = _constant_values(graph)
@@ -398,7 +467,9 @@ def _type_aten_outputs(model: onnx.ModelProto) -> None:
             known = _known(model)
         types = _output_types(node, known, constants)
         if types is None:
-            logger.warning("could not type the outputs of ATen node %s; the engine may refuse it", node.name)
+            logger.warning(
+                "could not type the outputs of ATen node %s; the engine may refuse it", node.name
+            )
             continue
         for name, (elem_type, rank) in zip(node.output, types, strict=False):
             if not name or name in declared:
@@ -428,7 +499,10 @@ def prepare_aten_nodes(model: onnx.ModelProto) -> int:
             node.op_type = "ATen"
             del node.attribute[:]
             node.attribute.extend(
-                [onnx.helper.make_attribute("operator", operator), onnx.helper.make_attribute("overload_name", "")]
+                [
+                    onnx.helper.make_attribute("operator", operator),
+                    onnx.helper.make_attribute("overload_name", ""),
+                ]
             )
     _type_aten_outputs(model)
     types = _value_types(model)
@@ -442,16 +516,24 @@ def prepare_aten_nodes(model: onnx.ModelProto) -> int:
         overload = _attr(node, "overload_name", "") or ""
         if operator == VJP or operator.startswith("_ortmodule_") and operator != EINSUM:
             continue
-        bools = {i for i, name in enumerate(node.input) if name and types.get(name) == onnx.TensorProto.BOOL}
+        bools = {
+            i
+            for i, name in enumerate(node.input)
+            if name and types.get(name) == onnx.TensorProto.BOOL
+        }
         if bools:
             aten_executor.BOOL_INPUTS.setdefault((operator, overload), set()).update(bools)
         for slot, name in enumerate(node.output):
             if name and types.get(name) == onnx.TensorProto.BOOL:
                 raw = f"{name}__uint8"
                 node.output[slot] = raw
-                added.append((index, onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL)))
+                added.append(
+                    (index, onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL))
+                )
         if not has_gradient(operator, overload):
-            outputs = [j for j, name in enumerate(node.output) if name and types.get(name) in _FLOATS]
+            outputs = [
+                j for j, name in enumerate(node.output) if name and types.get(name) in _FLOATS
+            ]
             if outputs:
                 try:
                     register_generic_gradient(operator, overload, len(node.input), outputs)
@@ -469,7 +551,9 @@ def _aten_pass(exported: Any, _options: Mapping[str, Any]) -> None:
 # -- attention fusion (ORTMODULE_USE_EFFICIENT_ATTENTION) ---------------------------------------------
 
 
-def _scalar_constant(graph: onnx.GraphProto, name: str, producers: Mapping[str, onnx.NodeProto]) -> float | None:
+def _scalar_constant(
+    graph: onnx.GraphProto, name: str, producers: Mapping[str, onnx.NodeProto]
+) -> float | None:
     node = producers.get(name)
     array = None
     if node is not None and node.op_type == "Constant":
@@ -562,9 +646,21 @@ def fuse_attention(model: onnx.ModelProto) -> int:
         tag = f"fused_attention_{fused}"
         scale_name = f"{tag}_scale"
         constants = [
-            onnx.helper.make_node("Constant", [], [f"{tag}_dropout"], value=onnx.numpy_helper.from_array(np.array(0.0))),
-            onnx.helper.make_node("Constant", [], [f"{tag}_causal"], value=onnx.numpy_helper.from_array(np.array(False))),
-            onnx.helper.make_node("Constant", [], [scale_name], value=onnx.numpy_helper.from_array(np.array(scale))),
+            onnx.helper.make_node(
+                "Constant",
+                [],
+                [f"{tag}_dropout"],
+                value=onnx.numpy_helper.from_array(np.array(0.0)),
+            ),
+            onnx.helper.make_node(
+                "Constant",
+                [],
+                [f"{tag}_causal"],
+                value=onnx.numpy_helper.from_array(np.array(False)),
+            ),
+            onnx.helper.make_node(
+                "Constant", [], [scale_name], value=onnx.numpy_helper.from_array(np.array(scale))
+            ),
         ]
         attention = onnx.helper.make_node(
             "ATen",

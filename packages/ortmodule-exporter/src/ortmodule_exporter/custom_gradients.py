@@ -59,14 +59,22 @@ class GradientNode:
     attributes: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
 
     @classmethod
-    def aten(cls, operator: str, inputs: Sequence[str], outputs: Sequence[str], overload: str = "") -> GradientNode:
+    def aten(
+        cls, operator: str, inputs: Sequence[str], outputs: Sequence[str], overload: str = ""
+    ) -> GradientNode:
         attrs: dict[str, tuple[Any, ...]] = {"operator": (operator, "string")}
         if overload:
             attrs["overload_name"] = (overload, "string")
         return cls("ATen", tuple(inputs), tuple(outputs), ATEN_DOMAIN, attrs)
 
     @classmethod
-    def onnx(cls, op_type: str, inputs: Sequence[str], outputs: Sequence[str], **attributes: tuple[Any, ...]) -> GradientNode:
+    def onnx(
+        cls,
+        op_type: str,
+        inputs: Sequence[str],
+        outputs: Sequence[str],
+        **attributes: tuple[Any, ...],
+    ) -> GradientNode:
         return cls(op_type, tuple(inputs), tuple(outputs), "", attributes)
 
 
@@ -90,7 +98,9 @@ def register_aten_gradient(operator: str, overload: str, nodes: Sequence[Gradien
     with _LOCK:
         if key in _SENT:
             if _GRADIENTS.get(key) != tuple(nodes):
-                logger.warning("gradient of %s was already given to the engine; the new one is ignored", key)
+                logger.warning(
+                    "gradient of %s was already given to the engine; the new one is ignored", key
+                )
             return
         _GRADIENTS[key] = tuple(nodes)
         if _INSTALLED[0]:
@@ -177,7 +187,9 @@ def _vjp_spec(overload: str) -> tuple[str, str, list[int]]:
 
 
 def _tensor_inputs(operator: str, overload: str, count: int) -> list[int]:
-    return [i for i in range(count) if aten_executor.is_tensor_argument(operator, overload, i, True)]
+    return [
+        i for i in range(count) if aten_executor.is_tensor_argument(operator, overload, i, True)
+    ]
 
 
 def _run_vjp(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -227,7 +239,9 @@ def _vjp_is_tensor(overload: str, index: int, is_input: bool) -> bool:
 register_aten_function(VJP, AtenFunction(_run_vjp, _vjp_is_tensor))
 
 
-def register_generic_gradient(operator: str, overload: str, n_inputs: int, differentiable_outputs: Sequence[int]) -> None:
+def register_generic_gradient(
+    operator: str, overload: str, n_inputs: int, differentiable_outputs: Sequence[int]
+) -> None:
     """Give ``operator.overload`` (an aten operator or one of ours) the generic backward.
 
     ``n_inputs`` is the forward node's input count, ``differentiable_outputs`` the outputs whose
@@ -262,7 +276,9 @@ def _register_builtin_gradients() -> None:
             GradientNode.onnx("Shape", ["I(0)"], ["Shape_W"]),
             GradientNode.onnx("Constant", [], ["Zero"], value=(0, "int", True)),
             GradientNode.onnx("Gather", ["Shape_W", "Zero"], ["Num_W"], axis=(0, "int")),
-            GradientNode.aten("embedding_backward", ["GO(0)", "I(1)", "Num_W", "I(2)", "I(3)", "I(4)"], ["GI(0)"]),
+            GradientNode.aten(
+                "embedding_backward", ["GO(0)", "I(1)", "Num_W", "I(2)", "I(3)", "I(4)"], ["GI(0)"]
+            ),
         ],
     )
     register_stop_gradient_edges("embedding", "", [1, 2, 3, 4])
@@ -287,8 +303,21 @@ def _register_builtin_gradients() -> None:
             GradientNode.onnx("Constant", [], ["Grad_Mask"], value=([1, 1, 1, 0], "int", True)),
             GradientNode.aten(
                 "_scaled_dot_product_efficient_attention_backward",
-                ["GO(0)", "I(0)", "I(1)", "I(2)", "I(3)", "O(0)", "O(1)", "O(2)", "O(3)", "I(5)",
-                 "Grad_Mask", "I(6)", "I(7)"],
+                [
+                    "GO(0)",
+                    "I(0)",
+                    "I(1)",
+                    "I(2)",
+                    "I(3)",
+                    "O(0)",
+                    "O(1)",
+                    "O(2)",
+                    "O(3)",
+                    "I(5)",
+                    "Grad_Mask",
+                    "I(6)",
+                    "I(7)",
+                ],
                 ["GI(0)", "GI(1)", "GI(2)", ""],
             ),
         ],
@@ -298,7 +327,11 @@ def _register_builtin_gradients() -> None:
     register_aten_gradient(
         "upsample_bicubic2d",
         "vec",
-        [GradientNode.aten(_BICUBIC_BACKWARD, ["GO(0)", "I(0)", "O(0)", "I(1)", "I(2)", "I(3)"], ["GI(0)"])],
+        [
+            GradientNode.aten(
+                _BICUBIC_BACKWARD, ["GO(0)", "I(0)", "O(0)", "I(1)", "I(2)", "I(3)"], ["GI(0)"]
+            )
+        ],
     )
     register_stop_gradient_edges("upsample_bicubic2d", "vec", [1, 2, 3])
 
@@ -306,17 +339,27 @@ def _register_builtin_gradients() -> None:
 _BICUBIC_BACKWARD = "_ortmodule_upsample_bicubic2d_backward"
 
 
-def _bicubic_backward(_overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+def _bicubic_backward(
+    _overload: str, inputs: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
     grad, x, y, _output_size, align_corners, scale_factors = inputs
     assert grad is not None and x is not None and y is not None and align_corners is not None
     scales: list[float | None] = [None, None]
     if scale_factors is not None:
         scales = [float(s) for s in scale_factors.reshape(-1).tolist()]
     result = torch.ops.aten.upsample_bicubic2d_backward(
-        grad, list(y.shape[2:]), list(x.shape), bool(align_corners.reshape(-1)[0]), scales[0], scales[1]
+        grad,
+        list(y.shape[2:]),
+        list(x.shape),
+        bool(align_corners.reshape(-1)[0]),
+        scales[0],
+        scales[1],
     )
     return [result]
 
 
-register_aten_function(_BICUBIC_BACKWARD, AtenFunction(_bicubic_backward, lambda _o, i, is_input: not is_input or i < 3))
+register_aten_function(
+    _BICUBIC_BACKWARD,
+    AtenFunction(_bicubic_backward, lambda _o, i, is_input: not is_input or i < 3),
+)
 _register_builtin_gradients()

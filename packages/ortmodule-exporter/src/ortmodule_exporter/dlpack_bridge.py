@@ -54,7 +54,11 @@ _USED_DLTENSOR = ctypes.create_string_buffer(b"used_dltensor")
 
 
 class _StdVector(ctypes.Structure):
-    _fields_ = [("begin", ctypes.c_void_p), ("end", ctypes.c_void_p), ("end_of_storage", ctypes.c_void_p)]
+    _fields_ = [
+        ("begin", ctypes.c_void_p),
+        ("end", ctypes.c_void_p),
+        ("end_of_storage", ctypes.c_void_p),
+    ]
 
 
 def _operator_new() -> Any:

@@ -296,7 +296,7 @@ def export(
             torch.onnx.export(
                 flat,
                 tuple(t.detach() for t in tensors),
-                buf,
+                buf,  # type: ignore[arg-type]  # a file object works; the stub says path only
                 input_names=names,
                 opset_version=opset,
                 do_constant_folding=False,

@@ -86,7 +86,9 @@ CHECKPOINT_FUNCTIONS = frozenset(
 #: ``fn(input_shapes, input_dtypes) -> output_shapes``: shapes are lists of ``int`` (static),
 #: ``str`` (a symbolic dim) or ``None`` (unknown), one per tensor input/output; dtypes are ONNX
 #: element types. A shape may itself be ``None`` when the input's rank is unknown.
-ShapeFn = Callable[[list[list[int | str | None] | None], list[int]], Sequence[Sequence[int | str | None] | None]]
+ShapeFn = Callable[
+    [list[list[int | str | None] | None], list[int]], Sequence[Sequence[int | str | None] | None]
+]
 
 
 class RefusedPythonOpError(ExportError):
@@ -181,7 +183,11 @@ class FunctionRegistry:
     def sizes(self) -> dict[str, int]:
         """Entry counts, for leak checks: functions, kept objects, exported nodes."""
         with self._lock:
-            return {"functions": len(self._by_name), "objects": len(self._objects), "nodes": len(self._nodes)}
+            return {
+                "functions": len(self._by_name),
+                "objects": len(self._objects),
+                "nodes": len(self._nodes),
+            }
 
 
 REGISTRY = FunctionRegistry()
@@ -342,11 +348,15 @@ class _EngineStub(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, *args: Any) -> Any:  # pragma: no cover - never called
-        raise RuntimeError("ORTModule's PythonOp runner calls the registered Function, not this stub")
+        raise RuntimeError(
+            "ORTModule's PythonOp runner calls the registered Function, not this stub"
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - never called
-        raise RuntimeError("ORTModule's PythonOp runner calls the registered Function, not this stub")
+        raise RuntimeError(
+            "ORTModule's PythonOp runner calls the registered Function, not this stub"
+        )
 
 
 def _register_with_engine(name: str) -> None:
@@ -472,7 +482,9 @@ def _python_op_symbolic(g: Any, *args: Any, **_kwargs: Any) -> Any:
     entry = REGISTRY.register(cls)
     cconv = node.cconv()
     if len(cconv) != len(args):
-        raise ExportError(f"PythonOp export of {entry.name}: {len(args)} arguments for convention {cconv!r}")
+        raise ExportError(
+            f"PythonOp export of {entry.name}: {len(args)} arguments for convention {cconv!r}"
+        )
 
     enc = _Encoded()
     tensors: list[Any] = []
@@ -482,7 +494,9 @@ def _python_op_symbolic(g: Any, *args: Any, **_kwargs: Any) -> Any:
         if kind == "d":
             onnx_type = _onnx_type(arg.type())
             if onnx_type is None:
-                raise ExportError(f"PythonOp export of {entry.name}: tensor argument {position} has no known dtype")
+                raise ExportError(
+                    f"PythonOp export of {entry.name}: tensor argument {position} has no known dtype"
+                )
             if onnx_type == _BOOL:
                 entry.bool_inputs.add(position)
             tensors.append(arg)
@@ -491,7 +505,9 @@ def _python_op_symbolic(g: Any, *args: Any, **_kwargs: Any) -> Any:
         elif kind == "c":
             _encode_constant(enc, position, arg, entry.name)
         else:
-            raise ExportError(f"PythonOp export of {entry.name}: unknown argument convention {kind!r}")
+            raise ExportError(
+                f"PythonOp export of {entry.name}: unknown argument convention {kind!r}"
+            )
 
     outputs = list(node.outputs())
     output_types: list[int] = []
@@ -533,12 +549,18 @@ def _python_op_symbolic(g: Any, *args: Any, **_kwargs: Any) -> Any:
         out_type = out.type()
         rank = out_type.dim() if hasattr(out_type, "dim") else None
         if _onnx_type(out_type) is None:
-            value.setType(torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
+            value.setType(
+                torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64))
+            )
             results.append(value)
             continue
         unknown = [None] * rank if rank is not None else None
         if onnx_type == _UINT8 and _onnx_type(out_type) == _BOOL:
-            value.setType(out_type.with_dtype(torch.uint8).with_sizes(unknown) if unknown is not None else out_type.with_dtype(torch.uint8))
+            value.setType(
+                out_type.with_dtype(torch.uint8).with_sizes(unknown)
+                if unknown is not None
+                else out_type.with_dtype(torch.uint8)
+            )
             cast = g.op("Cast", value, to_i=_BOOL)
             cast.setType(out_type.with_sizes(unknown) if unknown is not None else out_type)
             results.append(cast)
@@ -615,7 +637,9 @@ def _dims(vi: onnx.ValueInfoProto | None) -> list[int | str | None] | None:
     return dims
 
 
-def _set_value_info(graph: onnx.GraphProto, name: str, elem_type: int, dims: Sequence[int | str | None]) -> None:
+def _set_value_info(
+    graph: onnx.GraphProto, name: str, elem_type: int, dims: Sequence[int | str | None]
+) -> None:
     for vi in list(graph.value_info):
         if vi.name == name:
             graph.value_info.remove(vi)
@@ -637,14 +661,21 @@ def infer_python_op_shapes(model: onnx.ModelProto) -> int:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
         except Exception:  # noqa: BLE001 - shapes are an optimisation, never a failed export
             return done
-        known = {vi.name: vi for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output)}
+        known = {
+            vi.name: vi
+            for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output)
+        }
         in_shapes = [_dims(known.get(name)) for name in node.input]
         in_types = list(_attr(node, "input_tensor_types") or [])
         out_types = list(_attr(node, "output_tensor_types") or [])
         try:
             shapes = list(fn(in_shapes, in_types))
         except Exception as err:  # noqa: BLE001
-            logger.warning("shape function of %s failed (%s); its outputs keep their rank only", _func_name(node), err)
+            logger.warning(
+                "shape function of %s failed (%s); its outputs keep their rank only",
+                _func_name(node),
+                err,
+            )
             continue
         for name, shape, elem_type in zip(node.output[1:], shapes, out_types, strict=False):
             if shape is not None and name:

@@ -162,13 +162,18 @@ def kernel_count() -> int:
 
 
 def _calls_setup_context(cls: type) -> bool:
-    return getattr(cls, "setup_context", _SingleLevelFunction.setup_context) is not _SingleLevelFunction.setup_context
+    return (
+        getattr(cls, "setup_context", _SingleLevelFunction.setup_context)
+        is not _SingleLevelFunction.setup_context
+    )
 
 
 def _backward_fn(cls: Any) -> Any:
     backward, vjp = cls.backward, cls.vjp
     if backward is not Function.backward and vjp is not Function.vjp:
-        raise RuntimeError(f"{cls.__qualname__} implements both backward and vjp; implement one of them")
+        raise RuntimeError(
+            f"{cls.__qualname__} implements both backward and vjp; implement one of them"
+        )
     return vjp if vjp is not Function.vjp else backward
 
 
@@ -201,7 +206,11 @@ def run_forward(
         if not kernel.seen or position in kernel.clone:
             tensor = tensor.clone()
             cloned.add(position)
-        wants = bool(training and requires_grad[position] and (tensor.is_floating_point() or tensor.is_complex()))
+        wants = bool(
+            training
+            and requires_grad[position]
+            and (tensor.is_floating_point() or tensor.is_complex())
+        )
         if wants:
             tensor.requires_grad_(True)
         fed[position] = tensor
@@ -240,7 +249,9 @@ def run_forward(
             returned.append(None)
             continue
         state.outputs.append(
-            _TensorMeta(out.shape, out.dtype, out.device, non_differentiable=id(out) in non_differentiable)
+            _TensorMeta(
+                out.shape, out.dtype, out.device, non_differentiable=id(out) in non_differentiable
+            )
         )
         value = out.detach()
         if value.dtype == torch.bool:  # the engine imports bool as uint8 (declared so at export)
@@ -335,17 +346,28 @@ def run_backward(func_name: str, raw_args: Sequence[Any]) -> list[Any]:
 
 # -- the native callbacks ---------------------------------------------------------------------------
 
+
 def _name(raw: bytes | None) -> str:
     return (raw or b"").decode("utf-8", "replace")
 
 
 def _forward_entry(
-    result: int, func_name: bytes, _callback: int, requires_grad: int, tensor_flags: int, training: bool,
-    _inplace: int, invoke_id: bytes, _safe: bool, args: int,
+    result: int,
+    func_name: bytes,
+    _callback: int,
+    requires_grad: int,
+    tensor_flags: int,
+    training: bool,
+    _inplace: int,
+    invoke_id: bytes,
+    _safe: bool,
+    args: int,
 ) -> int:
     name = _name(func_name)
     try:
-        objects = [bridge.object_from_pointer(p) if p else None for p in bridge.read_pointer_vector(args)]
+        objects = [
+            bridge.object_from_pointer(p) if p else None for p in bridge.read_pointer_vector(args)
+        ]
         values = run_forward(
             name,
             bridge.read_int64_vector(requires_grad),
@@ -356,23 +378,39 @@ def _forward_entry(
         )
         del objects
     except BaseException as err:  # noqa: BLE001 - must not unwind through the engine
-        remember(err, f"raised in {name}.forward, a torch.autograd.Function that ONNX Runtime ran as a PythonOp")
+        remember(
+            err,
+            f"raised in {name}.forward, a torch.autograd.Function that ONNX Runtime ran as a PythonOp",
+        )
         values = []  # an empty result makes the engine fail the node cleanly
     bridge.write_object_vector(result, values)
     return result
 
 
 def _backward_entry(
-    result: int, func_name: bytes, _callback: int, _requires_grad: int, _tensor_flags: int, _training: bool,
-    _inplace: int, _invoke_id: bytes, _safe: bool, args: int,
+    result: int,
+    func_name: bytes,
+    _callback: int,
+    _requires_grad: int,
+    _tensor_flags: int,
+    _training: bool,
+    _inplace: int,
+    _invoke_id: bytes,
+    _safe: bool,
+    args: int,
 ) -> int:
     name = _name(func_name)
     try:
-        objects = [bridge.object_from_pointer(p) if p else None for p in bridge.read_pointer_vector(args)]
+        objects = [
+            bridge.object_from_pointer(p) if p else None for p in bridge.read_pointer_vector(args)
+        ]
         values = run_backward(name, objects)
         del objects
     except BaseException as err:  # noqa: BLE001
-        remember(err, f"raised in {name}.backward, a torch.autograd.Function that ONNX Runtime ran as a PythonOp")
+        remember(
+            err,
+            f"raised in {name}.backward, a torch.autograd.Function that ONNX Runtime ran as a PythonOp",
+        )
         values = []
     bridge.write_object_vector(result, values)
     return result

@@ -177,7 +177,9 @@ def _const_ints(v: Value) -> list[int] | None:
 
 
 @sh.parse_args("v", "is", "v", "v", "f", "b")
-def layer_norm(g: Any, x: Value, shape: list[int], weight: Value, bias: Value, eps: float, _cudnn: bool) -> Value:
+def layer_norm(
+    g: Any, x: Value, shape: list[int], weight: Value, bias: Value, eps: float, _cudnn: bool
+) -> Value:
     # The engine's LayerNormalizationGrad consumes the saved mean and inverse std-dev, so the
     # forward node must produce all three outputs (the default export keeps only the first).
     dtype = _TORCH_TYPE[_float_type(x)]
@@ -234,7 +236,9 @@ def _weighted_count(g: Any, target: Value, ignored: Value, weight: Value, like: 
     if sh._is_none(weight):
         return g.op("ReduceSum", _cast(g, g.op("Not", ignored), like), keepdims_i=0)
     safe = g.op("Where", ignored, _const(g, 0, torch.int64), target)
-    return g.op("ReduceSum", g.op("Where", ignored, zero, g.op("Gather", weight, safe)), keepdims_i=0)
+    return g.op(
+        "ReduceSum", g.op("Where", ignored, zero, g.op("Gather", weight, safe)), keepdims_i=0
+    )
 
 
 @sh.parse_args("v", "v", "v", "i", "i", "f")
@@ -289,7 +293,9 @@ def cross_entropy_loss(
 
 
 @sh.parse_args("v", "v", "v", "i", "i")
-def nll_loss(g: Any, log_prob: Value, target: Value, weight: Value, reduction: int, ignore_index: int) -> Value:
+def nll_loss(
+    g: Any, log_prob: Value, target: Value, weight: Value, reduction: int, ignore_index: int
+) -> Value:
     # The default NegativeLogLikelihoodLoss has no gradient in the engine. Picking the target
     # entries with GatherElements (differentiable) and weighting them is the same loss.
     op = "aten::nll_loss"
@@ -341,7 +347,9 @@ def embedding(
     flat = g.op("Reshape", indices, _ints(g, [-1]))
     vocab = _dim(g, weight, 0)
     zeros = g.op("ConstantOfShape", vocab, value_t=torch.tensor([0.0], dtype=_TORCH_TYPE[like]))
-    ones = g.op("ConstantOfShape", _shape(g, flat), value_t=torch.tensor([1.0], dtype=_TORCH_TYPE[like]))
+    ones = g.op(
+        "ConstantOfShape", _shape(g, flat), value_t=torch.tensor([1.0], dtype=_TORCH_TYPE[like])
+    )
     counts = g.op("ScatterElements", zeros, flat, ones, axis_i=0, reduction_s="add")
     scale = g.op("Reciprocal", g.op("Gather", counts, indices))
     if has_padding:
@@ -398,7 +406,9 @@ def gelu(g: Any, x: Value, approximate: str = "none") -> Value:
 # -- max / min -------------------------------------------------------------------------------
 
 
-def _tie_split_extreme(g: Any, x: Value, axes: list[int] | None, keepdim: bool, largest: bool) -> Value:
+def _tie_split_extreme(
+    g: Any, x: Value, axes: list[int] | None, keepdim: bool, largest: bool
+) -> Value:
     """max/min over ``axes`` whose gradient is shared evenly by the tied elements (eager's
     rule for ``max()`` and ``amax``). The extreme value only selects: it reaches the result
     through Equal, which the engine never differentiates."""
@@ -514,11 +524,17 @@ class _Einsum:
         lhs, arrow, rhs = eq.partition("->")
         terms = lhs.split(",")
         if len(terms) != len(self.operands):
-            raise ValueError(f"aten::einsum: {eq!r} names {len(terms)} operands, got {len(self.operands)}")
+            raise ValueError(
+                f"aten::einsum: {eq!r} names {len(terms)} operands, got {len(self.operands)}"
+            )
         spare = [c for c in string.ascii_letters if c not in eq]
         ranks = [_rank(v, "aten::einsum") for v in self.operands]
         ellipsis_rank = max(
-            [r - len(t.replace("...", "")) for t, r in zip(terms, ranks, strict=True) if "..." in t],
+            [
+                r - len(t.replace("...", ""))
+                for t, r in zip(terms, ranks, strict=True)
+                if "..." in t
+            ],
             default=0,
         )
         ell = spare[:ellipsis_rank]
@@ -530,7 +546,9 @@ class _Einsum:
                 labels.append([*head, *ell[ellipsis_rank - n :], *tail])
             else:
                 if len(term) != rank:
-                    raise ValueError(f"aten::einsum: {term!r} does not match an operand of rank {rank}")
+                    raise ValueError(
+                        f"aten::einsum: {term!r} does not match an operand of rank {rank}"
+                    )
                 labels.append(list(term))
         if arrow:
             head, dots, tail = rhs.partition("...")
@@ -556,7 +574,9 @@ class _Einsum:
         value, current = self._sum_unused(value, current, set(out))
         missing = [c for c in out if c not in current]
         if missing:
-            raise ValueError(f"aten::einsum: output labels {missing} appear in no operand of {self.equation!r}")
+            raise ValueError(
+                f"aten::einsum: output labels {missing} appear in no operand of {self.equation!r}"
+            )
         return self._transpose(value, current, out)
 
     def _transpose(self, x: Value, labels: list[str], order: list[str]) -> Value:
@@ -580,7 +600,9 @@ class _Einsum:
             j = labels.index(first, i + 1)
             n = g.op("Squeeze", _dim(g, x, i), _ints(g, [0]))
             idx = g.op("Range", _const(g, 0, torch.int64), n, _const(g, 1, torch.int64))
-            eye = _cast(g, g.op("Equal", _unsqueeze(g, idx, [1]), _unsqueeze(g, idx, [0])), _float_type(x))
+            eye = _cast(
+                g, g.op("Equal", _unsqueeze(g, idx, [1]), _unsqueeze(g, idx, [0])), _float_type(x)
+            )
             rank = len(labels)
             shape_axes = [a for a in range(rank) if a not in (i, j)]
             mask = _unsqueeze(g, eye, shape_axes) if shape_axes else eye
@@ -730,7 +752,9 @@ def _repeat_kv_heads(g: Any, query: Value, kv: Value, rank: int) -> Value:
     return g.op(
         "Reshape",
         expanded,
-        _concat(g, _dims(g, kv, 0, head_axis), _dim(g, query, head_axis), _dims(g, kv, head_axis + 1)),
+        _concat(
+            g, _dims(g, kv, 0, head_axis), _dim(g, query, head_axis), _dims(g, kv, head_axis + 1)
+        ),
     )
 
 
@@ -743,7 +767,11 @@ def feature_dropout(g: Any, x: Value, p: float, train: bool) -> Value:
         return x
     rank = _rank(x, "aten::feature_dropout")
     ones_shape = _concat(g, _dims(g, x, 0, 2), _ints(g, [1] * (rank - 2)))
-    ones = g.op("ConstantOfShape", ones_shape, value_t=torch.tensor([1.0], dtype=_TORCH_TYPE[_float_type(x)]))
+    ones = g.op(
+        "ConstantOfShape",
+        ones_shape,
+        value_t=torch.tensor([1.0], dtype=_TORCH_TYPE[_float_type(x)]),
+    )
     return g.op("Mul", x, _dropout_train(g, ones, p))
 
 
@@ -796,11 +824,25 @@ def convolution(
     def build(x: Value, weight: Value, bias: Value) -> Value:
         if transposed and _device_type(x) != "cuda":
             # the CPU engine has no ConvTransposeGrad kernel
-            return _conv_transpose_as_conv(g, x, weight, bias, stride, padding, dilation, output_padding, groups)
+            return _conv_transpose_as_conv(
+                g, x, weight, bias, stride, padding, dilation, output_padding, groups
+            )
         default = _default_convolution()
         return default(
-            g, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
-            benchmark, deterministic, cudnn_enabled, allow_tf32,
+            g,
+            x,
+            weight,
+            bias,
+            stride,
+            padding,
+            dilation,
+            transposed,
+            output_padding,
+            groups,
+            benchmark,
+            deterministic,
+            cudnn_enabled,
+            allow_tf32,
         )
 
     return _with_float_compute(g, x, weight, bias, build)
@@ -808,7 +850,14 @@ def convolution(
 
 @sh.parse_args("v", "v", "v", "is", "s", "is", "i")
 def convolution_mode(
-    g: Any, x: Value, weight: Value, bias: Value, stride: list[int], padding: str, dilation: list[int], groups: int
+    g: Any,
+    x: Value,
+    weight: Value,
+    bias: Value,
+    stride: list[int],
+    padding: str,
+    dilation: list[int],
+    groups: int,
 ) -> Value:
     # padding="same"/"valid": the default export's auto_pad=SAME_UPPER Conv gets a wrong input
     # gradient from the engine. Explicit pads (the extra one on the right, as eager pads) are
@@ -832,7 +881,13 @@ def convolution_mode(
     def build(x: Value, weight: Value, bias: Value) -> Value:
         args = [x, weight] if sh._is_none(bias) else [x, weight, bias]
         return g.op(
-            "Conv", *args, kernel_shape_i=kernel, strides_i=stride, pads_i=pads, dilations_i=dilation, group_i=groups
+            "Conv",
+            *args,
+            kernel_shape_i=kernel,
+            strides_i=stride,
+            pads_i=pads,
+            dilations_i=dilation,
+            group_i=groups,
         )
 
     return _with_float_compute(g, x, weight, bias, build)
@@ -854,7 +909,9 @@ def _conv_transpose_as_conv(
     op = "aten::_convolution"
     sizes = sh._get_tensor_sizes(weight)
     if sizes is None or any(s is None for s in sizes):
-        raise ValueError(f"{op}: the transposed-convolution weight shape must be known at export time")
+        raise ValueError(
+            f"{op}: the transposed-convolution weight shape must be known at export time"
+        )
     c_in, c_out_per_group, *kernel = (int(s) for s in sizes)
     n = len(kernel)
 
@@ -887,7 +944,13 @@ def _conv_transpose_as_conv(
     w = g.op("Reshape", w, _ints(g, [groups * c_out_per_group, c_in // groups, *kernel]))
     args = [x, w] if sh._is_none(bias) else [x, w, bias]
     return g.op(
-        "Conv", *args, kernel_shape_i=kernel, strides_i=[1] * n, pads_i=[0] * (2 * n), dilations_i=dilation, group_i=groups
+        "Conv",
+        *args,
+        kernel_shape_i=kernel,
+        strides_i=[1] * n,
+        pads_i=[0] * (2 * n),
+        dilations_i=dilation,
+        group_i=groups,
     )
 
 
@@ -917,7 +980,13 @@ def _max_pool(n: int, with_indices: bool) -> Any:
 
     @sh.parse_args("v", "is", "is", "is", "is", "i")
     def symbolic(
-        g: Any, x: Value, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int], ceil_mode: int
+        g: Any,
+        x: Value,
+        kernel: list[int],
+        stride: list[int],
+        padding: list[int],
+        dilation: list[int],
+        ceil_mode: int,
     ) -> Any:
         # The engine's CPU MaxPoolGrad sizes its output from the static shape of the node, so
         # with dynamic dims it writes out of bounds. MaxPool only picks the indices here; the
@@ -965,7 +1034,11 @@ def _avg_pool(n: int) -> Any:
         pad_ = _per_dim(_const_ints(padding) or [0], n)
         ceil = bool(sh._get_const(ceil_mode, "i", "ceil_mode"))
         include_pad = bool(sh._get_const(count_include_pad, "i", "count_include_pad"))
-        divisor = None if divisor_override is None or sh._is_none(divisor_override) else sh._get_const(divisor_override, "i", "divisor_override")
+        divisor = (
+            None
+            if divisor_override is None or sh._is_none(divisor_override)
+            else sh._get_const(divisor_override, "i", "divisor_override")
+        )
         like = _float_type(x)
         dtype = _TORCH_TYPE[like]
         planes = g.op("Reshape", x, _concat(g, _ints(g, [-1, 1]), _dims(g, x, 2)))
@@ -995,9 +1068,13 @@ def _avg_pool(n: int) -> Any:
                 value_t=torch.tensor([1.0], dtype=dtype),
             )
             if include_pad:  # padding counts, the ceil overhang does not
-                cells = g.op("Pad", cells, _ints(g, [0, 0, *pad_, 0, 0, *pad_]), _const(g, 1.0, dtype))
+                cells = g.op(
+                    "Pad", cells, _ints(g, [0, 0, *pad_, 0, 0, *pad_]), _const(g, 1.0, dtype)
+                )
                 end = _concat(g, _ints(g, [0, 0]), extra)
-                cells = g.op("Pad", cells, _concat(g, _ints(g, [0] * (n + 2)), end), _const(g, 0.0, dtype))
+                cells = g.op(
+                    "Pad", cells, _concat(g, _ints(g, [0] * (n + 2)), end), _const(g, 0.0, dtype)
+                )
                 counts = g.op("Conv", cells, ones_kernel, kernel_shape_i=kernel_, strides_i=stride_)
             else:
                 counts = window_sum(cells, 0.0, True)
@@ -1008,13 +1085,19 @@ def _avg_pool(n: int) -> Any:
     return symbolic
 
 
-def _ceil_extra(g: Any, x: Value, kernel: list[int], stride: list[int], padding: list[int]) -> Value:
+def _ceil_extra(
+    g: Any, x: Value, kernel: list[int], stride: list[int], padding: list[int]
+) -> Value:
     """Right padding that makes a floor-mode window count equal eager's ceil-mode count:
     out = ceil((in + 2p - k) / s) + 1, less one when the last window starts past in + p."""
     sizes = _dims(g, x, 2)
     k, s, p = _ints(g, kernel), _ints(g, stride), _ints(g, padding)
     span = g.op("Sub", g.op("Add", sizes, g.op("Mul", p, _ints(g, [2] * len(kernel)))), k)
-    out = g.op("Add", g.op("Div", g.op("Add", span, g.op("Sub", s, _ints(g, [1] * len(kernel)))), s), _ints(g, [1] * len(kernel)))
+    out = g.op(
+        "Add",
+        g.op("Div", g.op("Add", span, g.op("Sub", s, _ints(g, [1] * len(kernel)))), s),
+        _ints(g, [1] * len(kernel)),
+    )
     last_start = g.op("Mul", g.op("Sub", out, _ints(g, [1] * len(kernel))), s)
     past = g.op("GreaterOrEqual", last_start, g.op("Add", sizes, p))
     out = g.op("Sub", out, _cast(g, past, "Long"))
@@ -1029,7 +1112,9 @@ def _adaptive_bounds(g: Any, in_size: Value, out_size: int) -> tuple[Value, Valu
     cells = g.op("Range", zero, _const(g, out_size, torch.int64), one)
     o = _const(g, out_size, torch.int64)
     start = g.op("Div", g.op("Mul", cells, in_size), o)
-    end = g.op("Div", g.op("Sub", g.op("Add", g.op("Mul", g.op("Add", cells, one), in_size), o), one), o)
+    end = g.op(
+        "Div", g.op("Sub", g.op("Add", g.op("Mul", g.op("Add", cells, one), in_size), o), one), o
+    )
     return start, end
 
 
@@ -1072,7 +1157,9 @@ def _along_axis(g: Any, x: Value, matrix: Value, axis: int, rank: int) -> Value:
         return g.op("MatMul", matrix, x)
     perm = list(range(rank))
     perm[axis], perm[-1] = perm[-1], perm[axis]
-    moved = g.op("MatMul", g.op("Transpose", x, perm_i=perm), g.op("Transpose", matrix, perm_i=[1, 0]))
+    moved = g.op(
+        "MatMul", g.op("Transpose", x, perm_i=perm), g.op("Transpose", matrix, perm_i=[1, 0])
+    )
     return g.op("Transpose", moved, perm_i=perm)
 
 
@@ -1092,13 +1179,21 @@ def _adaptive_max_pool(n: int) -> Any:
             axis = rank - n + i
             in_size = g.op("Squeeze", _dim(g, x, axis), _ints(g, [0]))
             start, end = _adaptive_bounds(g, in_size, sizes[i])
-            longest = g.op("ReduceMax", g.op("Sub", end, start), keepdims_i=0) if g.opset < 18 else g.op(
-                "ReduceMax", g.op("Sub", end, start), keepdims_i=0
+            longest = (
+                g.op("ReduceMax", g.op("Sub", end, start), keepdims_i=0)
+                if g.opset < 18
+                else g.op("ReduceMax", g.op("Sub", end, start), keepdims_i=0)
             )
             offsets = _unsqueeze(g, g.op("Range", zero, longest, one), [0])
-            window = g.op("Min", g.op("Add", _unsqueeze(g, start, [1]), offsets), _unsqueeze(g, g.op("Sub", end, one), [1]))
+            window = g.op(
+                "Min",
+                g.op("Add", _unsqueeze(g, start, [1]), offsets),
+                _unsqueeze(g, g.op("Sub", end, one), [1]),
+            )
             gathered = g.op("Gather", reduced, window, axis_i=axis)  # (..., out, L, ...)
-            values, local = g.op("TopK", gathered, _ints(g, [1]), axis_i=axis + 1, largest_i=1, sorted_i=1, outputs=2)
+            values, local = g.op(
+                "TopK", gathered, _ints(g, [1]), axis_i=axis + 1, largest_i=1, sorted_i=1, outputs=2
+            )
             reduced = _squeeze(g, values, [axis + 1])
             local = _squeeze(g, local, [axis + 1])
             trailing = list(range(1, rank - axis))
@@ -1110,7 +1205,11 @@ def _adaptive_max_pool(n: int) -> Any:
         for i in range(n):
             axis = rank - n + i
             index = chosen[axis]
-            plane = index if plane is None else g.op("Add", g.op("Mul", plane, _dim_scalar(g, x, axis)), index)
+            plane = (
+                index
+                if plane is None
+                else g.op("Add", g.op("Mul", plane, _dim_scalar(g, x, axis)), index)
+            )
         assert plane is not None
         plane_size = g.op("ReduceProd", _dims(g, x, rank - n), keepdims_i=0)
         leading = g.op("ReduceProd", _dims(g, x, 0, rank - n), keepdims_i=0)
@@ -1157,7 +1256,11 @@ class _Upsample:
         dst = _cast(g, g.op("Range", zero, out, one), "Float")
         last = g.op("Sub", in_size, one)
         if self.align and self.mode != "nearest":
-            ratio = g.op("Div", g.op("Sub", in_f, _const(g, 1.0, f32)), g.op("Sub", out_f, _const(g, 1.0, f32)))
+            ratio = g.op(
+                "Div",
+                g.op("Sub", in_f, _const(g, 1.0, f32)),
+                g.op("Sub", out_f, _const(g, 1.0, f32)),
+            )
             ratio = g.op("Where", g.op("Greater", out, one), ratio, _const(g, 0.0, f32))
         elif scale is not None and scale > 0:
             ratio = _const(g, float(torch.tensor(1.0 / scale, dtype=torch.float32)), f32)
@@ -1172,17 +1275,31 @@ class _Upsample:
         if self.align:
             real = g.op("Mul", ratio, dst)
         else:
-            real = g.op("Sub", g.op("Mul", ratio, g.op("Add", dst, _const(g, 0.5, f32))), _const(g, 0.5, f32))
+            real = g.op(
+                "Sub",
+                g.op("Mul", ratio, g.op("Add", dst, _const(g, 0.5, f32))),
+                _const(g, 0.5, f32),
+            )
             if self.mode == "linear":
                 real = g.op("Max", real, _const(g, 0.0, f32))
         base = g.op("Min", _cast(g, g.op("Floor", real), "Long"), last)
         t = g.op("Sub", real, _cast(g, base, "Float"))
         t = g.op("Min", g.op("Max", t, _const(g, 0.0, f32)), _const(g, 1.0, f32))
         if self.mode == "linear":
-            taps = [(base, g.op("Sub", _const(g, 1.0, f32), t)), (g.op("Min", g.op("Add", base, one), last), t)]
+            taps = [
+                (base, g.op("Sub", _const(g, 1.0, f32), t)),
+                (g.op("Min", g.op("Add", base, one), last), t),
+            ]
         else:
             taps = [
-                (g.op("Min", g.op("Max", g.op("Add", base, _const(g, k - 1, torch.int64)), zero), last), w)
+                (
+                    g.op(
+                        "Min",
+                        g.op("Max", g.op("Add", base, _const(g, k - 1, torch.int64)), zero),
+                        last,
+                    ),
+                    w,
+                )
                 for k, w in enumerate(self._cubic_weights(t))
             ]
         trailing = list(range(1, self.rank - axis))
@@ -1208,11 +1325,18 @@ class _Upsample:
             return g.op("Add", g.op("Mul", g.op("Mul", inner, x), x), c(1.0))
 
         def far(x: Value) -> Value:  # 1 < |x| < 2: ((A x - 5A) x + 8A) x - 4A
-            inner = g.op("Add", g.op("Mul", g.op("Sub", g.op("Mul", c(a), x), c(5 * a)), x), c(8 * a))
+            inner = g.op(
+                "Add", g.op("Mul", g.op("Sub", g.op("Mul", c(a), x), c(5 * a)), x), c(8 * a)
+            )
             return g.op("Sub", g.op("Mul", inner, x), c(4 * a))
 
         one_minus = g.op("Sub", c(1.0), t)
-        return [far(g.op("Add", t, c(1.0))), near(t), near(one_minus), far(g.op("Add", one_minus, c(1.0)))]
+        return [
+            far(g.op("Add", t, c(1.0))),
+            near(t),
+            near(one_minus),
+            far(g.op("Add", one_minus, c(1.0))),
+        ]
 
 
 def _upsample(n: int, mode: str) -> Any:
@@ -1240,10 +1364,15 @@ def _upsample_scales(args: Sequence[Value], n: int) -> list[float | None]:
         if isinstance(parsed, list):
             return [float(s) for s in parsed] * (n if len(parsed) == 1 else 1)
         raise ValueError("aten::upsample: scale factors must be constants")
-    return [None if a is None or sh._is_none(a) else float(sh._get_const(a, "f", "scale")) for a in args[-n:]]
+    return [
+        None if a is None or sh._is_none(a) else float(sh._get_const(a, "f", "scale"))
+        for a in args[-n:]
+    ]
 
 
-def _upsample_sizes(g: Any, x: Value, output_size: Value, scales: list[float | None], n: int) -> list[Value | int]:
+def _upsample_sizes(
+    g: Any, x: Value, output_size: Value, scales: list[float | None], n: int
+) -> list[Value | int]:
     rank = _rank(x, "aten::upsample")
     if output_size is not None and not sh._is_none(output_size):
         constant = _const_ints(output_size)
@@ -1251,7 +1380,8 @@ def _upsample_sizes(g: Any, x: Value, output_size: Value, scales: list[float | N
             return constant * n if len(constant) == 1 else list(constant)
         if sh._is_packed_list(output_size):
             return [
-                g.op("Reshape", _cast(g, v, "Long"), _ints(g, [])) for v in sh._unpack_list(output_size)
+                g.op("Reshape", _cast(g, v, "Long"), _ints(g, []))
+                for v in sh._unpack_list(output_size)
             ]
         return [g.op("Gather", output_size, _const(g, i, torch.int64)) for i in range(n)]
     sizes: list[Value | int] = []

@@ -220,10 +220,8 @@ class GraphRunner:
 
     # -- the key ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
-        for t in self.module.parameters():
-            return t.device
-        for t in self.module.buffers():
-            return t.device
+        for tensor in (*self.module.parameters(), *self.module.buffers()):
+            return tensor.device
         return torch.device("cpu")
 
     def _key(
