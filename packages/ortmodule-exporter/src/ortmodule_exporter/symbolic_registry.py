@@ -72,10 +72,12 @@ def symbolics_applied(opset: int) -> Iterator[None]:
         entries = [e for e in _REGISTRY.values() if e.opset <= opset]
         installed = []
         try:
+            # Installed at the export's own opset: torch picks the newest registration at or
+            # below it, and its defaults for some ops (max/min at 18, gelu at 20) sit above ours.
             for entry in entries:
-                torch.onnx.register_custom_op_symbolic(entry.op, entry.fn, entry.opset)
+                torch.onnx.register_custom_op_symbolic(entry.op, entry.fn, opset)
                 installed.append(entry)
             yield
         finally:
             for entry in installed:
-                torch.onnx.unregister_custom_op_symbolic(entry.op, entry.opset)
+                torch.onnx.unregister_custom_op_symbolic(entry.op, opset)

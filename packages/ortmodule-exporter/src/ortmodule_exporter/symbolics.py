@@ -3,12 +3,12 @@
 Each one exists because PyTorch's default export is either not differentiable by the engine
 (it drops outputs the gradient needs, or emits an operator the engine has no gradient or no
 CPU gradient kernel for) or computes something other than eager PyTorch. Operators whose
-default export already trains correctly (gelu, unsqueeze, argmax, numpy_T, plain convolution,
-dropout, SDPA without dropout) keep PyTorch's symbolic; ``tests/test_symbolics.py`` guards them.
+default export already trains correctly (gelu below opset 20, unsqueeze, argmax, numpy_T,
+float32 convolution, dropout) keep PyTorch's symbolic; ``tests/test_symbolics.py`` guards them.
 
-Every symbolic here emits only ONNX / com.microsoft operators that the engine differentiates on
-CPU and CUDA, and keeps all input dims dynamic: sizes are read with ``Shape`` at run time, never
-baked in from the traced example.
+Every symbolic here emits only ONNX / com.microsoft operators the engine differentiates, and
+keeps all input dims dynamic: sizes are read with ``Shape`` at run time, never baked in from
+the traced example.
 """
 
 from __future__ import annotations
@@ -98,6 +98,11 @@ def _dim(g: Any, x: Value, axis: int) -> Value:
     return g.op("Gather", _shape(g, x), _ints(g, [axis]))
 
 
+def _dim_scalar(g: Any, x: Value, axis: int) -> Value:
+    """Shape(x)[axis] as a 0-d int64 tensor."""
+    return g.op("Squeeze", _dim(g, x, axis), _ints(g, [0]))
+
+
 def _concat(g: Any, *parts: Value) -> Value:
     return parts[0] if len(parts) == 1 else g.op("Concat", *parts, axis_i=0)
 
@@ -124,10 +129,6 @@ def _cast(g: Any, x: Value, type_name: str) -> Value:
     return g.op("Cast", x, to_i=_ONNX_TYPE[type_name])
 
 
-def _to_float(g: Any, ints: Value, like: str = "Float") -> Value:
-    return _cast(g, ints, like)
-
-
 def _stop_gradient(g: Any, v: Value) -> Value:
     """``v``'s exact value with no gradient path back to ``v``.
 
@@ -144,7 +145,8 @@ def _stop_gradient(g: Any, v: Value) -> Value:
     def filled(shape: Value, value: float) -> Value:
         return g.op("ConstantOfShape", shape, value_t=torch.tensor([value], dtype=dtype))
 
-    zeros_x = filled(_concat(g, _ints(g, [1]), n), 0.0)
+    # two zero rows: a one-row batch has no variance, which some kernels reject
+    zeros_x = filled(_concat(g, _ints(g, [2]), n), 0.0)
     ones, zeros = filled(n, 1.0), filled(n, 0.0)
     _, running_mean, _ = g.op(
         "BatchNormalization",
@@ -171,6 +173,21 @@ def _const_ints(v: Value) -> list[int] | None:
     if isinstance(value, torch.Tensor):
         value = value.tolist()
     return [int(i) for i in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _per_dim(values: Sequence[int], n: int, default: Sequence[int] | None = None) -> list[int]:
+    """A per-spatial-dim list from aten's form: one value for every dim, or empty = default."""
+    values = list(values) if values else list(default or [])
+    return values * n if len(values) == 1 else values
+
+
+def _device_type(v: Value) -> str | None:
+    """The traced tensor's device type ("cpu", "cuda"), None when the exporter does not say."""
+    try:
+        device = v.type().device()
+    except (RuntimeError, AttributeError):
+        return None
+    return None if device is None else str(device.type)
 
 
 # -- normalization ---------------------------------------------------------------------------
@@ -285,7 +302,7 @@ def cross_entropy_loss(
     else:
         total = g.op("ReduceSum", smooth, keepdims_i=0)
         smooth = g.op("Div", total, _weighted_count(g, labels, ignored, weight, like))
-    classes = _to_float(g, _dim(g, scores, 1), like)
+    classes = _cast(g, _dim(g, scores, 1), like)
     smooth_scale = g.op("Div", _const(g, [label_smoothing], _TORCH_TYPE[like]), classes)
     smooth = g.op("Mul", smooth, _squeeze(g, smooth_scale, [0]))
     kept = g.op("Mul", loss, _const(g, 1.0 - label_smoothing, _TORCH_TYPE[like]))
@@ -418,9 +435,6 @@ def _tie_split_extreme(
     picked = g.op("Where", hit, x, _const(g, 0.0, _TORCH_TYPE[like]))
     count = _reduce(g, "ReduceSum", _cast(g, hit, like), axes, keepdims=keepdim)
     total = _reduce(g, "ReduceSum", picked, axes, keepdims=keepdim)
-    if axes is None and not keepdim:
-        total = g.op("Reshape", total, _ints(g, []))
-        count = g.op("Reshape", count, _ints(g, []))
     return g.op("Div", total, count)
 
 
@@ -598,7 +612,7 @@ class _Einsum:
             first = next(c for c in labels if labels.count(c) > 1)
             i = labels.index(first)
             j = labels.index(first, i + 1)
-            n = g.op("Squeeze", _dim(g, x, i), _ints(g, [0]))
+            n = _dim_scalar(g, x, i)
             idx = g.op("Range", _const(g, 0, torch.int64), n, _const(g, 1, torch.int64))
             eye = _cast(
                 g, g.op("Equal", _unsqueeze(g, idx, [1]), _unsqueeze(g, idx, [0])), _float_type(x)
@@ -619,16 +633,12 @@ class _Einsum:
         a_only = [c for c in la if c not in lb]
         b_only = [c for c in lb if c not in la]
         nb, na, nc, nbo = len(batch), len(a_only), len(contracted), len(b_only)
-        if not contracted:
-            # no contraction: broadcasting Mul over the union of labels
-            result = batch + a_only + b_only
-            at = self._transpose(a, la, batch + a_only)
-            bt = self._transpose(b, lb, batch + b_only)
-            if nbo:
-                at = _unsqueeze(g, at, list(range(nb + na, nb + na + nbo)))
-            if na:
-                bt = _unsqueeze(g, bt, list(range(nb, nb + na)))
-            return g.op("Mul", at, bt), result
+        if not (contracted or a_only or b_only):
+            # the same labels on both sides: elementwise
+            return g.op("Mul", a, self._transpose(b, lb, la)), la
+        # Otherwise one batched MatMul, also for outer products (an empty contraction is a
+        # contraction over size 1): the engine loses the shape of a broadcasting Mul between
+        # dims of different symbolic names and then cannot build its gradient.
         at = self._transpose(a, la, batch + a_only + contracted)
         bt = self._transpose(b, lb, batch + contracted + b_only)
         a_shape = _concat(
@@ -700,7 +710,7 @@ def scaled_dot_product_attention(
     scores = g.op("MatMul", query, g.op("Transpose", key, perm_i=perm))
     scale_value = _const_float(scale)
     if scale_value is None:
-        head = _to_float(g, _dim(g, query, -1), like)
+        head = _cast(g, _dim(g, query, -1), like)
         factor = g.op("Reciprocal", g.op("Sqrt", head))
     else:
         factor = _const(g, [scale_value], dtype)
@@ -735,8 +745,8 @@ def _const_float(v: Value) -> float | None:
 def _causal_mask(g: Any, query: Value, key: Value) -> Value:
     """(L, S) bool, True where key position <= query position (top-left aligned like eager)."""
     zero, one = _const(g, 0, torch.int64), _const(g, 1, torch.int64)
-    rows = g.op("Range", zero, g.op("Squeeze", _dim(g, query, -2), _ints(g, [0])), one)
-    cols = g.op("Range", zero, g.op("Squeeze", _dim(g, key, -2), _ints(g, [0])), one)
+    rows = g.op("Range", zero, _dim_scalar(g, query, -2), one)
+    cols = g.op("Range", zero, _dim_scalar(g, key, -2), one)
     return g.op("GreaterOrEqual", _unsqueeze(g, rows, [1]), _unsqueeze(g, cols, [0]))
 
 
@@ -776,14 +786,6 @@ def feature_dropout(g: Any, x: Value, p: float, train: bool) -> Value:
 
 
 # -- convolution -----------------------------------------------------------------------------
-
-
-def _device_type(v: Value) -> str | None:
-    try:
-        device = v.type().device()
-    except (RuntimeError, AttributeError):
-        return None
-    return None if device is None else str(device.type)
 
 
 def _default_convolution() -> Any:
@@ -867,8 +869,7 @@ def convolution_mode(
         raise ValueError("aten::_convolution_mode: the kernel size must be known at export time")
     kernel = [int(s) for s in sizes[2:]]
     n = len(kernel)
-    dilation = list(dilation) * n if len(dilation) == 1 else list(dilation)
-    stride = list(stride) * n if len(stride) == 1 else list(stride)
+    dilation, stride = _per_dim(dilation, n, [1]), _per_dim(stride, n, [1])
     if padding == "same":
         total = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
         begin = [t // 2 for t in total]
@@ -915,11 +916,8 @@ def _conv_transpose_as_conv(
     c_in, c_out_per_group, *kernel = (int(s) for s in sizes)
     n = len(kernel)
 
-    def expand(values: list[int]) -> list[int]:
-        return list(values) * n if len(values) == 1 else list(values)
-
-    stride, padding, dilation = expand(stride), expand(padding), expand(dilation)
-    output_padding = expand(output_padding) if output_padding else [0] * n
+    stride, padding = _per_dim(stride, n, [1]), _per_dim(padding, n, [0])
+    dilation, output_padding = _per_dim(dilation, n, [1]), _per_dim(output_padding, n, [0])
     rank = n + 2
     for i in range(n):
         axis = 2 + i
@@ -933,7 +931,7 @@ def _conv_transpose_as_conv(
     if any(b < 0 for b in begin) or any(e < 0 for e in end):
         axes = [2 + i for i in range(n)]
         starts = [max(-b, 0) for b in begin]
-        stops = [-e if e < 0 else _INT64_MAX for e in end]
+        stops = [e if e < 0 else _INT64_MAX for e in end]
         x = g.op("Slice", x, _ints(g, starts), _ints(g, stops), _ints(g, axes))
     # weight (C_in, C_out/G, k...) -> flipped (C_out, C_in/G, k...)
     w = weight
@@ -970,14 +968,7 @@ def _zero_stuff(g: Any, x: Value, axis: int, stride: int) -> Value:
 # -- pooling ---------------------------------------------------------------------------------
 
 
-def _per_dim(values: Sequence[int], n: int, default: Sequence[int] | None = None) -> list[int]:
-    values = list(values) if values else list(default or [])
-    return values * n if len(values) == 1 else values
-
-
 def _max_pool(n: int, with_indices: bool) -> Any:
-    name = f"aten::max_pool{n}d" + ("_with_indices" if with_indices else "")
-
     @sh.parse_args("v", "is", "is", "is", "is", "i")
     def symbolic(
         g: Any,
@@ -1005,16 +996,14 @@ def _max_pool(n: int, with_indices: bool) -> Any:
         values = g.op("Gather", g.op("Reshape", x, _ints(g, [-1])), flat_indices, axis_i=0)
         if not with_indices:
             return values
+        # ONNX indices count over the whole tensor, eager's within one (n, c) plane
         plane = g.op("ReduceProd", _dims(g, x, 2), keepdims_i=0)
         return values, g.op("Mod", flat_indices, plane)
 
-    _ = name
     return symbolic
 
 
 def _avg_pool(n: int) -> Any:
-    name = f"aten::avg_pool{n}d"
-
     def symbolic(
         g: Any,
         x: Value,
@@ -1081,7 +1070,6 @@ def _avg_pool(n: int) -> Any:
             out = g.op("Div", sums, counts)
         return g.op("Reshape", out, _concat(g, _dims(g, x, 0, 2), _dims(g, out, 2)))
 
-    _ = name
     return symbolic
 
 
@@ -1133,7 +1121,7 @@ def _adaptive_avg_pool(n: int) -> Any:
         y = x
         for i, out in enumerate(sizes):
             axis = rank - n + i
-            in_size = g.op("Squeeze", _dim(g, x, axis), _ints(g, [0]))
+            in_size = _dim_scalar(g, x, axis)
             start, end = _adaptive_bounds(g, in_size, out)
             j = _unsqueeze(g, g.op("Range", zero, in_size, one), [0])
             inside = g.op(
@@ -1141,7 +1129,7 @@ def _adaptive_avg_pool(n: int) -> Any:
                 g.op("GreaterOrEqual", j, _unsqueeze(g, start, [1])),
                 g.op("Less", j, _unsqueeze(g, end, [1])),
             )
-            width = _to_float(g, _unsqueeze(g, g.op("Sub", end, start), [1]), like)
+            width = _cast(g, _unsqueeze(g, g.op("Sub", end, start), [1]), like)
             matrix = g.op("Div", _cast(g, inside, like), width)  # (out, in)
             y = _along_axis(g, y, matrix, axis, rank)
         return y
@@ -1177,13 +1165,9 @@ def _adaptive_max_pool(n: int) -> Any:
         chosen: dict[int, Value] = {}  # spatial axis -> absolute index, shaped like `reduced`
         for i in reversed(range(n)):
             axis = rank - n + i
-            in_size = g.op("Squeeze", _dim(g, x, axis), _ints(g, [0]))
+            in_size = _dim_scalar(g, x, axis)
             start, end = _adaptive_bounds(g, in_size, sizes[i])
-            longest = (
-                g.op("ReduceMax", g.op("Sub", end, start), keepdims_i=0)
-                if g.opset < 18
-                else g.op("ReduceMax", g.op("Sub", end, start), keepdims_i=0)
-            )
+            longest = _reduce(g, "ReduceMax", g.op("Sub", end, start), None, keepdims=False)
             offsets = _unsqueeze(g, g.op("Range", zero, longest, one), [0])
             window = g.op(
                 "Min",
@@ -1220,10 +1204,6 @@ def _adaptive_max_pool(n: int) -> Any:
         return values, plane
 
     return symbolic
-
-
-def _dim_scalar(g: Any, x: Value, axis: int) -> Value:
-    return g.op("Squeeze", _dim(g, x, axis), _ints(g, [0]))
 
 
 # -- upsampling ------------------------------------------------------------------------------
@@ -1356,14 +1336,16 @@ def _upsample(n: int, mode: str) -> Any:
 
 
 def _upsample_scales(args: Sequence[Value], n: int) -> list[float | None]:
+    """Per-axis scale factors: one float list (the .vec overload) or one optional per axis."""
     if len(args) == 1:
         v = args[0]
         if v is None or sh._is_none(v):
             return [None] * n
         parsed = sh._maybe_get_const(v, "fs")
-        if isinstance(parsed, list):
-            return [float(s) for s in parsed] * (n if len(parsed) == 1 else 1)
-        raise ValueError("aten::upsample: scale factors must be constants")
+        if not isinstance(parsed, list):
+            raise ValueError("aten::upsample: scale factors must be constants")
+        scales: list[float | None] = [float(s) for s in parsed]
+        return scales * n if len(scales) == 1 else scales
     return [
         None if a is None or sh._is_none(a) else float(sh._get_const(a, "f", "scale"))
         for a in args[-n:]
