@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import onnx
@@ -11,7 +10,14 @@ import pytest
 import torch
 from conftest import assert_engine_matches_eager
 
-from ortmodule_exporter import ExportError, SaveOptions, UnsupportedOutputError, export
+from ortmodule_exporter import (
+    ExportError,
+    SaveOptions,
+    UnsupportedOutputError,
+    export,
+    register_symbolic,
+    unregister_symbolic,
+)
 from ortmodule_exporter import export as export_fn
 from ortmodule_exporter.engine import GraphConfig, build_graph
 from ortmodule_testing.zoo import ZOO
@@ -154,13 +160,20 @@ class _Untraceable(torch.nn.Module):
 
 
 def test_export_failure_names_module_and_op_and_chains_the_cause() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
+    op = "aten::special_chebyshev_polynomial_t"
+
+    def refuse(g: object, *args: object) -> object:  # what torch raises for an op it cannot export
+        raise RuntimeError(
+            f"Exporting the operator '{op}' to ONNX opset version 17 is not supported."
+        )
+
+    register_symbolic(op, refuse, 14)
+    try:
+        with pytest.raises(ExportError) as info:
             export(_Untraceable(), (torch.randn(2, 4),), training=True)
-        except ExportError as err:
-            assert "_Untraceable" in str(err) and err.module_path.endswith("_Untraceable")
-            assert err.op == "aten::special_chebyshev_polynomial_t"
-            assert err.__cause__ is not None
-        else:
-            pytest.skip("this op exported (an ATen fallback route handled it)")
+    finally:
+        unregister_symbolic(op)
+    err = info.value
+    assert "_Untraceable" in str(err) and err.module_path.endswith("_Untraceable")
+    assert err.op == op and f"at operator {op}" in str(err)
+    assert isinstance(err.__cause__, RuntimeError)

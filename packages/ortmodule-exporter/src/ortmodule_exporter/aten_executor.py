@@ -96,6 +96,7 @@ class _Arg:
     optional: bool
     has_default: bool
     default: Any
+    kwarg_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class AtenOperator:
     op: Any
     args: tuple[_Arg, ...]
     returns: tuple[str, ...]
+    overload: str = ""  # the resolved overload name, "" for default
 
     @property
     def tensor_inputs(self) -> list[int]:
@@ -140,8 +142,9 @@ def _kind(jit_type: Any) -> tuple[str, bool]:
 
 @functools.lru_cache(maxsize=1024)
 def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenOperator:
-    """Resolve ``aten::op_name.overload_name``; an empty overload picks ``default``, or the one
-    overload taking ``n_inputs`` arguments when there is no default."""
+    """Resolve ``aten::op_name.overload_name``. An empty overload name (what the exporter
+    writes when it does not know it) picks ``default`` when it takes ``n_inputs`` arguments,
+    else the overload that does (``Tensor`` first, then ``Scalar``; ``out`` variants aside)."""
     namespace, _, name = op_name.rpartition("::")
     if namespace not in ("", "aten"):
         raise UnsupportedAtenOperatorError(
@@ -152,28 +155,38 @@ def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenO
     except (AttributeError, RuntimeError):
         raise UnsupportedAtenOperatorError(f"PyTorch has no operator aten::{name}") from None
     overloads = list(packet.overloads())
-    chosen = overload_name or "default"
-    if chosen not in overloads:
-        fitting = [
-            o
-            for o in overloads
-            if n_inputs < 0 or len(getattr(packet, o)._schema.arguments) == n_inputs
-        ]
-        if overload_name or len(fitting) != 1:
+
+    def takes(o: str) -> bool:
+        return n_inputs < 0 or len(getattr(packet, o)._schema.arguments) == n_inputs
+
+    if overload_name:
+        if overload_name not in overloads:
             raise UnsupportedAtenOperatorError(
-                f"aten::{name} has no overload {overload_name!r} for {n_inputs} inputs (it has {overloads})"
+                f"aten::{name} has no overload {overload_name!r} ({overloads})"
             )
+        chosen = overload_name
+    elif "default" in overloads and takes("default"):
+        chosen = "default"
+    else:
+        fitting = [
+            o for o in overloads if takes(o) and not o.startswith("out") and not o.endswith("_out")
+        ]
+        if not fitting:
+            raise UnsupportedAtenOperatorError(
+                f"aten::{name}: no overload takes {n_inputs} arguments (it has {overloads})"
+            )
+        # scalars reach the executor as tensors: a Tensor overload takes them as they are
+        fitting.sort(key=lambda o: (o != "Tensor", o != "Scalar", o))
         chosen = fitting[0]
     op = getattr(packet, chosen)
     args = []
     for a in op._schema.arguments:
         kind, optional = _kind(a.type)
         has_default = a.has_default_value()
-        args.append(
-            _Arg(a.name, kind, optional, has_default, a.default_value if has_default else None)
-        )
+        default = a.default_value if has_default else None
+        args.append(_Arg(a.name, kind, optional, has_default, default, bool(a.kwarg_only)))
     returns = tuple(_kind(r.type)[0] for r in op._schema.returns)
-    return AtenOperator(op, tuple(args), returns)
+    return AtenOperator(op, tuple(args), returns, "" if chosen == "default" else chosen)
 
 
 def _scalar_type(code: int) -> torch.dtype:
@@ -191,22 +204,23 @@ def _read(arg: _Arg, value: torch.Tensor | None, as_bool: bool) -> Any:
         raise UnsupportedAtenOperatorError(f"argument {arg.name!r} is missing and has no default")
     if arg.kind == "Tensor":
         return value.view(torch.bool) if as_bool and value.dtype == torch.uint8 else value
+    kind = arg.kind
+    if kind == "int":
+        return int(value.item())
+    if kind == "float":
+        return float(value.item())
+    if kind == "bool":
+        return bool(value.item())
+    if kind == "Scalar":
+        return value.item()
+    if kind == "ScalarType":
+        return _scalar_type(int(value.item()))
     flat = value.reshape(-1)
-    if arg.kind == "int":
-        return int(flat[0])
-    if arg.kind == "float":
-        return float(flat[0])
-    if arg.kind == "bool":
-        return bool(flat[0])
-    if arg.kind == "Scalar":
-        return flat[0].item()
-    if arg.kind == "ScalarType":
-        return _scalar_type(int(flat[0]))
-    if arg.kind == "int[]":
+    if kind == "int[]":
         return [int(v) for v in flat.tolist()]
-    if arg.kind == "float[]":
+    if kind == "float[]":
         return [float(v) for v in flat.tolist()]
-    if arg.kind == "bool[]":
+    if kind == "bool[]":
         return [bool(v) for v in flat.tolist()]
     raise UnsupportedAtenOperatorError(
         f"argument {arg.name!r} has a type the ATen executor cannot pass"
@@ -226,26 +240,17 @@ def call_aten(
         raise UnsupportedAtenOperatorError(
             f"aten::{op_name}.{overload_name or 'default'} takes {len(op.args)} arguments, the node has {len(inputs)}"
         )
-    bools = BOOL_INPUTS.get((op_name, overload_name), set())
+    bools = BOOL_INPUTS.get((op_name, overload_name), ())
     positional, keywords = [], {}
     for i, (arg, value) in enumerate(zip(op.args, inputs, strict=True)):
         read = _read(arg, value, i in bools)
-        if _is_kwarg_only(op, i):  # keyword-only arguments come last in a schema
+        if arg.kwarg_only:  # keyword-only arguments come last in a schema
             keywords[arg.name] = read
         else:
             positional.append(read)
     result = op.op(*positional, **keywords)
     results = list(result) if isinstance(result, (tuple, list)) else [result]
     return [_as_output(r) for r in results]
-
-
-@functools.lru_cache(maxsize=4096)
-def _kwarg_only_positions(op: Any) -> frozenset[int]:
-    return frozenset(i for i, a in enumerate(op._schema.arguments) if a.kwarg_only)
-
-
-def _is_kwarg_only(op: AtenOperator, index: int) -> bool:
-    return index in _kwarg_only_positions(op.op)
 
 
 def _as_output(value: Any) -> torch.Tensor | None:
@@ -268,11 +273,15 @@ def execute(
     return call_aten(op_name, overload_name, inputs)
 
 
-def is_tensor_argument(op_name: str, overload_name: str, index: int, is_input: bool) -> bool:
+def is_tensor_argument(
+    op_name: str, overload_name: str, index: int, is_input: bool, n_inputs: int = -1
+) -> bool:
+    """Whether input (or output) ``index`` of the operator is a tensor; ``n_inputs``, the
+    node's input count, picks the overload when the name leaves it open."""
     own = _FUNCTIONS.get(op_name)
     if own is not None:
         return own.is_tensor(overload_name, index, is_input)
-    op = aten_operator(op_name, overload_name)
+    op = aten_operator(op_name, overload_name, n_inputs)
     if is_input:
         return index < len(op.args) and op.args[index].kind == "Tensor"
     return index < len(op.returns) and op.returns[index] == "Tensor"

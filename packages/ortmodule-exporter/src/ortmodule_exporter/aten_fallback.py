@@ -3,14 +3,16 @@
 Three routes lead there:
 
 * symbolics for operators the engine cannot train well from their ONNX export: ``embedding``
-  with ``padding_idx`` (ONNX Gather would update the padding row), bicubic upsampling (ONNX
-  Resize(cubic) has no gradient), einsum equations with a repeated index inside one operand, and
+  with ``padding_idx`` or ``scale_grad_by_freq`` (the ONNX Gather gradient updates the padding
+  row), einsum on CPU in other dtypes than float32, antialiased bicubic/bilinear resampling (no
+  ONNX symbolic), any operator given to :func:`register_aten_route`, and
   ``scaled_dot_product_attention`` (``ORTMODULE_ATEN_SDPA_FALLBACK=1`` or
   ``ORTMODULE_USE_EFFICIENT_ATTENTION=1``: PyTorch's fused attention kernels);
 * any operator with no ONNX symbolic at all, when the export runs with
   ``operator_export_type=ONNX_ATEN_FALLBACK``: the exporter writes an ATen node for it and
-  :func:`prepare_aten_nodes` gives it a gradient, so one unsupported operator no longer sends the
-  whole model back to PyTorch;
+  :func:`prepare_aten_nodes` makes it trainable (as a PythonOp running :class:`AtenOp` when no
+  gradient definition exists), so one unsupported operator no longer sends the whole model
+  back to PyTorch;
 * ``ORTMODULE_USE_EFFICIENT_ATTENTION=1`` also fuses the unfused attention pattern
   ``Softmax(Q @ K^T * scale [+ mask]) @ V`` into PyTorch's attention kernel.
 
@@ -33,16 +35,21 @@ from torch.onnx import symbolic_helper as sh
 
 from . import aten_executor
 from .aten_executor import ATEN_DOMAIN, AtenFunction, register_aten_function
-from .custom_gradients import VJP, has_gradient, register_generic_gradient
+from .custom_gradients import has_gradient
 from .post_export import register_post_export_pass
 from .symbolic_registry import register_symbolic, unregister_symbolic
 
 __all__ = [
+    "DEFAULT_ROUTES",
     "EINSUM",
+    "AtenOp",
     "aten_routes",
     "configure_aten_routes",
+    "export_settings",
     "fuse_attention",
+    "operator_export_type",
     "prepare_aten_nodes",
+    "register_aten_route",
 ]
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -55,6 +62,7 @@ EINSUM = "_ortmodule_einsum"
 class _Routes:
     sdpa_fallback: bool = False
     efficient_attention: bool = False
+    embedding: bool = False
 
 
 _ROUTES = _Routes()
@@ -64,20 +72,81 @@ def aten_routes() -> _Routes:
     return _ROUTES
 
 
-def configure_aten_routes(sdpa_fallback: bool = False, efficient_attention: bool = False) -> None:
-    """Install the ATen symbolics; ``sdpa_fallback``/``efficient_attention`` route attention too.
+#: op -> the symbolic our registry held before ours (ortmodule_exporter.symbolics), which ours
+#: hands every case it does not route to ATen
+_PREVIOUS: dict[str, Any] = {}
+_OURS: set[Any] = set()
 
-    The symbolics only apply to ORTModule's exports (see :mod:`ortmodule_exporter.symbolic_registry`).
+
+def _install(op: str, fn: Any, opset: int) -> None:
+    from .symbolic_registry import registered_symbolics
+
+    current = registered_symbolics().get(op)
+    if current is not None and current.fn not in _OURS:
+        _PREVIOUS[op] = current
+    _OURS.add(fn)
+    register_symbolic(op, fn, opset)
+
+
+def _uninstall(op: str) -> None:
+    from .symbolic_registry import registered_symbolics
+
+    current = registered_symbolics().get(op)
+    if current is None or current.fn not in _OURS:
+        return
+    previous = _PREVIOUS.get(op)
+    if previous is not None:
+        register_symbolic(op, previous.fn, previous.opset)
+    else:
+        unregister_symbolic(op)
+
+
+def _previous(op: str, default: Any) -> Any:
+    entry = _PREVIOUS.get(op)
+    return default if entry is None else entry.fn
+
+
+def configure_aten_routes(
+    sdpa_fallback: bool = False, efficient_attention: bool = False, embedding: bool = False
+) -> None:
+    """Install the ATen symbolics; ``sdpa_fallback``/``efficient_attention`` route attention,
+    ``embedding`` routes embeddings with ``padding_idx``/``scale_grad_by_freq`` (by default
+    :mod:`ortmodule_exporter.symbolics` exports those as ONNX, which the engine trains exactly).
+
+    Each symbolic here hands the cases it does not route to the symbolic registered before it.
+    They only apply to ORTModule's exports (see :mod:`ortmodule_exporter.symbolic_registry`).
     """
     _ROUTES.sdpa_fallback = bool(sdpa_fallback)
     _ROUTES.efficient_attention = bool(efficient_attention)
-    register_symbolic("aten::embedding", _embedding, 9)
-    register_symbolic("aten::upsample_bicubic2d", _upsample_bicubic2d, 11)
-    register_symbolic("aten::einsum", _einsum, 12)
-    if sdpa_fallback or efficient_attention:
-        register_symbolic("aten::scaled_dot_product_attention", _sdpa, 14)
+    _ROUTES.embedding = bool(embedding)
+    _install("aten::einsum", _einsum, 12)
+    for op in DEFAULT_ROUTES:
+        register_aten_route(op)
+    if embedding:
+        _install("aten::embedding", _embedding, 9)
     else:
-        unregister_symbolic("aten::scaled_dot_product_attention")
+        _uninstall("aten::embedding")
+    if sdpa_fallback or efficient_attention:
+        _install("aten::scaled_dot_product_attention", _sdpa, 14)
+    else:
+        _uninstall("aten::scaled_dot_product_attention")
+
+
+def operator_export_type() -> torch.onnx.OperatorExportTypes:
+    """What ``torch.onnx.export`` should use: ``ONNX_ATEN_FALLBACK`` once the ATen executor is
+    installed (an operator without symbolic then becomes an ATen node), else plain ``ONNX``."""
+    if aten_executor.installed():
+        return torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK
+    return torch.onnx.OperatorExportTypes.ONNX
+
+
+def export_settings() -> str:
+    """The switches that change what the export writes, for export-cache keys."""
+    r = _ROUTES
+    return (
+        f"aten_fallback={int(aten_executor.installed())},sdpa={int(r.sdpa_fallback)},"
+        f"attention={int(r.efficient_attention)},embedding={int(r.embedding)}"
+    )
 
 
 # -- helpers for symbolics -----------------------------------------------------------------------
@@ -99,6 +168,11 @@ def _sizes(value: Any) -> list[int | None] | None:
     except RuntimeError:
         return None
     return list(sizes) if sizes is not None else None
+
+
+def _device(value: Any) -> Any:
+    jit_type: Any = value.type()
+    return jit_type.device() if hasattr(jit_type, "device") else None
 
 
 def _typed(
@@ -132,6 +206,7 @@ def _embedding(
 ) -> Any:
     from torch.onnx._internal.torchscript_exporter import symbolic_opset9
 
+    default = _previous("aten::embedding", symbolic_opset9.embedding)
     padding = sh._maybe_get_const(padding_idx, "i")
     by_freq = sh._maybe_get_const(scale_grad_by_freq, "b")
     if (
@@ -139,9 +214,7 @@ def _embedding(
         or not isinstance(by_freq, (bool, int))
         or (padding < 0 and not by_freq)
     ):
-        return symbolic_opset9.embedding(
-            g, weight, indices, padding_idx, scale_grad_by_freq, sparse
-        )
+        return default(g, weight, indices, padding_idx, scale_grad_by_freq, sparse)
     out = _aten(
         g,
         "embedding",
@@ -154,66 +227,69 @@ def _embedding(
     return _typed(out, weight, sizes)
 
 
-# -- bicubic upsampling ----------------------------------------------------------------------------
+# -- operators routed whole ----------------------------------------------------------------------
+
+#: operators with no ONNX symbolic that we always route to ATen: antialiased resampling (plain
+#: bicubic and bilinear export to ONNX Resize, which the engine trains)
+DEFAULT_ROUTES = ("aten::_upsample_bicubic2d_aa", "aten::_upsample_bilinear2d_aa")
 
 
-def _upsample_bicubic2d(g: Any, x: Any, output_size: Any, align_corners: Any, *rest: Any) -> Any:
-    from torch.onnx._internal.torchscript_exporter import symbolic_opset11
+def _route(op: str) -> Any:
+    name = op.split("::", 1)[1]
 
-    scale_factors = rest[0] if rest else None
-    size = None if sh._is_none(output_size) else sh._maybe_get_const(output_size, "is")
-    scales = (
-        None
-        if scale_factors is None or sh._is_none(scale_factors)
-        else sh._maybe_get_const(scale_factors, "fs")
-    )
-    corners = sh._maybe_get_const(align_corners, "b")
-    constant = (size is None or isinstance(size, list)) and (
-        scales is None or isinstance(scales, list)
-    )
-    if not constant or not isinstance(corners, (bool, int)) or (size is None and scales is None):
-        return symbolic_opset11.upsample_bicubic2d(g, x, output_size, align_corners, *rest)
-    inputs = [
-        x,
-        _none(g) if size is None else _const(g, [int(s) for s in size], torch.int64),
-        _const(g, bool(corners)),
-        _none(g) if scales is None else _const(g, [float(s) for s in scales], torch.float64),
-    ]
-    out = _aten(g, "upsample_bicubic2d", inputs, overload="vec")
-    in_sizes = _sizes(x)
-    sizes = None
-    if in_sizes is not None and len(in_sizes) == 4:
-        spatial: list[int | None] = list(size) if size is not None else [None, None]
-        if size is None and scales is not None:
-            spatial = [
-                int(d * s) if d is not None else None
-                for d, s in zip(in_sizes[2:], scales, strict=True)
-            ]
-        sizes = [*in_sizes[:2], *spatial]
-    return _typed(out, x, sizes)
+    def symbolic(g: Any, *args: Any) -> Any:
+        node = g.original_node
+        overload = _overload_for(name, node)
+        outs = _aten(g, name, args, overload=overload, outputs=node.outputsSize())
+        values = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        for value, original in zip(values, node.outputs(), strict=True):
+            rank = original.type().dim() if hasattr(original.type(), "dim") else None
+            value.setType(
+                original.type().with_sizes([None] * rank) if rank is not None else original.type()
+            )
+        return values[0] if len(values) == 1 else tuple(values)
+
+    return symbolic
+
+
+def _overload_for(name: str, node: Any) -> str:
+    """The overload of a traced ``aten::name`` call (traced nodes carry no schema, and scalar
+    arguments are tensors by now): the one the executor picks for that many arguments."""
+    try:
+        return aten_executor.aten_operator(name, "", node.inputsSize()).overload
+    except aten_executor.UnsupportedAtenOperatorError:
+        return ""
+
+
+def register_aten_route(op: str) -> None:
+    """Export ``op`` (``"aten::name"``) as an ATen node that PyTorch runs, whatever its symbolic.
+
+    >>> register_aten_route("aten::_upsample_bicubic2d_aa")
+    """
+    if not op.startswith("aten::"):
+        raise ValueError(f"register_aten_route takes an aten:: operator, got {op!r}")
+    register_symbolic(op, _route(op), 9)
 
 
 # -- einsum ----------------------------------------------------------------------------------------
 
 
-def einsum_needs_aten(equation: str) -> bool:
-    """Equations whose ONNX Einsum the engine cannot differentiate: a letter repeated inside
-    one operand (a diagonal, ``ii->i``, ``bii->b``)."""
-    inputs = equation.replace(" ", "").split("->")[0]
-    for operand in inputs.split(","):
-        letters = operand.replace("...", "")
-        if len(set(letters)) != len(letters):
-            return True
-    return False
+def einsum_needs_aten(dtypes: Sequence[str | None], device: Any) -> bool:
+    """Einsums the engine cannot train from ONNX: on CPU, anything but float32 (its Einsum
+    gradient lowers to FusedMatMul, which has no float64/float16 CPU kernel)."""
+    on_cpu = device is None or device.type == "cpu"
+    return on_cpu and any(d not in ("Float", None) for d in dtypes)
 
 
 def _einsum(g: Any, equation: Any, tensor_list: Any, *rest: Any) -> Any:
     from torch.onnx._internal.torchscript_exporter import symbolic_opset12
 
     eq = sh._maybe_get_const(equation, "s")
-    if not isinstance(eq, str) or not einsum_needs_aten(eq):
-        return symbolic_opset12.einsum(g, equation, tensor_list, *rest)
     tensors = sh._unpack_list(tensor_list)
+    dtypes = [t.type().scalarType() for t in tensors]
+    device = _device(tensors[0]) if tensors else None
+    if not isinstance(eq, str) or not einsum_needs_aten(dtypes, device):
+        return _previous("aten::einsum", symbolic_opset12.einsum)(g, equation, tensor_list, *rest)
     out = _aten(g, EINSUM, tensors, overload=eq)
     rank = _einsum_rank(eq, [_sizes(t) for t in tensors])
     return _typed(out, tensors[0], [None] * rank if rank is not None else None)
@@ -250,9 +326,10 @@ def _sdpa(
     from torch.onnx._internal.torchscript_exporter import symbolic_opset14
 
     def default() -> Any:
-        return symbolic_opset14.scaled_dot_product_attention(
-            g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        fn = _previous(
+            "aten::scaled_dot_product_attention", symbolic_opset14.scaled_dot_product_attention
         )
+        return fn(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     dropout = 0.0 if dropout_p is None else sh._maybe_get_const(dropout_p, "f")
     causal = False if is_causal is None else sh._maybe_get_const(is_causal, "b")
@@ -275,7 +352,7 @@ def _sdpa(
         or len(v_sizes) != 4
     ):
         return default()
-    device = query.type().device()
+    device = _device(query)
     mask = attn_mask
     if mask is not None and not sh._is_none(mask):
         if mask.type().scalarType() == "Bool":
@@ -483,14 +560,138 @@ def _type_aten_outputs(model: onnx.ModelProto) -> None:
                 vi.type.tensor_type.elem_type = types[list(node.output).index(vi.name)][0]
 
 
-def prepare_aten_nodes(model: onnx.ModelProto) -> int:
+class AtenOp(torch.autograd.Function):
+    """A PyTorch operator with no ONNX form, run by the engine as a PythonOp during training.
+
+    ``spec`` is ``"operator|overload"``. Forward calls the operator (with autograd recording for
+    the inputs whose gradient the engine needs); backward is autograd's. The engine's PythonOp
+    backward asks, per node, which inputs need a gradient, which a static ATen gradient
+    definition cannot (see :mod:`ortmodule_exporter.custom_gradients`).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, spec: str, *inputs: Any) -> tuple[Any, ...]:
+        operator, _, overload = spec.partition("|")
+        needs = tuple(getattr(ctx, "needs_input_grad", ()))[1:] or (False,) * len(inputs)
+        leaves = list(inputs)
+        with torch.enable_grad():
+            for i, t in enumerate(inputs):
+                if needs[i] and isinstance(t, torch.Tensor) and t.is_floating_point():
+                    leaves[i] = t.detach().requires_grad_(True)
+            try:
+                outputs = aten_executor.execute(operator, overload, leaves)
+            except Exception as err:
+                if hasattr(err, "add_note"):
+                    err.add_note(f"raised by aten::{operator}.{overload or 'default'}")
+                raise
+        ctx.set_materialize_grads(False)
+        ctx.leaves, ctx.results = leaves, outputs
+        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        leaves, results = ctx.leaves, ctx.results
+        ctx.leaves = ctx.results = None
+        pairs = [
+            (o, g)
+            for o, g in zip(results, grads, strict=False)
+            if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
+        ]
+        wanted = [
+            i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        gradients: list[Any] = [None] * len(leaves)
+        if pairs and wanted:
+            computed = torch.autograd.grad(
+                [o for o, _ in pairs],
+                [leaves[i] for i in wanted],
+                [g for _, g in pairs],
+                allow_unused=True,
+            )
+            for i, g in zip(wanted, computed, strict=True):
+                gradients[i] = g
+        return (None, *gradients)
+
+
+def _as_python_op(
+    node: onnx.NodeProto,
+    types: Mapping[str, int],
+    ranks: Mapping[str, int | None],
+    training: bool,
+) -> list[onnx.NodeProto]:
+    """``node`` (an ATen node) as a PythonOp running :class:`AtenOp`, plus casts of bool outputs."""
+    from . import python_op, python_op_runner
+
+    python_op_runner.install()  # the node needs the PythonOp runners
+    entry = python_op.REGISTRY.register(AtenOp)
+    operator = _attr(node, "operator", "")
+    overload = _attr(node, "overload_name", "") or ""
+    spec = f"{operator}|{overload}"
+    pointers = [python_op.REGISTRY.keep(spec)]
+    positions = [0]
+    convention = "c"
+    tensors, input_types, input_ranks = [], [], []
+    for position, name in enumerate(node.input, start=1):
+        if not name:
+            convention += "c"
+            pointers.append(python_op.REGISTRY.keep(None))
+            positions.append(position)
+            continue
+        convention += "d"
+        elem = types.get(name, onnx.TensorProto.FLOAT)
+        if elem == onnx.TensorProto.BOOL:
+            entry.bool_inputs.add(position)
+        tensors.append(name)
+        input_types.append(elem)
+        input_ranks.append(ranks.get(name) or 0)
+    tag = node.name or f"aten_{operator}_{id(node)}"
+    outputs: list[str] = [f"{tag}_ctx"]
+    output_types: list[int] = []
+    output_ranks: list[int] = []
+    casts: list[onnx.NodeProto] = []
+    for name in node.output:
+        elem = types.get(name, onnx.TensorProto.FLOAT)
+        output_ranks.append(ranks.get(name) or 0)
+        if elem == onnx.TensorProto.BOOL:
+            raw = f"{name}__uint8"
+            casts.append(onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL))
+            outputs.append(raw)
+            output_types.append(onnx.TensorProto.UINT8)
+        else:
+            outputs.append(name)
+            output_types.append(elem)
+    python_op.REGISTRY.record_node(entry.name, pointers)
+    python_op._register_with_engine(entry.name)
+    op = onnx.helper.make_node(
+        "PythonOp",
+        tensors,
+        outputs,
+        name=tag,
+        domain=python_op.PYTHON_OP_DOMAIN,
+        func_name=entry.name,
+        input_convention=convention,
+        input_tensor_types=input_types,
+        input_tensor_ranks=input_ranks,
+        output_tensor_types=output_types,
+        output_tensor_ranks=output_ranks,
+        input_pointer_scalars=pointers,
+        input_pointer_scalar_positions=positions,
+        training_mode=int(training),
+        safe_run_mode=1,
+        comment=f"aten::{operator}.{overload or 'default'}",
+    )
+    return [op, *casts]
+
+
+def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
     """Make every ATen node of ``model`` runnable and trainable; returns how many there are.
 
     * ``org.pytorch.aten::<op>`` nodes (what the exporter writes when a symbolic gives up under
-      ``ONNX_ATEN_FALLBACK``) become ``ATen(operator=<op>)``;
+      ``ONNX_ATEN_FALLBACK``) become ``ATen(operator=<op>)``, and their outputs get types;
+    * in a training graph, a differentiable node whose operator has no gradient definition
+      (:mod:`ortmodule_exporter.custom_gradients`) becomes a PythonOp running :class:`AtenOp`;
     * bool inputs are recorded for the executor (the engine hands bool tensors over as uint8)
-      and bool outputs are cast back from the uint8 the executor returns;
-    * an operator without a registered gradient gets the generic one (recompute + autograd).
+      and bool outputs are cast back from the uint8 the executor returns.
     """
     graph = model.graph
     for node in graph.node:
@@ -504,17 +705,32 @@ def prepare_aten_nodes(model: onnx.ModelProto) -> int:
                     onnx.helper.make_attribute("overload_name", ""),
                 ]
             )
+    if not any(n.domain == ATEN_DOMAIN for n in graph.node):
+        return 0
     _type_aten_outputs(model)
-    types = _value_types(model)
+    known = _known(model)
+    types = {**{name: elem for name, (elem, _dims) in known.items()}, **_value_types(model)}
+    ranks = {name: (len(dims) if dims is not None else None) for name, (_t, dims) in known.items()}
     count = 0
-    added: list[tuple[int, onnx.NodeProto]] = []
-    for index, node in enumerate(graph.node):
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
         if node.domain != ATEN_DOMAIN:
+            nodes.append(node)
             continue
         count += 1
         operator = _attr(node, "operator", "")
         overload = _attr(node, "overload_name", "") or ""
-        if operator == VJP or operator.startswith("_ortmodule_") and operator != EINSUM:
+        internal = operator.startswith("_ortmodule_") and operator != EINSUM
+        float_out = any(name and types.get(name) in _FLOATS for name in node.output)
+        float_in = any(name and types.get(name) in _FLOATS for name in node.input)
+        if (
+            training
+            and not internal
+            and float_out
+            and float_in
+            and not has_gradient(operator, overload)
+        ):
+            nodes.extend(_as_python_op(node, types, ranks, training))
             continue
         bools = {
             i
@@ -523,29 +739,25 @@ def prepare_aten_nodes(model: onnx.ModelProto) -> int:
         }
         if bools:
             aten_executor.BOOL_INPUTS.setdefault((operator, overload), set()).update(bools)
+        nodes.append(node)
         for slot, name in enumerate(node.output):
             if name and types.get(name) == onnx.TensorProto.BOOL:
                 raw = f"{name}__uint8"
                 node.output[slot] = raw
-                added.append(
-                    (index, onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL))
-                )
-        if not has_gradient(operator, overload):
-            outputs = [
-                j for j, name in enumerate(node.output) if name and types.get(name) in _FLOATS
-            ]
-            if outputs:
-                try:
-                    register_generic_gradient(operator, overload, len(node.input), outputs)
-                except aten_executor.UnsupportedAtenOperatorError as err:
-                    logger.warning("no gradient for ATen node %s: %s", node.name, err)
-    for offset, (index, cast) in enumerate(added):
-        graph.node.insert(index + 1 + offset, cast)
+                nodes.append(onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    from .python_op import PYTHON_OP_DOMAIN
+
+    if any(n.domain == PYTHON_OP_DOMAIN for n in nodes) and not any(
+        o.domain == PYTHON_OP_DOMAIN for o in model.opset_import
+    ):
+        model.opset_import.append(onnx.helper.make_opsetid(PYTHON_OP_DOMAIN, 1))
     return count
 
 
 def _aten_pass(exported: Any, _options: Mapping[str, Any]) -> None:
-    prepare_aten_nodes(exported.model)
+    prepare_aten_nodes(exported.model, exported.training)
 
 
 # -- attention fusion (ORTMODULE_USE_EFFICIENT_ATTENTION) ---------------------------------------------

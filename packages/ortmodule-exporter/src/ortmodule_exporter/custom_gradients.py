@@ -10,9 +10,11 @@ and produce the input gradients ``GI(i)``.
 ...     GradientNode.aten("my_op_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
 ... ])
 
-Operators with no explicit backward get a generic one, :data:`VJP`: it recomputes the forward
-operator in PyTorch with autograd and returns its vector-Jacobian product. That costs one more
-forward of that operator, and makes every operator PyTorch can differentiate trainable.
+The engine builds a definition's ``GI(i)`` outputs as they are written, so a definition fits
+operators whose differentiable inputs always need their gradient (a weight, attention's q/k/v).
+Operators without one are trained through a PythonOp instead
+(:func:`ortmodule_exporter.aten_fallback.prepare_aten_nodes`), whose backward the engine
+shapes per node.
 """
 
 from __future__ import annotations
@@ -24,27 +26,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from . import aten_executor
-from .aten_executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+from .aten_executor import ATEN_DOMAIN
 
 __all__ = [
-    "VJP",
     "GradientNode",
     "gradient_key",
     "has_gradient",
     "install_gradients",
     "register_aten_gradient",
-    "register_generic_gradient",
     "register_stop_gradient_edges",
     "registered_gradients",
 ]
 
 logger = logging.getLogger("ortmodule.exporter")
-
-#: our generic backward operator; its overload_name is JSON: [operator, overload, [output indices]]
-VJP = "_ortmodule_vjp"
 
 
 @dataclass(frozen=True)
@@ -174,95 +168,6 @@ def install_gradients() -> None:
             _send_stop_edges(key)
 
 
-# -- the generic backward -----------------------------------------------------------------------
-
-
-def _differentiable(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-
-
-def _vjp_spec(overload: str) -> tuple[str, str, list[int]]:
-    operator, forward_overload, outputs = json.loads(overload)
-    return str(operator), str(forward_overload), [int(i) for i in outputs]
-
-
-def _tensor_inputs(operator: str, overload: str, count: int) -> list[int]:
-    return [
-        i for i in range(count) if aten_executor.is_tensor_argument(operator, overload, i, True)
-    ]
-
-
-def _run_vjp(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    operator, forward_overload, differentiable_outputs = _vjp_spec(overload)
-    grads_out = inputs[: len(differentiable_outputs)]
-    forward_inputs = list(inputs[len(differentiable_outputs) :])
-    tensor_positions = _tensor_inputs(operator, forward_overload, len(forward_inputs))
-    leaves = {}
-    for i in tensor_positions:
-        t = forward_inputs[i]
-        if _differentiable(t):
-            assert t is not None
-            leaves[i] = t.detach().requires_grad_(True)
-            forward_inputs[i] = leaves[i]
-    with torch.enable_grad():
-        outputs = aten_executor.execute(operator, forward_overload, forward_inputs)
-    pairs = [
-        (outputs[j], g)
-        for j, g in zip(differentiable_outputs, grads_out, strict=True)
-        if g is not None and outputs[j] is not None and outputs[j].requires_grad  # type: ignore[union-attr]
-    ]
-    grads: dict[int, torch.Tensor | None] = {}
-    if pairs and leaves:
-        computed = torch.autograd.grad(
-            [o for o, _ in pairs], list(leaves.values()), [g for _, g in pairs], allow_unused=True
-        )
-        grads = dict(zip(leaves, computed, strict=True))
-    result: list[torch.Tensor | None] = []
-    for i in tensor_positions:
-        if i not in leaves:
-            result.append(None)
-            continue
-        g = grads.get(i)
-        result.append(g if g is not None else torch.zeros_like(leaves[i]))
-    return result
-
-
-def _vjp_is_tensor(overload: str, index: int, is_input: bool) -> bool:
-    if not is_input:
-        return True
-    operator, forward_overload, outputs = _vjp_spec(overload)
-    if index < len(outputs):
-        return True
-    return aten_executor.is_tensor_argument(operator, forward_overload, index - len(outputs), True)
-
-
-register_aten_function(VJP, AtenFunction(_run_vjp, _vjp_is_tensor))
-
-
-def register_generic_gradient(
-    operator: str, overload: str, n_inputs: int, differentiable_outputs: Sequence[int]
-) -> None:
-    """Give ``operator.overload`` (an aten operator or one of ours) the generic backward.
-
-    ``n_inputs`` is the forward node's input count, ``differentiable_outputs`` the outputs whose
-    gradient the backward reads (floating-point tensors: GO of an integer output never exists).
-    """
-    if has_gradient(operator, overload):
-        return
-    tensor_positions = _tensor_inputs(operator, overload, n_inputs)
-    spec = json.dumps([operator, overload, list(differentiable_outputs)], separators=(",", ":"))
-    node = GradientNode.aten(
-        VJP,
-        [*(f"GO({j})" for j in differentiable_outputs), *(f"I({i})" for i in range(n_inputs))],
-        [f"GI({i})" for i in tensor_positions],
-        overload=spec,
-    )
-    register_aten_gradient(operator, overload, [node])
-    stop = [i for i in range(n_inputs) if i not in tensor_positions]
-    if stop:
-        register_stop_gradient_edges(operator, overload, stop)
-
-
 # -- explicit backward operators ----------------------------------------------------------------
 
 
@@ -323,43 +228,6 @@ def _register_builtin_gradients() -> None:
         ],
     )
     register_stop_gradient_edges("_scaled_dot_product_efficient_attention", "", [3, 4, 5, 6, 7])
-    # bicubic upsampling: ONNX Resize(cubic) has no gradient in the engine
-    register_aten_gradient(
-        "upsample_bicubic2d",
-        "vec",
-        [
-            GradientNode.aten(
-                _BICUBIC_BACKWARD, ["GO(0)", "I(0)", "O(0)", "I(1)", "I(2)", "I(3)"], ["GI(0)"]
-            )
-        ],
-    )
-    register_stop_gradient_edges("upsample_bicubic2d", "vec", [1, 2, 3])
 
 
-_BICUBIC_BACKWARD = "_ortmodule_upsample_bicubic2d_backward"
-
-
-def _bicubic_backward(
-    _overload: str, inputs: list[torch.Tensor | None]
-) -> list[torch.Tensor | None]:
-    grad, x, y, _output_size, align_corners, scale_factors = inputs
-    assert grad is not None and x is not None and y is not None and align_corners is not None
-    scales: list[float | None] = [None, None]
-    if scale_factors is not None:
-        scales = [float(s) for s in scale_factors.reshape(-1).tolist()]
-    result = torch.ops.aten.upsample_bicubic2d_backward(
-        grad,
-        list(y.shape[2:]),
-        list(x.shape),
-        bool(align_corners.reshape(-1)[0]),
-        scales[0],
-        scales[1],
-    )
-    return [result]
-
-
-register_aten_function(
-    _BICUBIC_BACKWARD,
-    AtenFunction(_bicubic_backward, lambda _o, i, is_input: not is_input or i < 3),
-)
 _register_builtin_gradients()

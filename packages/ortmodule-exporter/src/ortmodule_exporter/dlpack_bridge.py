@@ -27,6 +27,10 @@ from typing import Any
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
+# the C entry points behind torch.utils.dlpack, without its Python-level dispatch (hot path)
+_from_capsule = getattr(torch._C, "_from_dlpack", from_dlpack)
+_to_capsule = getattr(torch._C, "_to_dlpack", to_dlpack)
+
 __all__ = [
     "managed_pointer",
     "object_from_pointer",
@@ -77,12 +81,12 @@ _NEW = _operator_new()
 def tensor_from_pointer(address: int) -> torch.Tensor:
     """A tensor over the ``DLManagedTensor*`` at ``address``; torch now owns it and calls its deleter."""
     capsule = _api.PyCapsule_New(address, ctypes.addressof(_DLTENSOR), None)
-    return from_dlpack(capsule)
+    return _from_capsule(capsule)
 
 
 def managed_pointer(tensor: torch.Tensor) -> int:
     """A ``DLManagedTensor*`` for ``tensor`` whose ownership passes to the caller (the engine)."""
-    capsule = to_dlpack(tensor)
+    capsule = _to_capsule(tensor)
     address = _api.PyCapsule_GetPointer(capsule, ctypes.addressof(_DLTENSOR))
     # torch's capsule destructor frees only capsules still named "dltensor"
     _api.PyCapsule_SetName(capsule, ctypes.addressof(_USED_DLTENSOR))
@@ -90,11 +94,11 @@ def managed_pointer(tensor: torch.Tensor) -> int:
 
 
 def tensor_from_capsule(capsule: Any) -> torch.Tensor:
-    return from_dlpack(capsule)
+    return _from_capsule(capsule)  # type: ignore[no-any-return]
 
 
 def tensor_to_capsule(tensor: torch.Tensor) -> Any:
-    return to_dlpack(tensor)
+    return _to_capsule(tensor)
 
 
 def object_from_pointer(address: int) -> Any:

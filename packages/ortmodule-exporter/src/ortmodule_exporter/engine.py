@@ -18,6 +18,7 @@ import onnx
 import torch
 from torch.utils.dlpack import to_dlpack
 
+from .callback_errors import user_errors
 from .errors import EngineBuildError
 from .export import ExportedModel, SaveOptions
 
@@ -353,13 +354,15 @@ class TrainingSession:
         C = _C()
         state = C.PartialGraphExecutionState()
         outputs = C.OrtValueVector()
-        self._agent.run_forward(_feeds(feeds), outputs, state, None)
+        with user_errors():
+            self._agent.run_forward(_feeds(feeds), outputs, state, None)
         return _to_torch(outputs), state
 
     def backward(self, grad_outputs: Sequence[torch.Tensor], state: Any) -> list[torch.Tensor]:
         C = _C()
         outputs = C.OrtValueVector()
-        self._agent.run_backward(_feeds(grad_outputs), outputs, state)
+        with user_errors():
+            self._agent.run_backward(_feeds(grad_outputs), outputs, state)
         return _to_torch(outputs)
 
 
@@ -386,5 +389,6 @@ class InferenceSession:
         device = _ort_device(self._device)
         for name in self.built.fetch_names:
             binding.bind_output(name, device)
-        self._session._sess.run_with_iobinding(binding, None)
+        with user_errors():
+            self._session._sess.run_with_iobinding(binding, None)
         return _to_torch(binding.get_outputs())

@@ -262,6 +262,8 @@ def export(
     >>> exported.user_input_names, exported.param_names
     (('input.input',), ('weight', 'bias'))
     """
+    from . import aten_fallback, python_op  # both import this module
+
     check_opset(opset)
     kwargs = dict(kwargs or {})
     arguments = bind_arguments(module, args, kwargs)
@@ -277,6 +279,8 @@ def export(
     if cache is not None:
         key = cache.key_for(module, input_schema, training=training, opset=opset, extra=cache_extra)
         hit = cache.load(key)
+        if hit is not None and not python_op.model_is_runnable(hit.model):
+            hit = None  # it names Functions this process has not exported: re-export
         if hit is not None:
             hit.from_cache = True
             if save is not None:
@@ -291,7 +295,12 @@ def export(
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
     was_training = target.training
     try:
-        with _preserved_state(target), symbolics_applied(opset), warnings.catch_warnings():
+        with (
+            _preserved_state(target),
+            symbolics_applied(opset),
+            python_op.exporting_copy_of(module, target),
+            warnings.catch_warnings(),
+        ):
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 flat,
@@ -306,6 +315,10 @@ def export(
                 keep_initializers_as_inputs=True,
                 verbose=verbose,
                 dynamo=False,
+                # the tracer crashes on Functions with non-tensor outputs unless inlining is off
+                autograd_inlining=not python_op.custom_autograd_enabled(),
+                # ops without a symbolic become ATen nodes the engine runs through PyTorch
+                operator_export_type=aten_fallback.operator_export_type(),
             )
     except Exception as err:
         if flat.output_error is not None:

@@ -62,7 +62,9 @@ __all__ = [
     "check_model",
     "custom_autograd_enabled",
     "enable_custom_autograd",
+    "export_settings",
     "exporting_copy_of",
+    "model_is_runnable",
     "qualified_name",
     "register_python_op_exporter",
     "register_shape_inference",
@@ -446,7 +448,8 @@ def _onnx_type(value_type: Any) -> int | None:
     name = value_type.scalarType() if hasattr(value_type, "scalarType") else None
     if name is None:
         return None
-    return int(_type_utils.JitScalarType._from_name(name).onnx_type())
+    onnx_type: Any = _type_utils.JitScalarType._from_name(name).onnx_type()
+    return int(onnx_type)
 
 
 def _training_mode() -> bool:
@@ -617,6 +620,20 @@ def check_model(model: onnx.ModelProto) -> None:
                 "that ORTModule did not export in this process (a model from a file or from the "
                 "export cache of another run). Re-export the module, or clear ORTMODULE_CACHE_DIR."
             )
+
+
+def model_is_runnable(model: onnx.ModelProto) -> bool:
+    """Whether :func:`check_model` accepts ``model`` (a cache hit that fails is a miss)."""
+    try:
+        check_model(model)
+    except RefusedPythonOpError:
+        return False
+    return True
+
+
+def export_settings() -> str:
+    """The switches that change what the export writes, for export-cache keys."""
+    return f"custom_autograd={int(_SWITCHES.enabled)},checkpoint={int(_SWITCHES.allow_checkpoint)}"
 
 
 def _check_pass(exported: Any, _options: Mapping[str, Any]) -> None:

@@ -39,10 +39,13 @@ from .callback_errors import remember, take_pending_error, user_errors
 from .python_op import REGISTRY, FunctionEntry
 
 __all__ = [
+    "RELEASE_EVERY",
+    "engine_context_releases",
     "install",
     "installed",
     "kernel_count",
     "live_contexts",
+    "release_engine_contexts",
     "take_pending_error",
     "user_errors",
 ]
@@ -72,13 +75,19 @@ _RUNNER = ctypes.CFUNCTYPE(
 # -- the context ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
 class _TensorMeta:
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-    requires_grad: bool = False
-    non_differentiable: bool = False
+    """What backward needs to know of a forward tensor (a plain class: made on every call)."""
+
+    __slots__ = ("device", "dtype", "non_differentiable", "requires_grad", "shape")
+
+    def __init__(
+        self, tensor: torch.Tensor, requires_grad: bool = False, non_differentiable: bool = False
+    ) -> None:
+        self.shape = tensor.shape
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        self.requires_grad = requires_grad
+        self.non_differentiable = non_differentiable
 
     def zeros(self) -> torch.Tensor:
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
@@ -187,16 +196,16 @@ def run_forward(
 ) -> list[Any]:
     """The forward of one PythonOp call: ``[ctx or None, output capsule or None, ...]``."""
     entry = REGISTRY.lookup(func_name)
-    cls = entry.cls
+    cls: Any = entry.cls
     kernel = _kernel(invoke_id)
     args: list[Any] = []
     fed: dict[int, torch.Tensor] = {}
     cloned: set[int] = set()
-    inputs: list[_TensorMeta | None] = []
+    needs: list[bool] = []
     for position, (obj, is_tensor) in enumerate(zip(raw_args, tensor_flags, strict=True)):
         if not is_tensor or obj is None:
             args.append(obj)
-            inputs.append(None)
+            needs.append(False)
             continue
         tensor = bridge.tensor_from_capsule(obj)
         if position in entry.bool_inputs and tensor.dtype == torch.uint8:
@@ -215,11 +224,17 @@ def run_forward(
             tensor.requires_grad_(True)
         fed[position] = tensor
         args.append(tensor)
-        inputs.append(_TensorMeta(tensor.shape, tensor.dtype, tensor.device, requires_grad=wants))
+        needs.append(wants)
     versions = {position: t._version for position, t in fed.items()}
+    keep = training and any(needs)
 
-    state = _CallState(entry, inputs)
-    ctx = _Context(state, tuple(meta is not None and meta.requires_grad for meta in inputs))
+    state = _CallState(entry, [])
+    if keep:
+        state.inputs = [
+            _TensorMeta(fed[i], requires_grad=needs[i]) if i in fed else None
+            for i in range(len(args))
+        ]
+    ctx = _Context(state, tuple(needs))
     with torch.no_grad():
         if _calls_setup_context(cls):
             result = cls.forward(*args)
@@ -228,8 +243,9 @@ def run_forward(
             result = cls.forward(ctx, *args)
 
     written = {position for position, t in fed.items() if t._version != versions[position]}
-    dirty = {id(t) for t in ctx.dirty_tensors or ()}
-    written |= {position for position, t in fed.items() if id(t) in dirty}
+    if ctx.dirty_tensors:
+        dirty = {id(t) for t in ctx.dirty_tensors}
+        written |= {position for position, t in fed.items() if id(t) in dirty}
     if written - cloned:
         raise RuntimeError(
             f"{entry.name}.forward wrote argument(s) {sorted(written - cloned)} in place on this "
@@ -241,18 +257,17 @@ def run_forward(
         kernel.seen = True
 
     outputs = result if isinstance(result, tuple) else (result,)
-    non_differentiable = {id(t) for t in ctx.non_differentiable or ()}
+    non_differentiable = (
+        {id(t) for t in ctx.non_differentiable} if ctx.non_differentiable else set()
+    )
     returned: list[Any] = []
     for out in outputs:
         if not isinstance(out, torch.Tensor):
             state.outputs.append(None)
             returned.append(None)
             continue
-        state.outputs.append(
-            _TensorMeta(
-                out.shape, out.dtype, out.device, non_differentiable=id(out) in non_differentiable
-            )
-        )
+        if keep:
+            state.outputs.append(_TensorMeta(out, non_differentiable=id(out) in non_differentiable))
         value = out.detach()
         if value.dtype == torch.bool:  # the engine imports bool as uint8 (declared so at export)
             value = value.view(torch.uint8)
@@ -260,11 +275,52 @@ def run_forward(
             value = value.contiguous()
         returned.append(bridge.tensor_to_capsule(value))
 
-    keep = training and any(ctx.needs_input_grad)
     if keep:
         with _LIVE_LOCK:
             _LIVE[id(ctx)] = ctx
+    else:
+        _contextless_call()
     return [ctx if keep else None, *returned]
+
+
+# -- the engine's entries for calls without a context ------------------------------------------------
+
+#: The engine files every PythonOp call's context under a new id and drops it only when the
+#: PythonOpGrad node runs; calls that need no backward (eval, no_grad) leave an entry holding
+#: None behind (~100 bytes each). Every this many such calls, when no forward is waiting for its
+#: backward and no other Python thread could be inside the engine, the entries are dropped.
+RELEASE_EVERY = 8192
+_CONTEXTLESS = [0]
+_RELEASES = [0]
+
+
+def _contextless_call() -> None:
+    _CONTEXTLESS[0] += 1
+    if _CONTEXTLESS[0] >= RELEASE_EVERY:
+        release_engine_contexts()
+
+
+def release_engine_contexts() -> bool:
+    """Drop the engine's context entries when none is pending; returns whether it did."""
+    if threading.active_count() != 1:
+        return False
+    with _LIVE_LOCK:
+        if _LIVE:
+            return False
+        from .engine import _C
+        from .python_op import _EngineStub
+
+        C = _C()
+        C.unregister_python_functions()  # drops the contexts and the function pool together
+        for name in REGISTRY.names():
+            C.register_torch_autograd_function(name, _EngineStub)
+        _CONTEXTLESS[0] = 0
+        _RELEASES[0] += 1
+    return True
+
+
+def engine_context_releases() -> int:
+    return _RELEASES[0]
 
 
 # -- backward ---------------------------------------------------------------------------------------
@@ -291,7 +347,7 @@ def run_backward(func_name: str, raw_args: Sequence[Any]) -> list[Any]:
     entry = REGISTRY.lookup(func_name)
     with _LIVE_LOCK:
         live = _LIVE.pop(id(ctx), None) if isinstance(ctx, _Context) else None
-    if live is not ctx:
+    if not isinstance(ctx, _Context) or live is not ctx:
         raise RuntimeError(f"{entry.name}: backward ran without a pending forward (or ran twice)")
     state: _CallState = ctx._ortmodule_call
     if len(raw_args) - 1 != len(state.outputs):

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import custom_autograd
 from .debug_options import DebugOptions
 from .execution import GraphRunner
 from .fallback import FallbackManager
@@ -45,6 +46,7 @@ class ORTModule(torch.nn.Module):
     def _setup(self) -> None:
         options = RuntimeOptions.resolve(self._debug_options)
         configure_logger(options.log_level)
+        custom_autograd.configure(options)
         apply_engine_severity(options.log_level)
         object.__setattr__(self, "_options", options)
         object.__setattr__(
