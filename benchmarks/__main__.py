@@ -1,0 +1,227 @@
+"""``python -m benchmarks``: ORTModule against PyTorch eager and ``torch.compile``.
+
+Every configuration (model, mode) runs in its own fresh process (``python -m benchmarks.worker``),
+so first-step times are cold and peak memory is that configuration's own. The report goes to
+``benchmarks/results/<YYYY-MM-DD>-<machine>.md``.
+
+    python -m benchmarks                       # the quick suite: under ten minutes on two cores
+    python -m benchmarks --full                # bigger batches, more steps
+    python -m benchmarks --models gpt mlp_many_small --modes eager ortmodule --no-micro
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .models import WORKLOADS
+from .report import Report, machine_info, machine_slug, write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+MODES = ("eager", "ortmodule", "compile")
+
+
+def _micro_names() -> list[str]:
+    return sorted(p.stem for p in HERE.glob("bench_*.py"))
+
+
+class Runner:
+    """Starts the worker processes and collects their JSON results."""
+
+    def __init__(
+        self, full: bool, timeout: float, threads: int | None = None, log: Any = None
+    ) -> None:
+        self.full = full
+        self.extra = (["--full"] if full else []) + (["--threads", str(threads)] if threads else [])
+        self.timeout = timeout
+        self.commands: list[str] = []
+        self.log = log or (lambda text: print(text, flush=True))
+        self._tmp = tempfile.TemporaryDirectory(prefix="ortmodule-bench-")
+        self.tmp = Path(self._tmp.name)
+        self._count = 0
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+    def run(self, label: str, args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+        """One worker process; its result, or ``{"error": ...}`` when it died or timed out."""
+        self._count += 1
+        out = self.tmp / f"result-{self._count}.json"
+        cmd = [sys.executable, "-m", "benchmarks.worker", *args, *self.extra, "--out", str(out)]
+        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
+        shown = (
+            (shown + " " if shown else "")
+            + "python -m benchmarks.worker "
+            + " ".join(shlex.quote(a) for a in cmd[3:-2])
+        )
+        self.commands.append(shown)
+        full_env = {k: v for k, v in os.environ.items() if k not in ("ORTMODULE_CACHE_DIR",)}
+        full_env.update(env or {})
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env=full_env,
+                capture_output=True,
+                text=True,
+                timeout=self.timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            result: dict[str, Any] = {"error": f"timed out after {self.timeout:.0f} s"}
+        else:
+            if done.returncode == 0 and out.exists():
+                result = json.loads(out.read_text())
+            else:
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                result = {
+                    "error": f"the process exited with code {done.returncode}: {tail[0][:300]}"
+                }
+        wall = time.perf_counter() - start
+        result["process_wall_s"] = wall
+        status = f"error: {result['error']}" if "error" in result else "ok"
+        self.log(f"  {label:<38} {wall:6.1f} s  {status}")
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--full", action="store_true", help="bigger configurations and more steps")
+    parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--no-micro", action="store_true", help="skip the benchmarks/bench_*.py micro-benchmarks"
+    )
+    parser.add_argument(
+        "--no-profile", action="store_true", help="skip the engine profile of the GPT decoder"
+    )
+    parser.add_argument(
+        "--no-overhead", action="store_true", help="skip the per-step overhead benchmark"
+    )
+    parser.add_argument(
+        "--machine", help="machine name in the results file name (default: from the CPU)"
+    )
+    parser.add_argument(
+        "--output", type=Path, help="results file (default benchmarks/results/<date>-<machine>.md)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs=2,
+        metavar=("WARMUP", "MEASURED"),
+        help="override every model's steps",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads for PyTorch and the engine in every process (default: PyTorch's, one per core)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, help="seconds per process (default 420, 1800 with --full)"
+    )
+    args = parser.parse_args(argv)
+
+    info = machine_info()
+    name = args.machine or machine_slug(info)
+    output = args.output or HERE / "results" / f"{time.strftime('%Y-%m-%d')}-{name}.md"
+    timeout = args.timeout or (1800.0 if args.full else 420.0)
+    runner = Runner(args.full, timeout, args.threads)
+    report = Report(
+        info=info,
+        full=args.full,
+        command="python -m benchmarks"
+        + "".join(" " + shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        load_before=os.getloadavg(),
+        threads=args.threads,
+    )
+    started = time.perf_counter()
+    print(
+        f"ortmodule benchmarks ({'full' if args.full else 'quick'}) on {info['cpu']}, {info['cores']} cores; "
+        f"load average {report.load_before[0]:.1f}",
+        flush=True,
+    )
+    try:
+        for model in args.models:
+            print(f"{model}: {WORKLOADS[model].description}", flush=True)
+            cache = runner.tmp / f"cache-{model}"
+            cache.mkdir()
+            for mode in args.modes:
+                base = ["train", "--model", model, "--mode", mode]
+                steps = ["--steps", *map(str, args.steps)] if args.steps else []
+                if mode == "ortmodule":
+                    env = {"ORTMODULE_CACHE_DIR": str(cache)}
+                    report.runs[(model, mode)] = runner.run(
+                        f"{mode} (cold, fills the cache)", [*base, *steps], env
+                    )
+                    report.runs[(model, "ortmodule-warm")] = runner.run(
+                        f"{mode} (warm: prefilled cache)", [*base, "--steps", "0", "1"], env
+                    )
+                elif mode == "compile":
+                    # a fresh inductor cache: its first step is a cold compile, like ours is a cold export
+                    env = {"TORCHINDUCTOR_CACHE_DIR": str(runner.tmp / f"inductor-{model}")}
+                    report.runs[(model, mode)] = runner.run(mode, [*base, *steps], env)
+                else:
+                    report.runs[(model, mode)] = runner.run(mode, [*base, *steps])
+            if model == "gpt" and "ortmodule" in args.modes and not args.no_profile:
+                prefix = str(runner.tmp / "gpt-profile")
+                report.profile = runner.run(
+                    "ortmodule (engine profiler on)",
+                    [
+                        *["train", "--model", model, "--mode", "ortmodule"],
+                        "--profile",
+                        prefix,
+                        "--steps",
+                        "1",
+                        "3",
+                    ],
+                )
+        if not args.no_overhead:
+            print("overhead: Linear(8, 8) on a 4x8 batch, forward + backward", flush=True)
+            for mode in ("eager", "ortmodule"):
+                report.overhead[mode] = runner.run(mode, ["overhead", "--mode", mode])
+        if not args.no_micro:
+            print("micro-benchmarks: benchmarks/bench_*.py", flush=True)
+            for micro in _micro_names():
+                report.micro[micro] = runner.run(micro, ["micro", "--name", micro])
+    finally:
+        report.commands = runner.commands
+        report.seconds = time.perf_counter() - started
+        report.load_after = os.getloadavg()
+        runner.close()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_report(report, output)
+    raw = {
+        "info": report.info,
+        "command": report.command,
+        "threads": args.threads,
+        "load_before": report.load_before,
+        "load_after": report.load_after,
+        "runs": {f"{model}/{mode}": run for (model, mode), run in report.runs.items()},
+        "profile": report.profile,
+        "overhead": report.overhead,
+        "micro": report.micro,
+    }
+    output.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str))
+    print()
+    print(report.main_table())
+    print()
+    print(
+        f"Wrote {output} and its raw figures {output.with_suffix('.json').name} in {report.seconds / 60:.1f} minutes."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The benchmark workloads: a model factory, a batch per step and the loss, at two sizes.
+
+The models come from the shared zoo (``ortmodule_testing.zoo``), so the benchmarks train what
+the parity tests check. ``quick`` sizes keep the whole suite under ten minutes on two cores;
+``--full`` uses bigger batches and more steps.
+
+    workload = WORKLOADS["gpt"]
+    model = workload.build(full=False)
+    args, kwargs = workload.batch(step=0, full=False)
+    loss = workload.loss(model(*args, **kwargs))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ortmodule_testing.zoo import CNN, MLP, bert_benchmark, gpt_benchmark
+
+__all__ = ["WORKLOADS", "Workload"]
+
+Batch = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model to benchmark; ``warmup`` steps are run, then ``measured`` steps are timed."""
+
+    name: str
+    description: str
+    make_model: Callable[[bool], nn.Module]
+    make_batch: Callable[[int, bool], Batch]
+    loss: Callable[[Any, Batch], torch.Tensor]
+    #: (warmup, measured) steps for the quick and the full suite
+    quick_steps: tuple[int, int]
+    full_steps: tuple[int, int]
+
+    def build(self, full: bool, seed: int = 0) -> nn.Module:
+        """The model under ``torch.manual_seed(seed)``: every process builds the same weights."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.make_model(full)
+
+    def batch(self, step: int, full: bool) -> Batch:
+        return self.make_batch(step, full)
+
+    def steps(self, full: bool) -> tuple[int, int]:
+        return self.full_steps if full else self.quick_steps
+
+
+def _gen(step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(20_000 + step)
+
+
+# -- GPT and BERT: the zoo's benchmark sizes (vocab 1024, d 256, 4 layers, seq 128) --------------
+
+
+def _gpt_model(full: bool) -> nn.Module:
+    return gpt_benchmark()[0]()
+
+
+def _gpt_batch(step: int, full: bool) -> Batch:
+    return gpt_benchmark(batch=16 if full else 8)[1](step)
+
+
+def _bert_model(full: bool) -> nn.Module:
+    return bert_benchmark()[0]()
+
+
+def _bert_batch(step: int, full: bool) -> Batch:
+    return bert_benchmark(batch=16 if full else 8)[1](step)
+
+
+def _first(out: Any, batch: Batch) -> torch.Tensor:
+    return out[0]  # type: ignore[no-any-return]
+
+
+def _loss_entry(out: Any, batch: Batch) -> torch.Tensor:
+    return out["loss"]  # type: ignore[no-any-return]
+
+
+# -- MLP with many small layers: per-op overhead dominates -----------------------------------------
+
+
+def _mlp_model(full: bool) -> nn.Module:
+    return MLP(16, 8, many_small=True)
+
+
+def _mlp_batch(step: int, full: bool) -> Batch:
+    return (torch.randn(256 if full else 64, 16, generator=_gen(step)),), {}
+
+
+def _mlp_loss(out: Any, batch: Batch) -> torch.Tensor:
+    x = batch[0][0]
+    return F.mse_loss(out, torch.sin(x[:, : out.shape[-1]]))
+
+
+# -- CNN: convolutions, BatchNorm buffers, pooling -------------------------------------------------
+
+
+def _cnn_model(full: bool) -> nn.Module:
+    return CNN(3, 10, channels=(32, 64) if full else (16, 32))
+
+
+def _cnn_batch(step: int, full: bool) -> Batch:
+    size = 64 if full else 32
+    return (torch.randn(32 if full else 16, 3, size, size, generator=_gen(step)),), {}
+
+
+def _cnn_loss(out: Any, batch: Batch) -> torch.Tensor:
+    images = batch[0][0]
+    return F.cross_entropy(out, images.mean(dim=(2, 3)).argmax(dim=1))
+
+
+# -- tiny: the per-step Python overhead ------------------------------------------------------------
+
+
+def _tiny_model(full: bool) -> nn.Module:
+    return nn.Linear(8, 8)
+
+
+def _tiny_batch(step: int, full: bool) -> Batch:
+    return (torch.randn(4, 8, generator=_gen(step)),), {}
+
+
+def _sum_of_squares(out: Any, batch: Batch) -> torch.Tensor:
+    return out.square().mean()  # type: ignore[no-any-return]
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload(
+            "gpt",
+            "GPT-style decoder: vocab 1024, d 256, 4 layers, 4 heads, seq 128, batch 8 (16 with --full)",
+            _gpt_model,
+            _gpt_batch,
+            _first,
+            (2, 8),
+            (3, 30),
+        ),
+        Workload(
+            "bert",
+            "BERT-style masked LM: vocab 1024, d 256, 4 layers, seq 128 right-padded from [64, 128], "
+            "15% of tokens labelled, batch 8 (16 with --full)",
+            _bert_model,
+            _bert_batch,
+            _loss_entry,
+            (2, 8),
+            (3, 30),
+        ),
+        Workload(
+            "mlp_many_small",
+            "MLP with 48 hidden layers of width 16 (ReLU), batch 64 (256 with --full)",
+            _mlp_model,
+            _mlp_batch,
+            _mlp_loss,
+            (3, 30),
+            (5, 100),
+        ),
+        Workload(
+            "cnn",
+            "CNN: 2 x (Conv3x3 -> BatchNorm -> ReLU), pooling, 16x3x32x32 images "
+            "(32x3x64x64, wider, with --full)",
+            _cnn_model,
+            _cnn_batch,
+            _cnn_loss,
+            (3, 20),
+            (5, 60),
+        ),
+    )
+}
+
+#: the overhead workload: one Linear(8, 8) on a 4x8 batch, where nearly all time is per-step work
+TINY = Workload(
+    "tiny",
+    "Linear(8, 8) on a 4x8 batch",
+    _tiny_model,
+    _tiny_batch,
+    _sum_of_squares,
+    (20, 300),
+    (50, 2000),
+)

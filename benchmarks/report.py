@@ -1,0 +1,451 @@
+"""The benchmark report: machine description, tables, notes, the exact commands, as Markdown."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from .models import TINY, WORKLOADS
+
+MODE_TITLES = {
+    "eager": "PyTorch eager",
+    "compile": "torch.compile (inductor)",
+    "ortmodule": "ORTModule",
+    "ortmodule-warm": "ORTModule, warm cache",
+}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cores = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    versions = {"python": platform.python_version()}
+    for dist in ("torch", "onnxruntime-training-cpu", "onnxruntime-training", "onnx", "ortmodule"):
+        found = _version(dist)
+        if found:
+            versions[dist] = found
+    return {
+        "cpu": _cpu_model(),
+        "cores": cores,
+        "usable_cores": usable,
+        "memory_gib": _memory_gib(),
+        "os": platform.platform(),
+        "versions": versions,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def machine_slug(info: dict[str, Any]) -> str:
+    """``amd-epyc-2c``: the CPU model and core count, for the results file name."""
+    cpu = re.sub(r"\((r|tm)\)|cpu|processor|@.*$|\d+-core", "", info["cpu"].lower())
+    words = re.findall(r"[a-z0-9]+", cpu)[:4]
+    return "-".join([*words, f"{info['cores']}c"])
+
+
+@dataclass
+class Report:
+    info: dict[str, Any]
+    full: bool
+    command: str
+    load_before: tuple[float, float, float]
+    load_after: tuple[float, float, float] | None = None
+    runs: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    profile: dict[str, Any] | None = None
+    overhead: dict[str, dict[str, Any]] = field(default_factory=dict)
+    micro: dict[str, dict[str, Any]] = field(default_factory=dict)
+    commands: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    #: intra-op threads forced with --threads, or None for PyTorch's default
+    threads: int | None = None
+
+    # -- figures ---------------------------------------------------------------------------
+    def loss_diff(self, model: str, mode: str) -> float | None:
+        """Largest |loss - eager loss| over the measured steps (same init, same batches)."""
+        eager, run = self.runs.get((model, "eager")), self.runs.get((model, mode))
+        if not eager or not run or "error" in eager or "error" in run:
+            return None
+        warmup = run["warmup"]
+        a, b = eager["losses"][warmup:], run["losses"][warmup:]
+        if not a or len(a) != len(b):
+            return None
+        return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+    def ratio(self, model: str, mode: str) -> float | None:
+        eager, run = self.runs.get((model, "eager"), {}), self.runs.get((model, mode), {})
+        if "median_step_s" in eager and "median_step_s" in run:
+            return float(run["median_step_s"] / eager["median_step_s"])
+        return None
+
+    def busy(self) -> bool:
+        loads = [self.load_before[0], *(self.load_after[:1] if self.load_after else ())]
+        return max(loads) > 0.75 * self.info["cores"]
+
+    # -- tables ----------------------------------------------------------------------------
+    def main_table(self) -> str:
+        rows = [
+            "| model | mode | median step | vs eager | first step | peak RSS | max loss diff vs eager |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for model in WORKLOADS:
+            for mode in ("eager", "compile", "ortmodule", "ortmodule-warm"):
+                run = self.runs.get((model, mode))
+                if run is None:
+                    continue
+                if "error" in run:
+                    rows.append(
+                        f"| {model} | {MODE_TITLES[mode]} | failed: {_cell(run['error'])} | | | | |"
+                    )
+                    continue
+                warm = mode == "ortmodule-warm"
+                ratio = self.ratio(model, mode)
+                diff = self.loss_diff(model, mode) if mode in ("compile", "ortmodule") else None
+                first = _seconds(run.get("first_step_s"))
+                if mode == "compile":
+                    first += " (compiles)"
+                elif mode == "ortmodule":
+                    first += " (cold: export + build)"
+                elif warm:
+                    first += " (export from cache)"
+                rows.append(
+                    "| "
+                    + " | ".join(
+                        [
+                            model,
+                            MODE_TITLES[mode],
+                            "" if warm else _ms(run.get("median_step_s")),
+                            "" if ratio is None or warm else f"{ratio:.2f}x",
+                            first,
+                            f"{run['peak_rss_mib']:.0f} MiB" if "peak_rss_mib" in run else "",
+                            "" if diff is None else f"{diff:.1e}",
+                        ]
+                    )
+                    + " |"
+                )
+        return "\n".join(rows)
+
+    def phase_table(self) -> str:
+        rows = [
+            "| model | cache | export | graph build | session creation | first step (all of it) |",
+            "| --- | --- | ---: | ---: | ---: | ---: |",
+        ]
+        for model in WORKLOADS:
+            for mode, label in (
+                ("ortmodule", "cold (empty)"),
+                ("ortmodule-warm", "warm (prefilled)"),
+            ):
+                run = self.runs.get((model, mode))
+                if not run or "error" in run:
+                    continue
+                p = run.get("phases", {})
+                rows.append(
+                    f"| {model} | {label} | {_seconds(p.get('export'))} | {_seconds(p.get('graph build'))} | "
+                    f"{_seconds(p.get('session creation'))} | {_seconds(run.get('first_step_s'))} |"
+                )
+        return "\n".join(rows)
+
+    def overhead_section(self) -> list[str]:
+        eager, ort = self.overhead.get("eager", {}), self.overhead.get("ortmodule", {})
+        out = [
+            "## Python overhead per step (tiny model)",
+            "",
+            f"{TINY.description}, forward + backward (no optimizer), median of {ort.get('measured', '?')} "
+            "steps after warmup, one process per mode. On a model this small nearly all the time is "
+            "per-step work rather than arithmetic: eager's is PyTorch's own dispatch and autograd; "
+            "ORTModule's is flattening the inputs, handing tensors to the engine by DLPack, the "
+            "engine's own run_forward/run_backward and the autograd bridge.",
+            "",
+        ]
+        for what, run in (("eager", eager), ("ortmodule", ort)):
+            if "error" in run:
+                out += [f"- {MODE_TITLES[what]} failed: {run['error']}", ""]
+        if "median_us" in eager and "median_us" in ort:
+            engine = ort.get("engine_us")
+            python = ort["median_us"] - engine if engine is not None else None
+            out += [
+                "| | µs per step |",
+                "| --- | ---: |",
+                f"| PyTorch eager | {eager['median_us']:.0f} |",
+                f"| ORTModule | {ort['median_us']:.0f} ({ort['median_us'] / eager['median_us']:.1f}x eager) |",
+                f"| of which the engine (run_forward + run_backward) | {_num(engine)} |",
+                f"| of which Python (flatten, DLPack, bookkeeping, autograd) | {_num(python)} |",
+                "",
+            ]
+            cats = ort.get("cprofile_categories") or {}
+            if cats:
+                out += [
+                    "Where ORTModule's step goes, by cProfile (self time per component; shares of the "
+                    "profiled time, the profiler itself inflates Python code):",
+                    "",
+                    "| component | share |",
+                    "| --- | ---: |",
+                    *(f"| {name} | {share * 100:.0f}% |" for name, share in cats.items()),
+                    "",
+                ]
+            ours = ort.get("cprofile_ours") or []
+            if ours:
+                out += ["Our own functions with the most self time:", ""]
+                out += [f"- `{r['function']}`: {r['share'] * 100:.1f}%" for r in ours]
+                out.append("")
+        return out
+
+    def profile_section(self) -> list[str]:
+        run = self.profile
+        if run is None:
+            return []
+        out = ["## Where the time goes: GPT decoder under ORTModule", ""]
+        if "error" in run:
+            return [*out, f"The profiled run failed: {run['error']}", ""]
+        step = run.get("mean_step_s")
+        engine = run.get("engine_s_per_step")
+        optim = run.get("mean_optimizer_s")
+        prof = run.get("profile", {})
+        out += [
+            f"One extra process with ONNX Runtime's profiler on (`SessionOptions.enable_profiling`), "
+            f"{run['warmup']} warmup + {run['measured']} measured steps; profiling slows the engine a "
+            "little, so these figures are for the split, not for speed.",
+            "",
+            "| part of a training step | ms per step | share |",
+            "| --- | ---: | ---: |",
+        ]
+        if step and engine is not None and optim is not None:
+            python = step - engine - optim
+            for name, value in (
+                ("engine: run_forward + run_backward", engine),
+                ("AdamW step + zero_grad (PyTorch)", optim),
+                ("the rest: Python side of ORTModule, autograd, the loss", python),
+                ("whole step (mean over the measured steps)", step),
+            ):
+                out.append(f"| {name} | {value * 1e3:.1f} | {value / step * 100:.0f}% |")
+        out += [
+            "",
+            f"Engine kernel time by operator (per step, {prof.get('kernel_us_per_step', 0) / 1e3:.1f} ms of "
+            "kernels in all; the rest of the engine time is the executor between kernels):",
+            "",
+            "| operator | ms per step | share of kernel time | nodes per step |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for op in prof.get("operators", []):
+            out.append(
+                f"| {op['op']} | {op['us_per_step'] / 1e3:.2f} | {op['share'] * 100:.1f}% | {op['nodes_per_step']:.0f} |"
+            )
+        out.append("")
+        return out
+
+    def micro_section(self) -> list[str]:
+        if not self.micro:
+            return []
+        out = [
+            "## Micro-benchmarks",
+            "",
+            "Each `benchmarks/bench_*.py` that has a `run()` function, in its own process.",
+            "",
+        ]
+        for name, run in self.micro.items():
+            out += [f"### {name}", ""]
+            if run.get("doc"):
+                out += [run["doc"], ""]
+            if "error" in run:
+                out += [f"Failed: {run['error']}", ""]
+            elif "skipped" in run:
+                out += [f"Skipped: {run['skipped']}", ""]
+            else:
+                out += [*_value_table(run.get("result")), ""]
+        return out
+
+    def notes(self) -> list[str]:
+        found = []
+        for (model, mode), run in self.runs.items():
+            if "error" in run:
+                found.append(f"- {model}, {MODE_TITLES[mode]}: {run['error']}")
+        for name, run in {
+            **self.micro,
+            **{f"overhead {k}": v for k, v in self.overhead.items()},
+        }.items():
+            if "error" in run:
+                found.append(f"- {name}: {run['error']}")
+            elif "skipped" in run:
+                found.append(f"- {name}: skipped ({run['skipped']})")
+        return found
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return _cell(str(value))
+
+
+def _value_table(value: Any) -> list[str]:
+    """A flat dict as two columns; a dict of dicts as rows x columns; anything else as text."""
+    if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+        columns: list[str] = []
+        for row in value.values():
+            columns += [c for c in row if c not in columns]
+        lines = ["| | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
+        for key, row in value.items():
+            lines.append(
+                f"| {_cell(str(key))} | " + " | ".join(_fmt(row.get(c, "")) for c in columns) + " |"
+            )
+        return lines
+    if isinstance(value, dict):
+        return [
+            "| | |",
+            "| --- | ---: |",
+            *(f"| {_cell(str(k))} | {_fmt(v)} |" for k, v in value.items()),
+        ]
+    return ["```", str(value), "```"]
+
+
+def _nox_equivalent(command: str) -> str:
+    args = command.removeprefix("python -m benchmarks").strip()
+    return "nox -s bench" + (f" -- {args}" if args else "")
+
+
+def write_report(report: Report, path: Path) -> str:
+    info = report.info
+    versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    cores = f"{info['cores']} cores"
+    if info["usable_cores"] != info["cores"]:
+        cores += f" ({info['usable_cores']} usable by this process)"
+    memory = f", {info['memory_gib']:.0f} GiB memory" if info["memory_gib"] else ""
+    load = ", ".join(f"{x:.2f}" for x in report.load_before)
+    load_after = ", ".join(f"{x:.2f}" for x in report.load_after) if report.load_after else "?"
+    lines = [
+        f"# Benchmarks: {path.stem}",
+        "",
+        f"- Machine: {info['cpu']}, {cores}{memory}; {info['os']}; "
+        f"{'CUDA available (not used)' if info['cuda'] else 'no GPU'}",
+        f"- Versions: {versions}",
+        "- Intra-op threads per process (PyTorch and the engine alike): "
+        + (
+            f"{report.threads} (`--threads {report.threads}`)"
+            if report.threads
+            else f"{info['torch_threads']} (PyTorch's default)"
+        ),
+        f"- Suite: {'full' if report.full else 'quick'}, {report.seconds / 60:.1f} minutes in all",
+        f"- Load average (1, 5, 15 min): {load} at the start, {load_after} at the end",
+        f"- Command: `{report.command}` (or `{_nox_equivalent(report.command)}`), from the repository root",
+        "",
+    ]
+    if report.busy():
+        lines += [
+            f"> **Noisy numbers.** The load average was above {0.75 * info['cores']:g} on "
+            f"{info['cores']} cores while this ran: other processes shared the CPU, so step times are "
+            "inflated and jumpy. Compare ratios measured in the same run, and re-run on a quiet machine "
+            "for absolute numbers. With more threads than free cores, PyTorch's OpenMP threads "
+            "spin-wait for each other and eager steps stall; `--threads 1` avoids that.",
+            "",
+        ]
+    lines += [
+        "## Training steps",
+        "",
+        "Forward + backward + `torch.optim.AdamW` step, one fresh process per (model, mode), the same "
+        "initial weights and batches in every process. *Median step* is over the measured steps after "
+        "warmup; *first step* is the first call in a fresh process (for torch.compile it includes "
+        "compilation with an empty inductor cache; for ORTModule the export, gradient-graph build and "
+        "session creation; the warm row is a second process whose `ORTMODULE_CACHE_DIR` the cold run "
+        "filled); *peak RSS* is the process's high-water mark (`ru_maxrss`, imports included); *max loss "
+        "diff* is the largest |loss − eager loss| over the measured steps.",
+        "",
+    ]
+    for model in WORKLOADS:
+        if any(m == model for m, _ in report.runs):
+            w = WORKLOADS[model]
+            warmup, measured = w.steps(report.full)
+            lines.append(
+                f"- **{model}**: {w.description}; {warmup} warmup + {measured} measured steps"
+            )
+    lines += ["", report.main_table(), ""]
+    gpt_cold, gpt_warm = (
+        report.runs.get(("gpt", "ortmodule"), {}),
+        report.runs.get(("gpt", "ortmodule-warm"), {}),
+    )
+    if "phases" in gpt_cold and "phases" in gpt_warm:
+        lines += [
+            "## Time to first step",
+            "",
+            f"Time to export the GPT-style benchmark model: **{_seconds(gpt_cold['phases'].get('export'))} cold**, "
+            f"**{_seconds(gpt_warm['phases'].get('export'))} warm** (loaded from `ORTMODULE_CACHE_DIR`). "
+            "The cache skips the export only; the engine still builds the gradient graph and the session.",
+            "",
+            report.phase_table(),
+            "",
+        ]
+    if report.overhead:
+        lines += report.overhead_section()
+    lines += report.profile_section()
+    lines += report.micro_section()
+    notes = report.notes()
+    if notes:
+        lines += ["## Failures", "", *notes, ""]
+    lines += [
+        "## Commands",
+        "",
+        "Each configuration ran as its own process (from the repository root):",
+        "",
+        "```bash",
+        *report.commands,
+        "```",
+        "",
+    ]
+    text = "\n".join(lines)
+    path.write_text(text)
+    return text
+
+
+if __name__ == "__main__":  # pragma: no cover - a module of the package, not a command
+    sys.exit("run `python -m benchmarks`")

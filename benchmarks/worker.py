@@ -1,0 +1,356 @@
+"""One benchmark configuration in one fresh process; ``python -m benchmarks`` starts these.
+
+    python -m benchmarks.worker train --model gpt --mode ortmodule --out r.json
+    python -m benchmarks.worker train --model gpt --mode ortmodule --profile /tmp/prof --out r.json
+    python -m benchmarks.worker overhead --mode eager --out r.json
+    python -m benchmarks.worker micro --name bench_pytree --out r.json
+
+Each writes one JSON object to ``--out``. A failure inside the measured code (``torch.compile``
+on a machine without a working compiler, an export error) is written as ``{"error": ...}``
+instead of crashing, so the report can show it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib
+import inspect
+import json
+import os
+import pstats
+import resource
+import statistics
+import sys
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .models import TINY, WORKLOADS, Workload
+
+MODES = ("eager", "compile", "ortmodule")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    # kilobytes on Linux: the high-water mark of this fresh process
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _error_text(err: BaseException) -> str:
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    head = lines[0] if lines else ""
+    return f"{type(err).__name__}: {head}"[:300]
+
+
+class _TimedAgent:
+    """Stands in for the engine's ``TrainingAgent`` and times its two calls (engine time)."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.seconds = 0.0
+        self.calls = 0
+
+    def run_forward(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.agent.run_forward(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+    def run_backward(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.agent.run_backward(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def _training_session(model: Any) -> Any:
+    """The engine session ORTModule built for training (``TrainingSession``)."""
+    graph = model._runner.transitions.current(True, True)
+    if graph is None:
+        raise RuntimeError("ORTModule has not built a training graph")
+    return graph.session
+
+
+def _enable_engine_profiling(prefix: str) -> None:
+    """Turn on ONNX Runtime's profiler for every session this process creates.
+
+    The engine boundary (``ortmodule_exporter.engine._session``) builds its ``SessionOptions``
+    from ``onnxruntime.SessionOptions()``; this benchmark-only process hands it options with
+    profiling on. The measured runs never do this.
+    """
+    from ortmodule_exporter.engine import import_onnxruntime
+
+    onnxruntime = import_onnxruntime()
+    original = onnxruntime.SessionOptions
+
+    def profiling_options() -> Any:
+        options = original()
+        options.enable_profiling = True
+        options.profile_file_prefix = prefix
+        return options
+
+    onnxruntime.SessionOptions = profiling_options
+
+
+def _top_operators(profile_file: str, steps: int, top: int = 12) -> dict[str, Any]:
+    """Kernel time per operator type from the engine's Chrome-trace profile."""
+    with open(profile_file) as f:
+        events = json.load(f)
+    by_op: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.get("cat") != "Node" or not str(e.get("name", "")).endswith("_kernel_time"):
+            continue
+        op = e.get("args", {}).get("op_name", "?")
+        by_op[op] += float(e.get("dur", 0))
+        count[op] += 1
+    total = sum(by_op.values())
+    ranked = sorted(by_op.items(), key=lambda kv: -kv[1])
+    return {
+        "kernel_us_per_step": total / max(steps, 1),
+        "operators": [
+            {
+                "op": op,
+                "us_per_step": us / max(steps, 1),
+                "share": us / total if total else 0.0,
+                "nodes_per_step": count[op] / max(steps, 1),
+            }
+            for op, us in ranked[:top]
+        ],
+    }
+
+
+def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    if mode == "compile":
+        return torch.compile(model)  # type: ignore[return-value]
+    if mode == "ortmodule":
+        from ortmodule import ORTModule
+
+        return ORTModule(model)
+    return model
+
+
+def train(
+    workload: Workload, mode: str, full: bool, profile: str | None, steps: tuple[int, int] | None
+) -> dict[str, Any]:
+    """Warmup, then measured steps of forward + backward + AdamW; times, losses, memory."""
+    warmup, measured = steps or workload.steps(full)
+    batches = [workload.batch(i, full) for i in range(warmup + measured)]
+    torch.manual_seed(0)
+    result: dict[str, Any] = {
+        "model": workload.name,
+        "mode": mode,
+        "warmup": warmup,
+        "measured": measured,
+    }
+    if profile:
+        _enable_engine_profiling(profile)
+    base = workload.build(full)
+    result["parameters"] = sum(p.numel() for p in base.parameters())
+    optimizer = torch.optim.AdamW(base.parameters(), lr=1e-3)
+    result["rss_before_mib"] = _rss_mib()
+    seconds: list[float] = []
+    optimizer_seconds: list[float] = []
+    losses: list[float] = []
+    agent: _TimedAgent | None = None
+    engine_before = 0.0
+    try:
+        model = _wrap(base, mode)
+        model.train()
+        for step, (args, kwargs) in enumerate(batches):
+            start = time.perf_counter()
+            loss = workload.loss(model(*args, **kwargs), (args, kwargs))
+            loss.backward()
+            mid = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            end = time.perf_counter()
+            seconds.append(end - start)
+            optimizer_seconds.append(end - mid)
+            if mode == "ortmodule" and agent is None:
+                session = _training_session(model)
+                agent = _TimedAgent(session._agent)
+                session._agent = agent
+            if agent is not None and step == warmup - 1:
+                engine_before = agent.seconds
+    except Exception as err:  # reported in the table, not raised
+        result["error"] = _error_text(err)
+        result["traceback"] = traceback.format_exc()[-3000:]
+    result["step_seconds"] = seconds
+    result["losses"] = losses
+    result["peak_rss_mib"] = _peak_rss_mib()
+    if seconds:
+        result["first_step_s"] = seconds[0]
+    if len(seconds) > warmup:
+        result["median_step_s"] = statistics.median(seconds[warmup:])
+        result["median_optimizer_s"] = statistics.median(optimizer_seconds[warmup:])
+        # means add up (step = engine + optimizer + the rest), medians do not
+        result["mean_step_s"] = statistics.fmean(seconds[warmup:])
+        result["mean_optimizer_s"] = statistics.fmean(optimizer_seconds[warmup:])
+    if mode == "ortmodule" and "error" not in result:
+        times = getattr(model._runner, "last_times", None)
+        result["phases"] = dict(times.seconds) if times is not None else {}
+        result["exports"] = model._runner.exports
+        if agent is not None and measured:
+            result["engine_s_per_step"] = (agent.seconds - engine_before) / measured
+        if profile:
+            engine = _training_session(model)._session
+            result["profile_file"] = engine.end_profiling()
+            result["profile"] = _top_operators(result["profile_file"], warmup + measured)
+    return result
+
+
+def overhead(mode: str, full: bool) -> dict[str, Any]:
+    """Per-step time of forward + backward on a tiny model: the framework's own work."""
+    warmup, measured = TINY.steps(full)
+    batches = [TINY.batch(i, full) for i in range(warmup + measured)]
+    model = _wrap(TINY.build(full), mode)
+    seconds = []
+    agent: _TimedAgent | None = None
+    engine_before = 0.0
+    for step, (args, kwargs) in enumerate(batches):
+        start = time.perf_counter()
+        TINY.loss(model(*args, **kwargs), (args, kwargs)).backward()
+        seconds.append(time.perf_counter() - start)
+        if mode == "ortmodule" and agent is None:
+            session = _training_session(model)
+            agent = _TimedAgent(session._agent)
+            session._agent = agent
+        if agent is not None and step == warmup - 1:
+            engine_before = agent.seconds
+    result: dict[str, Any] = {
+        "mode": mode,
+        "measured": measured,
+        "median_us": statistics.median(seconds[warmup:]) * 1e6,
+        "mean_us": statistics.fmean(seconds[warmup:]) * 1e6,
+    }
+    if agent is not None:
+        result["engine_us"] = (agent.seconds - engine_before) / measured * 1e6
+    # where the Python time goes: a cProfile of further steps (relative numbers: profiling slows)
+    profiler = cProfile.Profile()
+    profiled = min(measured, 200)
+    args, kwargs = batches[-1]
+    profiler.enable()
+    for _ in range(profiled):
+        TINY.loss(model(*args, **kwargs), (args, kwargs)).backward()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    shares: dict[str, float] = defaultdict(float)
+    ours: list[tuple[float, str]] = []
+    for (filename, line, func), (_cc, _calls, tottime, _cum, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        shares[_category(filename, func)] += tottime
+        if "ortmodule" in filename:
+            ours.append((tottime, f"{_short_path(filename)}:{line}({func})"))
+    total = sum(shares.values()) or 1.0
+    result["cprofile_categories"] = {
+        k: v / total for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
+    }
+    ours.sort(reverse=True)
+    result["cprofile_ours"] = [{"function": name, "share": t / total} for t, name in ours[:8]]
+    return result
+
+
+#: cProfile rows -> where the per-step time goes (first match wins)
+_CATEGORIES = (
+    ("TrainingAgent", "engine: run_forward + run_backward (C++)"),
+    ("ortmodule_pytree", "ortmodule_pytree: flatten / unflatten"),
+    ("dlpack", "DLPack hand-over (to_dlpack, from_dlpack, OrtValueVector)"),
+    ("OrtValueVector", "DLPack hand-over (to_dlpack, from_dlpack, OrtValueVector)"),
+    ("ortmodule_exporter", "ortmodule_exporter: engine boundary (feeds, outputs)"),
+    ("ortmodule/", "ortmodule runtime: forward, autograd bridge, bookkeeping"),
+    ("benchmarks", "engine: run_forward + run_backward (C++)"),
+    ("torch/autograd", "torch autograd (backward driver, Function.apply)"),
+    ("_EngineBase", "torch autograd (backward driver, Function.apply)"),
+)
+
+
+def _category(filename: str, func: str) -> str:
+    where = f"{filename} {func}".replace("\\", "/")
+    for needle, name in _CATEGORIES:
+        if needle in where:
+            return name
+    return "other (torch operators of the loss, Python builtins)"
+
+
+def _short_path(filename: str) -> str:
+    parts = Path(filename).parts
+    for i, part in enumerate(parts):
+        if part.startswith("ortmodule"):
+            return "/".join(parts[i:])
+    return Path(filename).name
+
+
+def micro(name: str, full: bool) -> dict[str, Any]:
+    """Run ``benchmarks/<name>.py``'s ``run()``: ``run(quick=...)`` where it takes ``quick``."""
+    module = importlib.import_module(f"benchmarks.{name}")
+    run = getattr(module, "run", None)
+    if run is None:
+        return {"name": name, "skipped": f"benchmarks/{name}.py has no run() function"}
+    doc = (inspect.getdoc(module) or "").split("\n\n")[0].replace("\n", " ")
+    returns = (inspect.getdoc(run) or "").split("\n\n")[0].replace("\n", " ")
+    if returns:
+        doc = f"{doc} `run()`: {returns}" if doc else returns
+    start = time.perf_counter()
+    try:
+        if "quick" in inspect.signature(run).parameters:
+            value = run(quick=not full)
+        else:
+            value = run()
+    except Exception as err:  # reported, not raised
+        return {
+            "name": name,
+            "doc": doc,
+            "error": _error_text(err),
+            "traceback": traceback.format_exc()[-3000:],
+        }
+    return {"name": name, "doc": doc, "result": value, "seconds": time.perf_counter() - start}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.worker")
+    sub = parser.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("--model", choices=sorted(WORKLOADS), required=True)
+    t.add_argument("--mode", choices=MODES, required=True)
+    t.add_argument("--profile", help="file prefix: profile the engine (ortmodule mode)")
+    t.add_argument("--steps", type=int, nargs=2, metavar=("WARMUP", "MEASURED"))
+    o = sub.add_parser("overhead")
+    o.add_argument("--mode", choices=("eager", "ortmodule"), required=True)
+    m = sub.add_parser("micro")
+    m.add_argument("--name", required=True)
+    for p in (t, o, m):
+        p.add_argument("--full", action="store_true")
+        p.add_argument(
+            "--threads", type=int, help="torch.set_num_threads (the engine uses as many)"
+        )
+        p.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.what == "train":
+        steps = tuple(args.steps) if args.steps else None
+        result = train(WORKLOADS[args.model], args.mode, args.full, args.profile, steps)  # type: ignore[arg-type]
+    elif args.what == "overhead":
+        result = overhead(args.mode, args.full)
+    else:
+        result = micro(args.name, args.full)
+    Path(args.out).write_text(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
