@@ -1,0 +1,1 @@
+"""Benchmarks of ORTModule against PyTorch eager and torch.compile: ``python -m benchmarks``."""
