@@ -829,23 +829,10 @@ def convolution(
             return _conv_transpose_as_conv(
                 g, x, weight, bias, stride, padding, dilation, output_padding, groups
             )
-        default = _default_convolution()
-        return default(
-            g,
-            x,
-            weight,
-            bias,
-            stride,
-            padding,
-            dilation,
-            transposed,
-            output_padding,
-            groups,
-            benchmark,
-            deterministic,
-            cudnn_enabled,
-            allow_tf32,
-        )
+        # everything after the three tensors goes to PyTorch's own symbolic unchanged
+        settings = (stride, padding, dilation, transposed, output_padding, groups)
+        flags = (benchmark, deterministic, cudnn_enabled, allow_tf32)
+        return _default_convolution()(g, x, weight, bias, *settings, *flags)
 
     return _with_float_compute(g, x, weight, bias, build)
 
