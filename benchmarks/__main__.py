@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .models import WORKLOADS
+from .models import LABEL_SPARSITY_MODELS, WORKLOADS
 from .report import Report, machine_info, machine_slug, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                     report.runs[(model, "ortmodule-warm")] = runner.run(
                         f"{mode} (warm: prefilled cache)", [*base, "--steps", "0", "1"], env
                     )
+                    if model in LABEL_SPARSITY_MODELS:
+                        report.runs[(model, "ortmodule-label-off")] = runner.run(
+                            f"{mode} (label sparsity off)",
+                            [*base, *steps],
+                            {"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "0"},
+                        )
                 elif mode == "compile":
                     # a fresh inductor cache: its first step is a cold compile, like ours is a cold export
                     env = {"TORCHINDUCTOR_CACHE_DIR": str(runner.tmp / f"inductor-{model}")}

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ortmodule_testing.zoo import CNN, MLP, bert_benchmark, gpt_benchmark
+from ortmodule_testing.zoo import CNN, MLP, bert_benchmark, gpt_benchmark, masked_lm_benchmark
 
-__all__ = ["WORKLOADS", "Workload"]
+__all__ = ["LABEL_SPARSITY_MODELS", "WORKLOADS", "Workload"]
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -74,6 +74,14 @@ def _bert_model(full: bool) -> nn.Module:
 
 def _bert_batch(step: int, full: bool) -> Batch:
     return bert_benchmark(batch=16 if full else 8)[1](step)
+
+
+def _masked_lm_model(full: bool) -> nn.Module:
+    return masked_lm_benchmark()[0]()
+
+
+def _masked_lm_batch(step: int, full: bool) -> Batch:
+    return masked_lm_benchmark(batch=16 if full else 8)[1](step)
 
 
 def _first(out: Any, batch: Batch) -> torch.Tensor:
@@ -155,6 +163,16 @@ WORKLOADS: dict[str, Workload] = {
             (3, 30),
         ),
         Workload(
+            "masked_lm",
+            "loss-only BERT masked LM: vocab 8192, d 256, 4 layers, seq 128 right-padded from "
+            "[64, 128], 15% of real tokens labelled (about 11% of all), batch 8 (16 with --full)",
+            _masked_lm_model,
+            _masked_lm_batch,
+            _loss_entry,
+            (2, 8),
+            (3, 30),
+        ),
+        Workload(
             "mlp_many_small",
             "MLP with 48 hidden layers of width 16 (ReLU), batch 64 (256 with --full)",
             _mlp_model,
@@ -175,6 +193,9 @@ WORKLOADS: dict[str, Workload] = {
         ),
     )
 }
+
+#: workloads also run with ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER=0 (the on/off comparison)
+LABEL_SPARSITY_MODELS = ("masked_lm",)
 
 #: the overhead workload: one Linear(8, 8) on a 4x8 batch, where nearly all time is per-step work
 TINY = Workload(

@@ -44,6 +44,7 @@ def run_engine(
     kwargs: Mapping[str, Any] | None = None,
     grad_outputs: Sequence[torch.Tensor] | None = None,
     opset: int = 17,
+    **graph_options: Any,
 ) -> EngineRun:
     kwargs = dict(kwargs or {})
     exported = export(module, args, kwargs, training=module.training, opset=opset)
@@ -59,7 +60,12 @@ def run_engine(
     )
     built = build_graph(
         exported,
-        GraphConfig(build_gradient=True, params_to_train=trainable, inputs_require_grad=inputs_rg),
+        GraphConfig(
+            build_gradient=True,
+            params_to_train=trainable,
+            inputs_require_grad=inputs_rg,
+            **graph_options,
+        ),
     )
     session = TrainingSession(built, SessionConfig())
     state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
@@ -91,13 +97,16 @@ def assert_engine_matches_eager(
     rtol: float = 1e-4,
     atol: float = 1e-5,
     opset: int = 17,
+    **graph_options: Any,
 ) -> EngineRun:
-    """Engine outputs and every input/parameter gradient equal eager's within tolerance."""
+    """Engine outputs and every input/parameter gradient equal eager's within tolerance.
+
+    ``graph_options`` go to the engine's :class:`GraphConfig`."""
     kwargs = dict(kwargs or {})
     eager_module = copy.deepcopy(module)
     eager_args = _clone_inputs(args)
     eager_kwargs = dict(zip(kwargs, _clone_inputs(list(kwargs.values())), strict=True))
-    run = run_engine(module, args, kwargs, opset=opset)
+    run = run_engine(module, args, kwargs, opset=opset, **graph_options)
 
     out = eager_module(*eager_args, **eager_kwargs)
     eager_flat, _ = flatten(out, prefix="output")

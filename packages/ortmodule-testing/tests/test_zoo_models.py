@@ -22,10 +22,11 @@ from ortmodule_testing.zoo import (
     ZooCase,
     bert_benchmark,
     gpt_benchmark,
+    masked_lm_benchmark,
 )
 
 CASES = sorted(ZOO)
-EXPECTED_KEYS = {"mlp", "cnn", "gpt", "bert", "dict_io", "non_tensor_args", "frozen"}
+EXPECTED_KEYS = {"mlp", "cnn", "gpt", "bert", "masked_lm", "dict_io", "non_tensor_args", "frozen"}
 
 
 def _loss(case: ZooCase, model: torch.nn.Module, step: int = 0) -> torch.Tensor:
@@ -259,3 +260,13 @@ def test_benchmark_sizes(factory: Any, n_inputs: int) -> None:
         assert (attention_mask == 0).any(), "the benchmark batch has padding"
         share = float((labels != -100).sum() / attention_mask.sum())
         assert 0.1 < share < 0.2
+
+
+def test_masked_lm_benchmark_returns_only_the_loss() -> None:
+    make_model, make_batch = masked_lm_benchmark()
+    args, kwargs = make_batch(0)
+    model = make_model()
+    assert model.config.vocab_size == 8192 and not model.config.return_logits
+    assert set(model(*args, **kwargs)) == {"loss"}
+    share = float((kwargs["labels"] != -100).float().mean())
+    assert 0.05 < share < 0.2  # well below the 90% where label sparsity is applied

@@ -18,6 +18,7 @@ import onnx
 import torch
 from torch.utils.dlpack import to_dlpack
 
+from . import density
 from .callback_errors import user_errors
 from .errors import EngineBuildError
 from .export import ExportedModel, SaveOptions
@@ -143,9 +144,9 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
             "optimized_pre_grad", exported.training
         )
 
-    def run_builder() -> Any:
+    def run_builder(model: onnx.ModelProto) -> Any:
         builder = C.OrtModuleGraphBuilder()
-        builder.initialize(exported.model.SerializeToString(), builder_config)
+        builder.initialize(model.SerializeToString(), builder_config)
         if config.static_input_shapes is not None:
             builder.build(transformer, [list(s) for s in config.static_input_shapes])
         else:
@@ -154,7 +155,7 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
 
     try:
         try:
-            builder = run_builder()
+            builder = run_builder(exported.model)
         except RuntimeError as err:
             if not config.enable_compute_optimizer:
                 raise
@@ -164,7 +165,13 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
                 "the engine's compute optimizer failed on this graph (%s); building without it", err
             )
             transformer.enable_compute_optimizer = False
-            builder = run_builder()
+            model = exported.model
+            if density.density_flags(model):
+                # nothing acts on a label-density flag now: drop the ones that do not print
+                model = onnx.ModelProto()
+                model.CopyFrom(exported.model)
+                density.strip_density_flags(model, keep_printing=True)
+            builder = run_builder(model)
     except Exception as err:
         raise EngineBuildError(
             f"the engine could not build the {'gradient' if config.build_gradient else 'inference'} "

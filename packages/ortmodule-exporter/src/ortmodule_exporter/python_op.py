@@ -132,10 +132,21 @@ class FunctionRegistry:
         self._objects: dict[int, Any] = {}
         self._nodes: set[tuple[str, tuple[int, ...]]] = set()
 
-    def register(self, cls: type) -> FunctionEntry:
+    def register(self, cls: type, name: str | None = None) -> FunctionEntry:
         """The entry for ``cls``, created on first sight. Two different classes with one
-        qualified name (a class redefined in a loop or a test) get ``name``, ``name#2``, ..."""
+        qualified name (a class redefined in a loop or a test) get ``name``, ``name#2``, ...
+
+        An explicit ``name`` files ``cls`` under exactly that name (a name the engine itself
+        recognises); it must not already belong to another class.
+        """
         with self._lock:
+            if name is not None:
+                entry = self._by_name.get(name)
+                if entry is None:
+                    entry = self._by_name[name] = FunctionEntry(name, cls)
+                elif entry.cls is not cls:
+                    raise ValueError(f"PythonOp name {name!r} already belongs to {entry.cls!r}")
+                return entry
             name = self._name_of.get(cls)
             if name is not None:
                 return self._by_name[name]

@@ -37,6 +37,7 @@ from ortmodule_exporter.export import bind_arguments, forward_signature
 from ortmodule_pytree import flatten, unflatten
 
 from .log import PhaseTimer, log_initialisation_summary
+from .sparsity import SparsityConfig, apply_label_sparsity
 
 logger = logging.getLogger("ortmodule")
 
@@ -192,6 +193,8 @@ class RunnerConfig:
     save: SaveOptions | None = None
     enable_compute_optimizer: bool = True
     print_input_density: bool = False
+    #: compute optimizer, sparse optimizer and label sparse optimizer all on
+    label_sparsity: bool = True
     engine_log_severity: int = 3
     exporter_verbose: bool = False
     conv_algo_search: str = "HEURISTIC"
@@ -336,12 +339,18 @@ class GraphRunner:
                 verbose=cfg.exporter_verbose,
             )
             run_post_export_passes(exported, dict(cfg.pass_options))
+            names = list(exported.input_schema.names)
+            apply_label_sparsity(
+                exported,
+                {name: flat[i] for i, name in enumerate(names)},
+                SparsityConfig(label=cfg.label_sparsity, print_density=cfg.print_input_density),
+                training=key.build_gradient,
+            )
         if exported.from_cache:
             logger.info("export skipped: loaded from the export cache %s", cfg.cache_dir)
         else:
             self.exports += 1
 
-        names = list(exported.input_schema.names)
         index_of = {n: i for i, n in enumerate(names)}
         params = dict(self.module.named_parameters())
         trainable = tuple(

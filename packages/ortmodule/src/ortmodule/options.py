@@ -283,7 +283,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER",
         True,
         _RUNTIME,
-        "Skip padded labels (ignore_index) in the loss when label density is low.",
+        "Compute a cross-entropy loss, and the layers feeding it, on the counted labels only "
+        "(not ignore_index) when under 90% of the first batch's labels count; training graphs.",
     ),
     _switch(
         "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER",
@@ -295,7 +296,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "ORTMODULE_PRINT_INPUT_DENSITY",
         False,
         _RUNTIME,
-        "Print the label and embedding input density of each step.",
+        "Log the label density (labels that are not ignore_index) of each step at WARNING.",
     ),
     _switch(
         "ORTMODULE_PRINT_MEMORY_STATS",

@@ -22,6 +22,9 @@ def runner_config(options: RuntimeOptions) -> RunnerConfig:
         save=save,
         enable_compute_optimizer=options.enable_compute_optimizer,
         print_input_density=options.print_input_density,
+        label_sparsity=options.enable_compute_optimizer
+        and options.enable_sparse_optimizer
+        and options.enable_label_sparse_optimizer,
         engine_log_severity=engine_severity(options.log_level),
         exporter_verbose=exporter_verbose(options.log_level),
         conv_algo_search=options.conv_algo_search,

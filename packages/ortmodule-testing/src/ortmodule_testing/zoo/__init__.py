@@ -2,8 +2,8 @@
 
 Plain PyTorch models of the kinds users train, each deterministic under ``torch.manual_seed``
 and exportable with the TorchScript ONNX exporter in training mode. :data:`ZOO` names the small
-configurations the parity tests train; :func:`gpt_benchmark` and :func:`bert_benchmark` give the
-benchmark sizes.
+configurations the parity tests train; :func:`gpt_benchmark`, :func:`bert_benchmark` and
+:func:`masked_lm_benchmark` give the benchmark sizes.
 
     from ortmodule_testing.zoo import ZOO
 
@@ -29,6 +29,7 @@ from ortmodule_testing.zoo.registry import (
     ZooCase,
     bert_benchmark,
     gpt_benchmark,
+    masked_lm_benchmark,
 )
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "ZooCase",
     "bert_benchmark",
     "gpt_benchmark",
+    "masked_lm_benchmark",
 ]

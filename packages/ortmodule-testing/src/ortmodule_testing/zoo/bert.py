@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +35,17 @@ class BertConfig:
     dropout: float = 0.0
     layer_norm_eps: float = 1e-12
     tie_word_embeddings: bool = False
+    #: with labels, return the logits beside the loss; off for a loss-only training module (the
+    #: engine can then compute the vocabulary projection on the labelled tokens only)
+    return_logits: bool = True
 
     @classmethod
-    def small(cls) -> BertConfig:
-        """A size that trains in milliseconds on a CPU, for tests."""
-        return cls(vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_position=16)
+    def small(cls, **changes: Any) -> BertConfig:
+        """A size that trains in milliseconds on a CPU, for tests; ``changes`` override fields."""
+        sizes: dict[str, Any] = dict(
+            vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_position=16
+        )
+        return cls(**{**sizes, **changes})
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -168,4 +175,6 @@ class BertEncoder(nn.Module):
         loss = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX
         )
+        if not self.config.return_logits:
+            return {"loss": loss}
         return {"loss": loss, "logits": logits}

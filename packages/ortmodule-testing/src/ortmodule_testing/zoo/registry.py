@@ -32,7 +32,16 @@ from ortmodule_testing.zoo.gpt import GPTConfig, GPTDecoder
 from ortmodule_testing.zoo.mlp import MLP
 from ortmodule_testing.zoo.non_tensor_args import NonTensorArgsModel
 
-__all__ = ["ZOO", "Batch", "BatchFn", "LossFn", "ZooCase", "bert_benchmark", "gpt_benchmark"]
+__all__ = [
+    "ZOO",
+    "Batch",
+    "BatchFn",
+    "LossFn",
+    "ZooCase",
+    "bert_benchmark",
+    "gpt_benchmark",
+    "masked_lm_benchmark",
+]
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 BatchFn = Callable[[int], Batch]
@@ -184,6 +193,15 @@ ZOO: dict[str, ZooCase] = _cases(
         ),
         _loss_entry,
     ),
+    # A loss-only masked LM (how a training wrapper calls it): about 12% of labels count.
+    ZooCase(
+        "masked_lm",
+        lambda: BertEncoder(BertConfig.small(return_logits=False)),
+        lambda step: _mlm_batch(
+            step, 4, BertConfig.small().max_position, BertConfig.small().vocab_size
+        ),
+        _loss_entry,
+    ),
     ZooCase("dict_io", DictIOModel, _dict_io_batch, _loss_entry),
     # use_bias=False: fc1.bias gets no gradient (None), which an engine must keep.
     ZooCase("non_tensor_args", NonTensorArgsModel, _non_tensor_batch, _sum_of_squares),
@@ -200,6 +218,22 @@ def gpt_benchmark(batch: int = 8) -> tuple[Callable[[], nn.Module], BatchFn]:
     """
     config = GPTConfig()
     return (lambda: GPTDecoder(config)), (lambda step: _lm_batch(step, batch, config))
+
+
+def masked_lm_benchmark(batch: int = 8) -> tuple[Callable[[], nn.Module], BatchFn]:
+    """A loss-only BERT masked LM with a realistic vocabulary share of the compute.
+
+    Vocab 8192, d 256, 4 layers, 4 heads, seq 128; the batches of :func:`bert_benchmark` (about
+    11% of tokens labelled). The model returns only the loss, as a training wrapper does.
+
+        make_model, make_batch = masked_lm_benchmark()
+        args, kwargs = make_batch(0)
+        make_model()(*args, **kwargs)["loss"]
+    """
+    config = BertConfig(vocab_size=8192, return_logits=False)
+    return (lambda: BertEncoder(config)), (
+        lambda step: _mlm_batch(step, batch, config.max_position, config.vocab_size)
+    )
 
 
 def bert_benchmark(batch: int = 8) -> tuple[Callable[[], nn.Module], BatchFn]:

@@ -1,0 +1,342 @@
+"""Label density: find the loss's label input, measure how many labels count, flag it for the engine.
+
+A masked-LM batch labels about 15% of its tokens; the rest carry ``ignore_index``. The engine's
+compute optimizer can drop the ignored rows before ``SoftmaxCrossEntropyLoss`` (and, through its
+upstream-gather pass, before the vocabulary projection that feeds it) when the loss's label
+input comes straight from a ``com.microsoft::PythonOp`` whose ``func_name`` is
+:data:`ENGINE_FLAG`. This module builds that flag:
+
+* :func:`label_sites` finds each ``SoftmaxCrossEntropyLoss`` the engine can shrink (scalar
+  reduction, an ``ignore_index``, unused ``log_prob``);
+* :func:`site_labels` computes the labels the loss reads on a real batch, by running the part of
+  the graph that produces them from the user's inputs, and :func:`label_density` the fraction
+  that count;
+* :func:`insert_density_flag` puts the flag PythonOp in front of the loss's label input. The
+  engine removes it again when it applies the optimization, unless the node also prints the
+  density of every step (then it stays and runs :class:`DensityFlag`). :data:`PRINT_ONLY` names
+  the same Function under a name the engine does not act on: it prints without changing the
+  computation;
+* :func:`infer_symbolic_shapes` gives every tensor named dims, which the engine's gather
+  insertion needs (it fails on unnamed dynamic dims).
+
+Only the name string is shared with the engine; nothing from another Python package is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from .python_op import PYTHON_OP_DOMAIN, REGISTRY, _register_with_engine
+
+__all__ = [
+    "DENSITY_THRESHOLD",
+    "ENGINE_FLAG",
+    "PRINT_ONLY",
+    "DensityFlag",
+    "LabelSite",
+    "density_flags",
+    "infer_symbolic_shapes",
+    "insert_density_flag",
+    "label_density",
+    "label_sites",
+    "site_labels",
+    "strip_density_flags",
+]
+
+logger = logging.getLogger("ortmodule.density")
+
+#: the ``func_name`` the engine's InsertGatherBeforeSceLoss transformer looks for
+ENGINE_FLAG = "onnxruntime.training.ortmodule._runtime_inspector.FlagAndPrintDensity"
+#: the same Function under a name the engine leaves alone: print only, no graph change
+PRINT_ONLY = "ortmodule_exporter.density.PrintDensity"
+#: below this fraction of counted labels the optimization is applied (above it the gather costs more
+#: than the rows it saves)
+DENSITY_THRESHOLD = 0.9
+
+_SCE = "SoftmaxCrossEntropyLoss"
+
+
+@dataclass(frozen=True)
+class LabelSite:
+    """One loss node whose ignored labels the engine can drop."""
+
+    node: str  #: the SoftmaxCrossEntropyLoss node's name
+    labels: str  #: the tensor it reads labels from
+    ignore_index: int
+    reduction: str
+    #: the user inputs the labels are computed from (graph input names)
+    sources: tuple[str, ...]
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            value = onnx.helper.get_attribute_value(a)
+            return value.decode() if isinstance(value, bytes) else value
+    return default
+
+
+def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    return {out: node for node in graph.node for out in node.output if out}
+
+
+def _cone(graph: onnx.GraphProto, tensor: str) -> tuple[list[onnx.NodeProto], set[str]]:
+    """The nodes computing ``tensor`` (in graph order) and the graph inputs they read."""
+    producer = _producers(graph)
+    inputs = {vi.name for vi in graph.input}
+    needed: set[int] = set()
+    sources: set[str] = set()
+    stack = [tensor]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        if name in inputs:
+            sources.add(name)
+            continue
+        node = producer.get(name)
+        if node is None:
+            continue  # an initializer
+        needed.add(id(node))
+        stack.extend(node.input)
+        for a in node.attribute:  # names a subgraph reads from the outer scope
+            if a.type == onnx.AttributeProto.GRAPH:
+                stack.extend(i for n in a.g.node for i in n.input)
+    return [n for n in graph.node if id(n) in needed], sources
+
+
+def label_sites(model: onnx.ModelProto) -> list[LabelSite]:
+    """The ``SoftmaxCrossEntropyLoss`` nodes the engine can shrink to the labels that count.
+
+    The engine's conditions: reduction ``mean`` or ``sum`` (a scalar loss), an ``ignore_index``
+    and a ``log_prob`` output that nothing reads. Nodes already flagged are skipped.
+    """
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    consumed = {i for n in graph.node for i in n.input}
+    producer = _producers(graph)
+    sites = []
+    for node in graph.node:
+        if node.op_type != _SCE or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        ignore_index = _attr(node, "ignore_index")
+        reduction = _attr(node, "reduction", "mean")
+        if ignore_index is None or reduction not in ("mean", "sum"):
+            continue
+        if len(node.output) > 1 and (node.output[1] in outputs or node.output[1] in consumed):
+            continue
+        labels = node.input[1]
+        feeding = producer.get(labels)
+        if feeding is not None and _attr(feeding, "func_name") in (ENGINE_FLAG, PRINT_ONLY):
+            continue
+        _, sources = _cone(graph, labels)
+        sites.append(
+            LabelSite(node.name, labels, int(ignore_index), reduction, tuple(sorted(sources)))
+        )
+    return sites
+
+
+def site_labels(
+    model: onnx.ModelProto, site: LabelSite, feeds: Mapping[str, Any]
+) -> np.ndarray | None:
+    """The labels ``site``'s loss reads for this batch.
+
+    Runs the nodes between the user's inputs (``feeds``, by graph input name) and the loss's
+    label input with ONNX's reference evaluator. ``None`` when the labels cannot be computed
+    from ``feeds`` alone (they depend on parameters or on a custom operator).
+    """
+    graph = model.graph
+    nodes, sources = _cone(graph, site.labels)
+    if not sources <= set(feeds):
+        return None
+    if any(n.domain not in ("", "ai.onnx") for n in nodes):
+        return None
+    values: dict[str, np.ndarray] = {}
+    for name in sources:
+        value = feeds[name]
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
+        values[name] = np.asarray(value)
+    if not nodes:
+        return values.get(site.labels)
+    from onnx.reference import ReferenceEvaluator
+
+    initializers = {i.name: i for i in graph.initializer}
+    used = {i for n in nodes for i in n.input}
+    sub = onnx.helper.make_graph(
+        nodes,
+        "labels",
+        [vi for vi in graph.input if vi.name in sources],
+        [onnx.helper.make_empty_tensor_value_info(site.labels)],
+        initializer=[initializers[n] for n in used if n in initializers],
+    )
+    sub_model = onnx.helper.make_model(sub, opset_imports=list(model.opset_import))
+    sub_model.ir_version = model.ir_version
+    try:
+        (labels,) = ReferenceEvaluator(sub_model).run(None, values)
+    except Exception as err:  # noqa: BLE001 - a reference-evaluator gap: just skip the site
+        logger.debug("labels of %s not computed: %s", site.node, err)
+        return None
+    return np.asarray(labels)
+
+
+def label_density(labels: np.ndarray, ignore_index: int) -> float:
+    """The fraction of ``labels`` that are not ``ignore_index`` (1.0 for no labels)."""
+    if labels.size == 0:
+        return 1.0
+    return float(np.count_nonzero(labels != ignore_index)) / float(labels.size)
+
+
+# -- the flag's Function ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Printed:
+    label: str
+    ignore_index: int
+    steps: int = 0
+
+
+_SITES: dict[int, _Printed] = {}
+_SITES_LOCK = threading.Lock()
+
+
+class DensityFlag(torch.autograd.Function):
+    """Returns the labels unchanged; with ``emit`` logs their density (one line per step)."""
+
+    @staticmethod
+    def forward(ctx: Any, labels: torch.Tensor, ignore_index: int, emit: int, site: int) -> Any:  # type: ignore[override]
+        if emit:
+            total = labels.numel()
+            valid = int(torch.count_nonzero(labels != ignore_index)) if total else 0
+            with _SITES_LOCK:
+                printed = _SITES.get(site) or _Printed("labels", ignore_index)
+                step = printed.steps
+                printed.steps += 1
+            logger.warning(
+                "input density, step %d: LABEL %s (ignore_index %d): %.2f %% (%d of %d)",
+                step,
+                printed.label,
+                ignore_index,
+                100.0 * valid / total if total else 0.0,
+                valid,
+                total,
+            )
+        ctx.mark_non_differentiable(labels)
+        return labels
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - labels take no gradient
+        return None, None, None, None
+
+
+def insert_density_flag(
+    model: onnx.ModelProto, site: LabelSite, *, engine: bool, emit: bool, rank: int = 1
+) -> str:
+    """Put the density flag PythonOp between ``site``'s labels and its loss node.
+
+    ``engine`` names it :data:`ENGINE_FLAG` (the engine drops ignored labels and removes the node
+    unless ``emit``), else :data:`PRINT_ONLY`. ``emit`` makes it log the density of each step.
+    ``rank`` is the labels' rank (the engine only shrinks rank-1 labels). Returns the flag
+    node's name.
+    """
+    graph = model.graph
+    (loss,) = [n for n in graph.node if n.name == site.node]
+    name = ENGINE_FLAG if engine else PRINT_ONLY
+    entry = REGISTRY.register(DensityFlag, name=name)
+    _register_with_engine(entry.name)
+    REGISTRY.record_node(entry.name, [])
+    if emit:
+        from . import python_op_runner
+
+        python_op_runner.install()
+    with _SITES_LOCK:
+        site_id = len(_SITES)
+        label = ",".join(s.removeprefix("input.") for s in site.sources) or site.labels
+        _SITES[site_id] = _Printed(label, site.ignore_index)
+    flagged = f"{site.labels}/density_flag_{site_id}"
+    node_name = f"{site.node}/density_flag"
+    flag = onnx.helper.make_node(
+        "PythonOp",
+        [site.labels],
+        [f"{flagged}/ctx", flagged],
+        name=node_name,
+        domain=PYTHON_OP_DOMAIN,
+        func_name=entry.name,
+        input_convention="dccc",
+        input_tensor_types=[onnx.TensorProto.INT64],
+        input_tensor_ranks=[rank],
+        output_tensor_types=[onnx.TensorProto.INT64],
+        output_tensor_ranks=[rank],
+        input_int_scalars=[site.ignore_index, int(emit), site_id],
+        input_int_scalar_positions=[1, 2, 3],
+        training_mode=1,
+        safe_run_mode=1,
+        comment="",
+    )
+    position = list(graph.node).index(loss)
+    graph.node.insert(position, flag)
+    loss.input[1] = flagged
+    if len(loss.output) < 2:  # the engine reads the log_prob output's name
+        loss.output.append(f"{site.node}/log_prob_unused")
+    if not any(o.domain == PYTHON_OP_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(PYTHON_OP_DOMAIN, 1))
+    return node_name
+
+
+def density_flags(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The density flag nodes in ``model``."""
+    return [
+        n
+        for n in model.graph.node
+        if n.op_type == "PythonOp"
+        and n.domain == PYTHON_OP_DOMAIN
+        and _attr(n, "func_name") in (ENGINE_FLAG, PRINT_ONLY)
+    ]
+
+
+def strip_density_flags(model: onnx.ModelProto, keep_printing: bool = True) -> int:
+    """Remove the :data:`ENGINE_FLAG` nodes (those that print stay when ``keep_printing``).
+
+    Used when the engine builds a graph without its compute optimizer, where a flag would run
+    every step for nothing, and when the optimization is given up. Returns how many went.
+    """
+    removed = 0
+    for flag in density_flags(model):
+        if _attr(flag, "func_name") != ENGINE_FLAG:
+            continue
+        scalars = list(_attr(flag, "input_int_scalars") or [])
+        if keep_printing and len(scalars) > 1 and scalars[1]:
+            continue
+        source, result = flag.input[0], flag.output[1]
+        for node in model.graph.node:
+            for i, name in enumerate(node.input):
+                if name == result:
+                    node.input[i] = source
+        model.graph.node.remove(flag)
+        removed += 1
+    return removed
+
+
+def infer_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with named (symbolic) dims on every tensor the engine's shape inference leaves
+    anonymous; the engine's gather insertion needs them. Raises if inference fails."""
+    from .engine import import_onnxruntime
+
+    import_onnxruntime()  # the engine package, without its slow training self-check
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
+    if inferred is None:
+        raise RuntimeError("symbolic shape inference returned no model")
+    return inferred

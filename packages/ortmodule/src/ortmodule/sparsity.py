@@ -1,0 +1,148 @@
+"""Label sparsity: on the first batch of a graph, flag losses whose labels are mostly ignored.
+
+``ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER`` (with the compute optimizer and
+``ORTMODULE_ENABLE_SPARSE_OPTIMIZER`` on) lets the engine compute a cross-entropy loss, and the
+layers feeding it, on the labelled rows only. The decision is made once per exported graph from
+the batch that caused the export: below :data:`DENSITY_THRESHOLD` of labels counted, the flag is
+inserted; later batches run the shrunken graph whatever their density, which is exact (only
+the ``ignore_index`` rows are dropped, and those contribute nothing to the loss).
+
+``ORTMODULE_PRINT_INPUT_DENSITY=1`` logs the label density of every step, with or without the
+optimization.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import onnx
+import torch
+
+from ortmodule_exporter import ExportedModel
+from ortmodule_exporter.density import (
+    DENSITY_THRESHOLD,
+    infer_symbolic_shapes,
+    insert_density_flag,
+    label_density,
+    label_sites,
+    site_labels,
+    strip_density_flags,
+)
+
+logger = logging.getLogger("ortmodule")
+
+__all__ = ["DENSITY_THRESHOLD", "LabelDecision", "SparsityConfig", "apply_label_sparsity"]
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """What the options ask for: the optimization, the per-step density print, the threshold."""
+
+    label: bool = True
+    print_density: bool = False
+    threshold: float = DENSITY_THRESHOLD
+
+
+@dataclass(frozen=True)
+class LabelDecision:
+    """What was decided for one loss node, for the INFO log and for tests."""
+
+    node: str
+    labels: str
+    density: float | None
+    applied: bool
+    reason: str
+
+
+def apply_label_sparsity(
+    exported: ExportedModel,
+    feeds: Mapping[str, torch.Tensor],
+    config: SparsityConfig,
+    training: bool,
+) -> list[LabelDecision]:
+    """Insert the density flags ``config`` asks for into ``exported.model`` (in place).
+
+    ``feeds`` maps graph input names to this batch's tensors. The engine optimization is only
+    requested in a ``training`` (gradient) graph, where the engine's compute optimizer runs.
+    """
+    if not (config.label or config.print_density):
+        return []
+    original = onnx.ModelProto()
+    original.CopyFrom(exported.model)
+    try:
+        return _apply(exported, feeds, config, training)
+    except Exception as err:  # noqa: BLE001 - an optional optimization never stops training
+        exported.model = original
+        logger.warning(
+            "label sparsity skipped (the graph is used as exported): %s: %s",
+            type(err).__name__,
+            err,
+        )
+        return []
+
+
+def _apply(
+    exported: ExportedModel,
+    feeds: Mapping[str, torch.Tensor],
+    config: SparsityConfig,
+    training: bool,
+) -> list[LabelDecision]:
+    model = exported.model
+    decisions = []
+    for site in label_sites(model):
+        labels = site_labels(model, site, feeds)
+        if labels is None:
+            decisions.append(
+                LabelDecision(
+                    site.node,
+                    site.labels,
+                    None,
+                    False,
+                    "its labels are not computed from the inputs alone",
+                )
+            )
+            continue
+        density = label_density(labels, site.ignore_index)
+        if not config.label:
+            applied, reason = False, "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER is off"
+        elif not training:
+            applied, reason = False, "not a training graph"
+        elif labels.ndim != 1:
+            applied, reason = (
+                False,
+                f"its labels have rank {labels.ndim} (the engine shrinks rank 1)",
+            )
+        elif density >= config.threshold:
+            applied, reason = False, f"density is not below {config.threshold:.0%}"
+        else:
+            applied, reason = True, "loss computed on the counted labels only"
+        if applied or config.print_density:
+            insert_density_flag(
+                model, site, engine=applied, emit=config.print_density, rank=labels.ndim
+            )
+        decisions.append(LabelDecision(site.node, site.labels, density, applied, reason))
+
+    if any(d.applied for d in decisions):
+        try:
+            exported.model = infer_symbolic_shapes(model)
+        except Exception as err:  # noqa: BLE001 - the optimization is optional
+            strip_density_flags(model, keep_printing=False)
+            decisions = [
+                LabelDecision(d.node, d.labels, d.density, False, f"shape inference failed: {err}")
+                if d.applied
+                else d
+                for d in decisions
+            ]
+    for d in decisions:
+        shown = "unknown" if d.density is None else f"{d.density:.1%}"
+        logger.info(
+            "label sparsity %s for loss %s (labels %s, density %s): %s",
+            "on" if d.applied else "off",
+            d.node,
+            d.labels,
+            shown,
+            d.reason,
+        )
+    return decisions

@@ -1,0 +1,191 @@
+"""Label sparsity under ORTModule: when it is applied, that training is unchanged, and the switches.
+
+The zoo's ``masked_lm`` labels about 12% of its tokens and returns only the loss, so the engine
+can compute the loss and the vocabulary projection on the labelled tokens only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from ortmodule import ORTModule
+from ortmodule.sparsity import SparsityConfig, apply_label_sparsity
+from ortmodule_exporter import export
+from ortmodule_exporter.density import ENGINE_FLAG, PRINT_ONLY, density_flags
+from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
+from ortmodule_testing.zoo import ZOO
+from ortmodule_testing.zoo.registry import ZooCase
+
+CASE = ZOO["masked_lm"]
+
+
+def _ops(wrapped: ORTModule) -> list[str]:
+    compiled = wrapped._runner.transitions.current(training=True, build_gradient=True)
+    assert compiled is not None
+    return [n.op_type for n in compiled.built.model.graph.node]
+
+
+def _dense_case() -> ZooCase:
+    """``masked_lm`` with every real token labelled (density well above 90%)."""
+
+    def batch(step: int) -> Any:
+        args, kwargs = CASE.make_batch(step)
+        input_ids, mask = args
+        return args, {"labels": torch.where(mask.bool(), input_ids, 5)}
+
+    return ZooCase("masked_lm_dense", CASE.make_model, batch, CASE.loss_fn)
+
+
+def test_applied_by_default_and_training_matches_eager(caplog: pytest.LogCaptureFixture) -> None:
+    model = CASE.build(seed=0)
+    eager = train_steps(clone_model(model), CASE, steps=4)
+    wrapped = ORTModule(clone_model(model))
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        record = train_steps(wrapped, CASE, steps=4)
+    assert_same_training(eager, record, *CASE.tolerance)
+    ops = _ops(wrapped)
+    assert "ShrunkenGather" in ops and "PythonOp" not in ops
+    decisions = [r.getMessage() for r in caplog.records if "label sparsity" in r.getMessage()]
+    assert len(decisions) == 1 and decisions[0].startswith("label sparsity on for loss")
+
+
+def test_shrinks_the_vocabulary_projection() -> None:
+    # with the loss alone as output, the engine gathers the labelled rows before the decoder
+    wrapped = ORTModule(CASE.build(seed=0))
+    train_steps(wrapped, CASE, steps=1)
+    compiled = wrapped._runner.transitions.current(training=True, build_gradient=True)
+    graph = compiled.built.model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    decoder = [
+        n
+        for n in graph.node
+        if n.op_type in ("MatMul", "Gemm", "FusedMatMul")
+        and n.name.endswith("mlm_head/decoder/MatMul")
+    ]
+    assert decoder, "no decoder projection found"
+
+    def upstream_ops(name: str, depth: int = 12) -> set[str]:
+        seen: set[str] = set()
+        frontier = [name]
+        for _ in range(depth):
+            nxt = []
+            for t in frontier:
+                node = producer.get(t)
+                if node is not None:
+                    seen.add(node.op_type)
+                    nxt.extend(node.input)
+            frontier = nxt
+        return seen
+
+    assert any("ShrunkenGather" in upstream_ops(n.input[0]) for n in decoder)
+
+
+@pytest.mark.parametrize(
+    "variable",
+    [
+        "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER",
+        "ORTMODULE_ENABLE_SPARSE_OPTIMIZER",
+        "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER",
+    ],
+)
+def test_each_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    monkeypatch.setenv(variable, "0")
+    model = CASE.build(seed=0)
+    eager = train_steps(clone_model(model), CASE, steps=2)
+    wrapped = ORTModule(clone_model(model))
+    record = train_steps(wrapped, CASE, steps=2)
+    assert_same_training(eager, record, *CASE.tolerance)
+    ops = _ops(wrapped)
+    assert "ShrunkenGather" not in ops and "PythonOp" not in ops
+
+
+def test_not_applied_when_most_labels_count(caplog: pytest.LogCaptureFixture) -> None:
+    case = _dense_case()
+    wrapped = ORTModule(case.build(seed=0))
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        train_steps(wrapped, case, steps=1)
+    assert "ShrunkenGather" not in _ops(wrapped)
+    (line,) = [r.getMessage() for r in caplog.records if "label sparsity" in r.getMessage()]
+    assert line.startswith("label sparsity off") and "not below 90%" in line
+
+
+@pytest.mark.parametrize("optimize", ["1", "0"])
+def test_print_input_density_logs_every_step(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, optimize: str
+) -> None:
+    monkeypatch.setenv("ORTMODULE_PRINT_INPUT_DENSITY", "1")
+    monkeypatch.setenv("ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER", optimize)
+    model = CASE.build(seed=0)
+    eager = train_steps(clone_model(model), CASE, steps=3)
+    wrapped = ORTModule(clone_model(model))
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        record = train_steps(wrapped, CASE, steps=3)
+    assert_same_training(eager, record, *CASE.tolerance)
+    lines = [r.getMessage() for r in caplog.records if "input density" in r.getMessage()]
+    assert len(lines) == 3
+    for step, line in enumerate(lines):
+        labels = CASE.make_batch(step)[1]["labels"]
+        valid = int((labels != -100).sum())
+        assert f"({valid} of {labels.numel()})" in line, line
+        assert "LABEL labels (ignore_index -100)" in line
+    ops = _ops(wrapped)
+    assert "PythonOp" in ops  # the flag stays to print
+    assert ("ShrunkenGather" in ops) == (optimize == "1")
+
+
+def test_apply_label_sparsity_decisions() -> None:
+    model = CASE.build(seed=0)
+    args, kwargs = CASE.make_batch(0)
+    feeds = {
+        "input.input_ids": args[0],
+        "input.attention_mask": args[1],
+        **{"input.labels": kwargs["labels"]},
+    }
+
+    exported = export(model, args, kwargs, training=True)
+    (decision,) = apply_label_sparsity(exported, feeds, SparsityConfig(), training=True)
+    density = float((kwargs["labels"] != -100).float().mean())
+    assert decision.applied and decision.density == pytest.approx(density)
+    (flag,) = density_flags(exported.model)
+    assert ENGINE_FLAG in str(flag.attribute)
+    # symbolic shape inference named the dims the engine needs
+    assert any(vi.name == flag.output[1] for vi in exported.model.graph.value_info)
+
+    exported = export(model, args, kwargs, training=False)
+    (decision,) = apply_label_sparsity(exported, feeds, SparsityConfig(), training=False)
+    assert not decision.applied and density_flags(exported.model) == []
+
+    exported = export(model, args, kwargs, training=True)
+    config = SparsityConfig(label=False, print_density=True)
+    (decision,) = apply_label_sparsity(exported, feeds, config, training=True)
+    assert not decision.applied
+    (flag,) = density_flags(exported.model)
+    assert PRINT_ONLY in str(flag.attribute)
+
+    exported = export(model, args, kwargs, training=True)
+    assert apply_label_sparsity(exported, feeds, SparsityConfig(label=False), training=True) == []
+    assert density_flags(exported.model) == []
+
+
+def test_a_failure_leaves_the_exported_graph_untouched(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ortmodule import sparsity
+
+    def broken(*_args: Any, **_kwargs: Any) -> str:
+        raise RuntimeError("simulated flag failure")
+
+    monkeypatch.setattr(sparsity, "insert_density_flag", broken)
+    model = CASE.build(seed=0)
+    eager = train_steps(clone_model(model), CASE, steps=2)
+    wrapped = ORTModule(clone_model(model))
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        record = train_steps(wrapped, CASE, steps=2)
+    assert_same_training(eager, record, *CASE.tolerance)
+    assert "ShrunkenGather" not in _ops(wrapped)
+    (line,) = [r.getMessage() for r in caplog.records if "label sparsity skipped" in r.getMessage()]
+    assert "simulated flag failure" in line
