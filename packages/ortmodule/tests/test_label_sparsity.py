@@ -29,6 +29,25 @@ def _ops(wrapped: ORTModule) -> list[str]:
     return [n.op_type for n in compiled.built.model.graph.node]
 
 
+def _trains_like_eager(
+    steps: int, caplog: pytest.LogCaptureFixture | None = None, level: int = logging.INFO
+) -> ORTModule:
+    """Train ``masked_lm`` under eager and under ORTModule; assert they match; the wrapper.
+
+    With ``caplog``, the ORTModule steps are captured at ``level`` (set after the wrapper is
+    made, which configures the "ortmodule" logger)."""
+    model = CASE.build(seed=0)
+    eager = train_steps(clone_model(model), CASE, steps=steps)
+    wrapped = ORTModule(clone_model(model))
+    if caplog is None:
+        record = train_steps(wrapped, CASE, steps=steps)
+    else:
+        with caplog.at_level(level, logger="ortmodule"):
+            record = train_steps(wrapped, CASE, steps=steps)
+    assert_same_training(eager, record, *CASE.tolerance)
+    return wrapped
+
+
 def _dense_case() -> ZooCase:
     """``masked_lm`` with every real token labelled (density well above 90%)."""
 
@@ -41,12 +60,7 @@ def _dense_case() -> ZooCase:
 
 
 def test_applied_by_default_and_training_matches_eager(caplog: pytest.LogCaptureFixture) -> None:
-    model = CASE.build(seed=0)
-    eager = train_steps(clone_model(model), CASE, steps=4)
-    wrapped = ORTModule(clone_model(model))
-    with caplog.at_level(logging.INFO, logger="ortmodule"):
-        record = train_steps(wrapped, CASE, steps=4)
-    assert_same_training(eager, record, *CASE.tolerance)
+    wrapped = _trains_like_eager(4, caplog, logging.INFO)
     ops = _ops(wrapped)
     assert "ShrunkenGather" in ops and "PythonOp" not in ops
     decisions = [r.getMessage() for r in caplog.records if "label sparsity" in r.getMessage()]
@@ -94,11 +108,7 @@ def test_shrinks_the_vocabulary_projection() -> None:
 )
 def test_each_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
     monkeypatch.setenv(variable, "0")
-    model = CASE.build(seed=0)
-    eager = train_steps(clone_model(model), CASE, steps=2)
-    wrapped = ORTModule(clone_model(model))
-    record = train_steps(wrapped, CASE, steps=2)
-    assert_same_training(eager, record, *CASE.tolerance)
+    wrapped = _trains_like_eager(2)
     ops = _ops(wrapped)
     assert "ShrunkenGather" not in ops and "PythonOp" not in ops
 
@@ -119,12 +129,7 @@ def test_print_input_density_logs_every_step(
 ) -> None:
     monkeypatch.setenv("ORTMODULE_PRINT_INPUT_DENSITY", "1")
     monkeypatch.setenv("ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER", optimize)
-    model = CASE.build(seed=0)
-    eager = train_steps(clone_model(model), CASE, steps=3)
-    wrapped = ORTModule(clone_model(model))
-    with caplog.at_level(logging.WARNING, logger="ortmodule"):
-        record = train_steps(wrapped, CASE, steps=3)
-    assert_same_training(eager, record, *CASE.tolerance)
+    wrapped = _trains_like_eager(3, caplog, logging.WARNING)
     lines = [r.getMessage() for r in caplog.records if "input density" in r.getMessage()]
     assert len(lines) == 3
     for step, line in enumerate(lines):
@@ -180,12 +185,7 @@ def test_a_failure_leaves_the_exported_graph_untouched(
         raise RuntimeError("simulated flag failure")
 
     monkeypatch.setattr(sparsity, "insert_density_flag", broken)
-    model = CASE.build(seed=0)
-    eager = train_steps(clone_model(model), CASE, steps=2)
-    wrapped = ORTModule(clone_model(model))
-    with caplog.at_level(logging.WARNING, logger="ortmodule"):
-        record = train_steps(wrapped, CASE, steps=2)
-    assert_same_training(eager, record, *CASE.tolerance)
+    wrapped = _trains_like_eager(2, caplog, logging.WARNING)
     assert "ShrunkenGather" not in _ops(wrapped)
     (line,) = [r.getMessage() for r in caplog.records if "label sparsity skipped" in r.getMessage()]
     assert "simulated flag failure" in line

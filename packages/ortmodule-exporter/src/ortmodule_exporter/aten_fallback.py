@@ -36,6 +36,7 @@ from torch.onnx import symbolic_helper as sh
 from . import aten_executor
 from .aten_executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from .custom_gradients import has_gradient
+from .onnx_graph import attribute
 from .post_export import register_post_export_pass
 from .symbolic_registry import register_symbolic, unregister_symbolic
 
@@ -409,14 +410,6 @@ def _sdpa(
 # -- the post-export pass over ATen nodes -------------------------------------------------------------
 
 
-def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            value = onnx.helper.get_attribute_value(a)
-            return value.decode() if isinstance(value, bytes) else value
-    return default
-
-
 def _value_types(model: onnx.ModelProto) -> dict[str, int]:
     graph = model.graph
     types = {}
@@ -481,8 +474,8 @@ def _output_types(
     PyTorch's meta device (no data, no compute); None when that is not possible."""
     from onnx.helper import tensor_dtype_to_np_dtype
 
-    operator = _attr(node, "operator", "")
-    overload = _attr(node, "overload_name", "") or ""
+    operator = attribute(node, "operator", "")
+    overload = attribute(node, "overload_name", "") or ""
     inputs: list[torch.Tensor | None] = []
     for name in node.input:
         if not name:
@@ -624,8 +617,8 @@ def _as_python_op(
 
     python_op_runner.install()  # the node needs the PythonOp runners
     entry = python_op.REGISTRY.register(AtenOp)
-    operator = _attr(node, "operator", "")
-    overload = _attr(node, "overload_name", "") or ""
+    operator = attribute(node, "operator", "")
+    overload = attribute(node, "overload_name", "") or ""
     spec = f"{operator}|{overload}"
     pointers = [python_op.REGISTRY.keep(spec)]
     positions = [0]
@@ -718,8 +711,8 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
             nodes.append(node)
             continue
         count += 1
-        operator = _attr(node, "operator", "")
-        overload = _attr(node, "overload_name", "") or ""
+        operator = attribute(node, "operator", "")
+        overload = attribute(node, "overload_name", "") or ""
         internal = operator.startswith("_ortmodule_") and operator != EINSUM
         float_out = any(name and types.get(name) in _FLOATS for name in node.output)
         float_in = any(name and types.get(name) in _FLOATS for name in node.input)
@@ -817,7 +810,7 @@ def fuse_attention(model: onnx.ModelProto) -> int:
         softmax = producers.get(probs)
         if softmax is None or softmax.op_type != "Softmax" or not single_use(probs):
             continue
-        axis = _attr(softmax, "axis", -1)
+        axis = attribute(softmax, "axis", -1)
         if axis not in (-1, 3):
             continue
         chain = [softmax]
@@ -849,7 +842,7 @@ def fuse_attention(model: onnx.ModelProto) -> int:
         transpose = producers.get(kt)
         if transpose is None or transpose.op_type != "Transpose" or not single_use(kt):
             continue
-        if list(_attr(transpose, "perm", [])) != [0, 1, 3, 2]:
+        if list(attribute(transpose, "perm", [])) != [0, 1, 3, 2]:
             continue
         chain.append(transpose)
         k = transpose.input[0]

@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 import torch
 
+from .onnx_graph import attribute
 from .python_op import PYTHON_OP_DOMAIN, REGISTRY, _register_with_engine
 
 __all__ = [
@@ -74,14 +75,6 @@ class LabelSite:
     reduction: str
     #: the user inputs the labels are computed from (graph input names)
     sources: tuple[str, ...]
-
-
-def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            value = onnx.helper.get_attribute_value(a)
-            return value.decode() if isinstance(value, bytes) else value
-    return default
 
 
 def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -129,15 +122,15 @@ def label_sites(model: onnx.ModelProto) -> list[LabelSite]:
     for node in graph.node:
         if node.op_type != _SCE or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
-        ignore_index = _attr(node, "ignore_index")
-        reduction = _attr(node, "reduction", "mean")
+        ignore_index = attribute(node, "ignore_index")
+        reduction = attribute(node, "reduction", "mean")
         if ignore_index is None or reduction not in ("mean", "sum"):
             continue
         if len(node.output) > 1 and (node.output[1] in outputs or node.output[1] in consumed):
             continue
         labels = node.input[1]
         feeding = producer.get(labels)
-        if feeding is not None and _attr(feeding, "func_name") in (ENGINE_FLAG, PRINT_ONLY):
+        if feeding is not None and attribute(feeding, "func_name") in (ENGINE_FLAG, PRINT_ONLY):
             continue
         _, sources = _cone(graph, labels)
         sites.append(
@@ -301,7 +294,7 @@ def density_flags(model: onnx.ModelProto) -> list[onnx.NodeProto]:
         for n in model.graph.node
         if n.op_type == "PythonOp"
         and n.domain == PYTHON_OP_DOMAIN
-        and _attr(n, "func_name") in (ENGINE_FLAG, PRINT_ONLY)
+        and attribute(n, "func_name") in (ENGINE_FLAG, PRINT_ONLY)
     ]
 
 
@@ -313,9 +306,9 @@ def strip_density_flags(model: onnx.ModelProto, keep_printing: bool = True) -> i
     """
     removed = 0
     for flag in density_flags(model):
-        if _attr(flag, "func_name") != ENGINE_FLAG:
+        if attribute(flag, "func_name") != ENGINE_FLAG:
             continue
-        scalars = list(_attr(flag, "input_int_scalars") or [])
+        scalars = list(attribute(flag, "input_int_scalars") or [])
         if keep_printing and len(scalars) > 1 and scalars[1]:
             continue
         source, result = flag.input[0], flag.output[1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import onnx
 
 # ONNX Runtime 1.19 reads models up to IR version 10; onnx >= 1.17 writes newer by default.
@@ -11,6 +13,15 @@ MAX_IR_VERSION = 10
 def cap_ir_version(model: onnx.ModelProto) -> None:
     if model.ir_version > MAX_IR_VERSION:
         model.ir_version = MAX_IR_VERSION
+
+
+def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    """The value of ``node``'s attribute ``name`` (strings decoded), or ``default``."""
+    for a in node.attribute:
+        if a.name == name:
+            value = onnx.helper.get_attribute_value(a)
+            return value.decode() if isinstance(value, bytes) else value
+    return default
 
 
 def rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:

@@ -47,6 +47,7 @@ import onnx
 import torch
 
 from .errors import ExportError
+from .onnx_graph import attribute
 from .post_export import register_post_export_pass
 from .symbolic_registry import register_symbolic, unregister_symbolic
 
@@ -587,13 +588,6 @@ def _python_op_symbolic(g: Any, *args: Any, **_kwargs: Any) -> Any:
 # -- checks and passes on exported models -------------------------------------------------------
 
 
-def _attr(node: onnx.NodeProto, name: str) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            return onnx.helper.get_attribute_value(a)
-    return None
-
-
 def _python_op_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     for node in graph.node:
         if node.domain == PYTHON_OP_DOMAIN and node.op_type in ("PythonOp", "PythonOpGrad"):
@@ -607,9 +601,9 @@ def _python_op_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
 
 
 def _func_name(node: onnx.NodeProto) -> str:
-    value = _attr(node, "func_name")
+    value = attribute(node, "func_name")
     if value is None:
-        value = _attr(node, "name")  # the attribute's name in older engines
+        value = attribute(node, "name")  # the attribute's name in older engines
     if isinstance(value, bytes):
         value = value.decode("utf-8", "replace")
     return str(value or "")
@@ -624,7 +618,7 @@ def check_model(model: onnx.ModelProto) -> None:
     for node in _python_op_nodes(model.graph):
         name = _func_name(node)
         REGISTRY.lookup(name)
-        pointers = list(_attr(node, "input_pointer_scalars") or [])
+        pointers = list(attribute(node, "input_pointer_scalars") or [])
         if node.op_type == "PythonOp" and not REGISTRY.knows_node(name, pointers):
             raise RefusedPythonOpError(
                 f"PythonOp refused: node {node.name!r} calls {name} with object references "
@@ -694,8 +688,8 @@ def infer_python_op_shapes(model: onnx.ModelProto) -> int:
             for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output)
         }
         in_shapes = [_dims(known.get(name)) for name in node.input]
-        in_types = list(_attr(node, "input_tensor_types") or [])
-        out_types = list(_attr(node, "output_tensor_types") or [])
+        in_types = list(attribute(node, "input_tensor_types") or [])
+        out_types = list(attribute(node, "output_tensor_types") or [])
         try:
             shapes = list(fn(in_shapes, in_types))
         except Exception as err:  # noqa: BLE001
