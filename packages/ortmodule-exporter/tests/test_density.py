@@ -25,8 +25,10 @@ from ortmodule_exporter.density import (
     PRINT_ONLY,
     DensityFlag,
     density_flags,
+    embedding_sites,
     infer_symbolic_shapes,
     insert_density_flag,
+    insert_embedding_density_print,
     label_density,
     label_sites,
     site_labels,
@@ -40,9 +42,11 @@ VOCAB, HIDDEN = 64, 16
 class MaskedLM(nn.Module):
     """Embedding -> MLP head -> cross-entropy over the vocabulary; returns only the loss."""
 
-    def __init__(self, shift: bool = False, reduction: str = "mean") -> None:
+    def __init__(
+        self, shift: bool = False, reduction: str = "mean", padding_idx: int | None = None
+    ) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.embed = nn.Embedding(VOCAB, HIDDEN, padding_idx=padding_idx)
         self.hidden = nn.Linear(HIDDEN, HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB)
         self.shift = shift
@@ -203,3 +207,31 @@ def test_flag_names_belong_to_the_density_function() -> None:
 
     with pytest.raises(ValueError, match="already belongs to"):
         REGISTRY.register(Other, name=ENGINE_FLAG)
+
+
+def test_embedding_sites_need_a_padding_idx() -> None:
+    plain = _export(MaskedLM())
+    assert embedding_sites(plain.model, frozenset(plain.param_names)) == []
+    padded = _export(MaskedLM(padding_idx=3))
+    (site,) = embedding_sites(padded.model, frozenset(padded.param_names))
+    assert site.padding_idx == 3 and site.sources == ("input.ids",) and site.indices == "input.ids"
+
+
+def test_embedding_density_print_runs_in_the_engine(caplog: pytest.LogCaptureFixture) -> None:
+    def flag(exported: ExportedModel, _options: Any) -> None:
+        for site in embedding_sites(exported.model, frozenset(exported.param_names)):
+            insert_embedding_density_print(exported.model, site, rank=2)
+
+    register_post_export_pass("test_embedding_flag", flag, order=200)
+    try:
+        torch.manual_seed(0)
+        ids, labels = _batch(seed=2)
+        ids[:, 5:] = 3  # padding
+        with caplog.at_level(logging.WARNING, logger="ortmodule.density"):
+            run = assert_engine_matches_eager(MaskedLM(padding_idx=3), (ids, labels))
+    finally:
+        unregister_post_export_pass("test_embedding_flag")
+    assert "PythonOp" in _ops(run.built.model)
+    valid = int((ids != 3).sum())
+    (line,) = [r.getMessage() for r in caplog.records if "input density" in r.getMessage()]
+    assert f"EMBED ids (padding_idx 3): {100 * valid / ids.numel():.2f} % ({valid} of 32)" in line

@@ -131,12 +131,18 @@ def test_print_input_density_logs_every_step(
     monkeypatch.setenv("ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER", optimize)
     wrapped = _trains_like_eager(3, caplog, logging.WARNING)
     lines = [r.getMessage() for r in caplog.records if "input density" in r.getMessage()]
-    assert len(lines) == 3
-    for step, line in enumerate(lines):
-        labels = CASE.make_batch(step)[1]["labels"]
-        valid = int((labels != -100).sum())
-        assert f"({valid} of {labels.numel()})" in line, line
-        assert "LABEL labels (ignore_index -100)" in line
+    label_lines = [line for line in lines if "LABEL" in line]
+    embed_lines = [line for line in lines if "EMBED" in line]
+    assert len(label_lines) == 3 and len(embed_lines) == 3 and len(lines) == 6
+    for step, (label_line, embed_line) in enumerate(zip(label_lines, embed_lines, strict=True)):
+        (input_ids, _mask), kwargs = CASE.make_batch(step)
+        valid = int((kwargs["labels"] != -100).sum())
+        assert f"step {step}: LABEL labels (ignore_index -100)" in label_line
+        assert f"({valid} of {input_ids.numel()})" in label_line, label_line
+        # the word embedding's padding_idx is 0: its density is the share of real tokens
+        tokens = int((input_ids != 0).sum())
+        assert f"step {step}: EMBED input_ids (padding_idx 0)" in embed_line
+        assert f"({tokens} of {input_ids.numel()})" in embed_line, embed_line
     ops = _ops(wrapped)
     assert "PythonOp" in ops  # the flag stays to print
     assert ("ShrunkenGather" in ops) == (optimize == "1")
@@ -168,8 +174,10 @@ def test_apply_label_sparsity_decisions() -> None:
     config = SparsityConfig(label=False, print_density=True)
     (decision,) = apply_label_sparsity(exported, feeds, config, training=True)
     assert not decision.applied
-    (flag,) = density_flags(exported.model)
-    assert PRINT_ONLY in str(flag.attribute)
+    # one print-only flag on the loss's labels, one on the word embedding's indices
+    flags = density_flags(exported.model)
+    assert sorted(f.name.rsplit("/", 2)[-2] for f in flags) == ["Gather", "SoftmaxCrossEntropyLoss"]
+    assert all(PRINT_ONLY in str(f.attribute) for f in flags)
 
     exported = export(model, args, kwargs, training=True)
     assert apply_label_sparsity(exported, feeds, SparsityConfig(label=False), training=True) == []

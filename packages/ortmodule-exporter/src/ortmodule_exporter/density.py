@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import torch
 
 from .onnx_graph import attribute
@@ -42,13 +43,17 @@ __all__ = [
     "ENGINE_FLAG",
     "PRINT_ONLY",
     "DensityFlag",
+    "EmbeddingSite",
     "LabelSite",
     "density_flags",
+    "embedding_sites",
+    "insert_embedding_density_print",
     "infer_symbolic_shapes",
     "insert_density_flag",
     "label_density",
     "label_sites",
     "site_labels",
+    "tensor_value",
     "strip_density_flags",
 ]
 
@@ -139,17 +144,17 @@ def label_sites(model: onnx.ModelProto) -> list[LabelSite]:
     return sites
 
 
-def site_labels(
-    model: onnx.ModelProto, site: LabelSite, feeds: Mapping[str, Any]
+def tensor_value(
+    model: onnx.ModelProto, tensor: str, feeds: Mapping[str, Any]
 ) -> np.ndarray | None:
-    """The labels ``site``'s loss reads for this batch.
+    """The value ``tensor`` takes for this batch, if the user's inputs alone determine it.
 
-    Runs the nodes between the user's inputs (``feeds``, by graph input name) and the loss's
-    label input with ONNX's reference evaluator. ``None`` when the labels cannot be computed
-    from ``feeds`` alone (they depend on parameters or on a custom operator).
+    Runs the nodes between the inputs (``feeds``, by graph input name) and ``tensor`` with ONNX's
+    reference evaluator. ``None`` when ``tensor`` depends on anything else (parameters, a custom
+    operator) or the evaluator cannot run those nodes.
     """
     graph = model.graph
-    nodes, sources = _cone(graph, site.labels)
+    nodes, sources = _cone(graph, tensor)
     if not sources <= set(feeds):
         return None
     if any(n.domain not in ("", "ai.onnx") for n in nodes):
@@ -161,26 +166,33 @@ def site_labels(
             value = value.detach().cpu().numpy()
         values[name] = np.asarray(value)
     if not nodes:
-        return values.get(site.labels)
+        return values.get(tensor)
     from onnx.reference import ReferenceEvaluator
 
     initializers = {i.name: i for i in graph.initializer}
     used = {i for n in nodes for i in n.input}
     sub = onnx.helper.make_graph(
         nodes,
-        "labels",
+        "value",
         [vi for vi in graph.input if vi.name in sources],
-        [onnx.helper.make_empty_tensor_value_info(site.labels)],
+        [onnx.helper.make_empty_tensor_value_info(tensor)],
         initializer=[initializers[n] for n in used if n in initializers],
     )
     sub_model = onnx.helper.make_model(sub, opset_imports=list(model.opset_import))
     sub_model.ir_version = model.ir_version
     try:
-        (labels,) = ReferenceEvaluator(sub_model).run(None, values)
-    except Exception as err:  # noqa: BLE001 - a reference-evaluator gap: just skip the site
-        logger.debug("labels of %s not computed: %s", site.node, err)
+        (value,) = ReferenceEvaluator(sub_model).run(None, values)
+    except Exception as err:  # noqa: BLE001 - a reference-evaluator gap: just skip the tensor
+        logger.debug("value of %s not computed: %s", tensor, err)
         return None
-    return np.asarray(labels)
+    return np.asarray(value)
+
+
+def site_labels(
+    model: onnx.ModelProto, site: LabelSite, feeds: Mapping[str, Any]
+) -> np.ndarray | None:
+    """The labels ``site``'s loss reads for this batch (see :func:`tensor_value`)."""
+    return tensor_value(model, site.labels, feeds)
 
 
 def label_density(labels: np.ndarray, ignore_index: int) -> float:
@@ -195,8 +207,9 @@ def label_density(labels: np.ndarray, ignore_index: int) -> float:
 
 @dataclass
 class _Printed:
-    label: str
-    ignore_index: int
+    kind: str  # LABEL or EMBED
+    name: str  # the user inputs it comes from
+    ignored: str  # what the skipped value is called: ignore_index or padding_idx
     steps: int = 0
 
 
@@ -205,32 +218,93 @@ _SITES_LOCK = threading.Lock()
 
 
 class DensityFlag(torch.autograd.Function):
-    """Returns the labels unchanged; with ``emit`` logs their density (one line per step)."""
+    """Returns its input unchanged; with ``emit`` logs its density (one line per step).
+
+    The density is the fraction of entries that are not ``ignored`` (a loss's ``ignore_index``
+    or an embedding's ``padding_idx``).
+    """
 
     @staticmethod
-    def forward(ctx: Any, labels: torch.Tensor, ignore_index: int, emit: int, site: int) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, values: torch.Tensor, ignored: int, emit: int, site: int) -> Any:  # type: ignore[override]
         if emit:
-            total = labels.numel()
-            valid = int(torch.count_nonzero(labels != ignore_index)) if total else 0
+            total = values.numel()
+            valid = int(torch.count_nonzero(values != ignored)) if total else 0
             with _SITES_LOCK:
-                printed = _SITES.get(site) or _Printed("labels", ignore_index)
+                printed = _SITES.get(site) or _Printed("LABEL", "labels", "ignore_index")
                 step = printed.steps
                 printed.steps += 1
             logger.warning(
-                "input density, step %d: LABEL %s (ignore_index %d): %.2f %% (%d of %d)",
+                "input density, step %d: %s %s (%s %d): %.2f %% (%d of %d)",
                 step,
-                printed.label,
-                ignore_index,
+                printed.kind,
+                printed.name,
+                printed.ignored,
+                ignored,
                 100.0 * valid / total if total else 0.0,
                 valid,
                 total,
             )
-        ctx.mark_non_differentiable(labels)
-        return labels
+        ctx.mark_non_differentiable(values)
+        return values
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - labels take no gradient
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - integers take no gradient
         return None, None, None, None
+
+
+def _insert_flag(
+    model: onnx.ModelProto,
+    tensor: str,
+    printed: _Printed,
+    ignored: int,
+    *,
+    engine: bool,
+    emit: bool,
+    rank: int,
+    node_name: str,
+) -> str:
+    """A flag PythonOp on ``tensor``, placed before its first reader; returns the flagged name.
+
+    The caller rewires the readers that should see the flag's output."""
+    graph = model.graph
+    entry = REGISTRY.register(DensityFlag, name=ENGINE_FLAG if engine else PRINT_ONLY)
+    _register_with_engine(entry.name)
+    REGISTRY.record_node(entry.name, [])
+    if emit:
+        from . import python_op_runner
+
+        python_op_runner.install()
+    with _SITES_LOCK:
+        site_id = len(_SITES)
+        _SITES[site_id] = printed
+    flagged = f"{tensor}/density_flag_{site_id}"
+    flag = onnx.helper.make_node(
+        "PythonOp",
+        [tensor],
+        [f"{flagged}/ctx", flagged],
+        name=node_name,
+        domain=PYTHON_OP_DOMAIN,
+        func_name=entry.name,
+        input_convention="dccc",
+        input_tensor_types=[onnx.TensorProto.INT64],
+        input_tensor_ranks=[rank],
+        output_tensor_types=[onnx.TensorProto.INT64],
+        output_tensor_ranks=[rank],
+        input_int_scalars=[ignored, int(emit), site_id],
+        input_int_scalar_positions=[1, 2, 3],
+        training_mode=1,
+        safe_run_mode=1,
+        comment="",
+    )
+    first = next(i for i, n in enumerate(graph.node) if tensor in n.input)
+    graph.node.insert(first, flag)
+    if not any(o.domain == PYTHON_OP_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(PYTHON_OP_DOMAIN, 1))
+    return flagged
+
+
+def _source_names(sources: tuple[str, ...], fallback: str) -> str:
+    return ",".join(s.removeprefix("input.") for s in sources) or fallback
 
 
 def insert_density_flag(
@@ -243,47 +317,110 @@ def insert_density_flag(
     ``rank`` is the labels' rank (the engine only shrinks rank-1 labels). Returns the flag
     node's name.
     """
-    graph = model.graph
-    (loss,) = [n for n in graph.node if n.name == site.node]
-    name = ENGINE_FLAG if engine else PRINT_ONLY
-    entry = REGISTRY.register(DensityFlag, name=name)
-    _register_with_engine(entry.name)
-    REGISTRY.record_node(entry.name, [])
-    if emit:
-        from . import python_op_runner
-
-        python_op_runner.install()
-    with _SITES_LOCK:
-        site_id = len(_SITES)
-        label = ",".join(s.removeprefix("input.") for s in site.sources) or site.labels
-        _SITES[site_id] = _Printed(label, site.ignore_index)
-    flagged = f"{site.labels}/density_flag_{site_id}"
+    (loss,) = [n for n in model.graph.node if n.name == site.node]
     node_name = f"{site.node}/density_flag"
-    flag = onnx.helper.make_node(
-        "PythonOp",
-        [site.labels],
-        [f"{flagged}/ctx", flagged],
-        name=node_name,
-        domain=PYTHON_OP_DOMAIN,
-        func_name=entry.name,
-        input_convention="dccc",
-        input_tensor_types=[onnx.TensorProto.INT64],
-        input_tensor_ranks=[rank],
-        output_tensor_types=[onnx.TensorProto.INT64],
-        output_tensor_ranks=[rank],
-        input_int_scalars=[site.ignore_index, int(emit), site_id],
-        input_int_scalar_positions=[1, 2, 3],
-        training_mode=1,
-        safe_run_mode=1,
-        comment="",
+    printed = _Printed("LABEL", _source_names(site.sources, site.labels), "ignore_index")
+    flagged = _insert_flag(
+        model,
+        site.labels,
+        printed,
+        site.ignore_index,
+        engine=engine,
+        emit=emit,
+        rank=rank,
+        node_name=node_name,
     )
-    position = list(graph.node).index(loss)
-    graph.node.insert(position, flag)
     loss.input[1] = flagged
     if len(loss.output) < 2:  # the engine reads the log_prob output's name
         loss.output.append(f"{site.node}/log_prob_unused")
-    if not any(o.domain == PYTHON_OP_DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(PYTHON_OP_DOMAIN, 1))
+    return node_name
+
+
+# -- embeddings: density printed only ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EmbeddingSite:
+    """One embedding lookup with a ``padding_idx``: the indices it reads and the padding id."""
+
+    node: str  #: the Gather node's name
+    indices: str
+    padding_idx: int
+    sources: tuple[str, ...]
+
+
+def _int_constant(graph: onnx.GraphProto, name: str) -> int | None:
+    for init in graph.initializer:
+        if init.name == name:
+            value = onnx.numpy_helper.to_array(init)
+            return int(value) if value.size == 1 and value.dtype.kind in "iu" else None
+    for node in graph.node:
+        if node.op_type == "Constant" and name in node.output:
+            tensor = attribute(node, "value")
+            if tensor is None:
+                return None
+            value = onnx.numpy_helper.to_array(tensor)
+            return int(value) if value.size == 1 and value.dtype.kind in "iu" else None
+    return None
+
+
+def embedding_sites(
+    model: onnx.ModelProto, param_names: set[str] | frozenset[str]
+) -> list[EmbeddingSite]:
+    """Embedding lookups (``Gather`` of a parameter by indices from the inputs) with a padding id.
+
+    The exporter compares the indices with ``padding_idx`` (to keep the padding row's gradient
+    zero), which is where the padding id is read from; lookups without one are skipped.
+    """
+    graph = model.graph
+    producer = _producers(graph)
+    sites = []
+    for node in graph.node:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        weight, indices = node.input[0], node.input[1]
+        if weight not in param_names:
+            continue
+        feeding = producer.get(indices)
+        if feeding is not None and attribute(feeding, "func_name") in (ENGINE_FLAG, PRINT_ONLY):
+            continue
+        padding = None
+        for other in graph.node:
+            if other.op_type == "Equal" and len(other.input) == 2 and other.input[0] == indices:
+                padding = _int_constant(graph, other.input[1])
+                if padding is not None:
+                    break
+        if padding is None:
+            continue
+        _, sources = _cone(graph, indices)
+        sites.append(EmbeddingSite(node.name, indices, padding, tuple(sorted(sources))))
+    return sites
+
+
+def insert_embedding_density_print(model: onnx.ModelProto, site: EmbeddingSite, rank: int) -> str:
+    """A flag that logs the density (entries not ``padding_idx``) of ``site``'s indices each step.
+
+    Named :data:`PRINT_ONLY`: the engine does not change the graph for it. Every reader of the
+    indices reads the flag's (identical) output, so the node stays in the graph.
+    """
+    node_name = f"{site.node}/density_flag"
+    printed = _Printed("EMBED", _source_names(site.sources, site.indices), "padding_idx")
+    flagged = _insert_flag(
+        model,
+        site.indices,
+        printed,
+        site.padding_idx,
+        engine=False,
+        emit=True,
+        rank=rank,
+        node_name=node_name,
+    )
+    for node in model.graph.node:
+        if node.name == node_name:
+            continue
+        for i, name in enumerate(node.input):
+            if name == site.indices:
+                node.input[i] = flagged
     return node_name
 
 

@@ -296,7 +296,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "ORTMODULE_PRINT_INPUT_DENSITY",
         False,
         _RUNTIME,
-        "Log the label density (labels that are not ignore_index) of each step at WARNING.",
+        "Log each step's label density (labels not ignore_index) and embedding density "
+        "(indices not padding_idx) at WARNING.",
     ),
     _switch(
         "ORTMODULE_PRINT_MEMORY_STATS",

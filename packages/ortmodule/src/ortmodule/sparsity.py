@@ -8,7 +8,8 @@ inserted; later batches run the shrunken graph whatever their density, which is 
 the ``ignore_index`` rows are dropped, and those contribute nothing to the loss).
 
 ``ORTMODULE_PRINT_INPUT_DENSITY=1`` logs the label density of every step, with or without the
-optimization.
+optimization, and the density of every embedding lookup with a ``padding_idx`` (the share of
+tokens that are not padding; printed only, the CPU engine has no padding elimination).
 """
 
 from __future__ import annotations
@@ -17,18 +18,22 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import torch
 
 from ortmodule_exporter import ExportedModel
 from ortmodule_exporter.density import (
     DENSITY_THRESHOLD,
+    embedding_sites,
     infer_symbolic_shapes,
     insert_density_flag,
+    insert_embedding_density_print,
     label_density,
     label_sites,
     site_labels,
     strip_density_flags,
+    tensor_value,
 )
 
 logger = logging.getLogger("ortmodule")
@@ -105,7 +110,9 @@ def _apply(
             )
             continue
         density = label_density(labels, site.ignore_index)
-        if not config.label:
+        if labels.dtype != np.int64:
+            applied, reason = False, f"its labels are {labels.dtype}, not int64"
+        elif not config.label:
             applied, reason = False, "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER is off"
         elif not training:
             applied, reason = False, "not a training graph"
@@ -118,11 +125,17 @@ def _apply(
             applied, reason = False, f"density is not below {config.threshold:.0%}"
         else:
             applied, reason = True, "loss computed on the counted labels only"
-        if applied or config.print_density:
+        if applied or (config.print_density and labels.dtype == np.int64):
             insert_density_flag(
                 model, site, engine=applied, emit=config.print_density, rank=labels.ndim
             )
         decisions.append(LabelDecision(site.node, site.labels, density, applied, reason))
+
+    if config.print_density:
+        for embedding in embedding_sites(model, frozenset(exported.param_names)):
+            indices = tensor_value(model, embedding.indices, feeds)
+            if indices is not None and indices.dtype == np.int64:
+                insert_embedding_density_print(model, embedding, rank=indices.ndim)
 
     if any(d.applied for d in decisions):
         try:
