@@ -653,24 +653,16 @@ def _as_python_op(
         else:
             outputs.append(name)
             output_types.append(elem)
-    python_op.REGISTRY.record_node(entry.name, pointers)
-    python_op._register_with_engine(entry.name)
-    op = onnx.helper.make_node(
-        "PythonOp",
+    op = python_op.python_op_node(
+        entry,
         tensors,
         outputs,
         name=tag,
-        domain=python_op.PYTHON_OP_DOMAIN,
-        func_name=entry.name,
-        input_convention=convention,
-        input_tensor_types=input_types,
-        input_tensor_ranks=input_ranks,
-        output_tensor_types=output_types,
-        output_tensor_ranks=output_ranks,
-        input_pointer_scalars=pointers,
-        input_pointer_scalar_positions=positions,
-        training_mode=int(training),
-        safe_run_mode=1,
+        convention=convention,
+        types=(input_types, output_types),
+        ranks=(input_ranks, output_ranks),
+        training=training,
+        scalars={"pointer": (pointers, positions)},
         comment=f"aten::{operator}.{overload or 'default'}",
     )
     return [op, *casts]

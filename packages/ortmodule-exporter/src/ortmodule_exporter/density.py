@@ -36,7 +36,7 @@ import onnx.numpy_helper
 import torch
 
 from .onnx_graph import attribute
-from .python_op import PYTHON_OP_DOMAIN, REGISTRY, _register_with_engine
+from .python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 
 __all__ = [
     "DENSITY_THRESHOLD",
@@ -268,8 +268,6 @@ def _insert_flag(
     The caller rewires the readers that should see the flag's output."""
     graph = model.graph
     entry = REGISTRY.register(DensityFlag, name=ENGINE_FLAG if engine else PRINT_ONLY)
-    _register_with_engine(entry.name)
-    REGISTRY.record_node(entry.name, [])
     if emit:
         from . import python_op_runner
 
@@ -278,23 +276,16 @@ def _insert_flag(
         site_id = len(_SITES)
         _SITES[site_id] = printed
     flagged = f"{tensor}/density_flag_{site_id}"
-    flag = onnx.helper.make_node(
-        "PythonOp",
+    flag = python_op_node(
+        entry,
         [tensor],
         [f"{flagged}/ctx", flagged],
         name=node_name,
-        domain=PYTHON_OP_DOMAIN,
-        func_name=entry.name,
-        input_convention="dccc",
-        input_tensor_types=[onnx.TensorProto.INT64],
-        input_tensor_ranks=[rank],
-        output_tensor_types=[onnx.TensorProto.INT64],
-        output_tensor_ranks=[rank],
-        input_int_scalars=[ignored, int(emit), site_id],
-        input_int_scalar_positions=[1, 2, 3],
-        training_mode=1,
-        safe_run_mode=1,
-        comment="",
+        convention="dccc",
+        types=([onnx.TensorProto.INT64], [onnx.TensorProto.INT64]),
+        ranks=([rank], [rank]),
+        training=True,
+        scalars={"int": ([ignored, int(emit), site_id], [1, 2, 3])},
     )
     first = next(i for i, n in enumerate(graph.node) if tensor in n.input)
     graph.node.insert(first, flag)

@@ -385,6 +385,53 @@ def _register_with_engine(name: str) -> None:
     C.register_torch_autograd_function(name, _EngineStub)
 
 
+def python_op_node(
+    entry: FunctionEntry,
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    *,
+    name: str,
+    convention: str,
+    types: tuple[Sequence[int], Sequence[int]],
+    ranks: tuple[Sequence[int], Sequence[int]],
+    training: bool,
+    scalars: Mapping[str, tuple[Sequence[int], Sequence[int]]] | None = None,
+    comment: str = "",
+) -> onnx.NodeProto:
+    """A ``PythonOp`` node, built in a graph pass, that calls ``entry``'s Function.
+
+    ``outputs`` starts with the context output; ``types`` and ``ranks`` are (inputs, outputs) of
+    the tensor arguments; ``scalars`` maps a kind (``"int"``, ``"pointer"``) to its (values,
+    argument positions). The node is recorded in :data:`REGISTRY` and its name given to the
+    engine, so the runner accepts it.
+    """
+    scalars = scalars or {}
+    pointers = list(scalars.get("pointer", ((), ()))[0])
+    REGISTRY.record_node(entry.name, pointers)
+    _register_with_engine(entry.name)
+    attrs: dict[str, Any] = {}
+    for kind, (values, positions) in scalars.items():
+        attrs[f"input_{kind}_scalars"] = list(values)
+        attrs[f"input_{kind}_scalar_positions"] = list(positions)
+    return onnx.helper.make_node(
+        "PythonOp",
+        list(inputs),
+        list(outputs),
+        name=name,
+        domain=PYTHON_OP_DOMAIN,
+        func_name=entry.name,
+        input_convention=convention,
+        input_tensor_types=list(types[0]),
+        input_tensor_ranks=list(ranks[0]),
+        output_tensor_types=list(types[1]),
+        output_tensor_ranks=list(ranks[1]),
+        training_mode=int(training),
+        safe_run_mode=1,
+        comment=comment,
+        **attrs,
+    )
+
+
 def _float32_exact(value: float) -> bool:
     try:
         return bool(struct.unpack("f", struct.pack("f", value))[0] == value)
