@@ -171,6 +171,11 @@ def install_gradients() -> None:
 # -- explicit backward operators ----------------------------------------------------------------
 
 
+def _refs(kind: str, *indices: int) -> list[str]:
+    """Gradient-definition references: ``_refs("I", 0, 1)`` is ``["I(0)", "I(1)"]``."""
+    return [f"{kind}({i})" for i in indices]
+
+
 def _register_builtin_gradients() -> None:
     # embedding: PyTorch's embedding_backward honours padding_idx (no gradient for that row) and
     # scale_grad_by_freq, which the ONNX Gather gradient cannot.
@@ -182,7 +187,9 @@ def _register_builtin_gradients() -> None:
             GradientNode.onnx("Constant", [], ["Zero"], value=(0, "int", True)),
             GradientNode.onnx("Gather", ["Shape_W", "Zero"], ["Num_W"], axis=(0, "int")),
             GradientNode.aten(
-                "embedding_backward", ["GO(0)", "I(1)", "Num_W", "I(2)", "I(3)", "I(4)"], ["GI(0)"]
+                "embedding_backward",
+                [*_refs("GO", 0), "I(1)", "Num_W", *_refs("I", 2, 3, 4)],
+                _refs("GI", 0),
             ),
         ],
     )
@@ -194,8 +201,9 @@ def _register_builtin_gradients() -> None:
         [
             GradientNode.aten(
                 "_scaled_dot_product_flash_attention_for_cpu_backward",
-                ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)", "I(5)", "I(6)"],
-                ["GI(0)", "GI(1)", "GI(2)"],
+                # grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, ...
+                [*_refs("GO", 0), *_refs("I", 0, 1, 2), *_refs("O", 0, 1), *_refs("I", 3, 4, 5, 6)],
+                _refs("GI", 0, 1, 2),
             )
         ],
     )
@@ -208,22 +216,17 @@ def _register_builtin_gradients() -> None:
             GradientNode.onnx("Constant", [], ["Grad_Mask"], value=([1, 1, 1, 0], "int", True)),
             GradientNode.aten(
                 "_scaled_dot_product_efficient_attention_backward",
+                # grad_out, query, key, value, attn_bias, the four forward outputs, dropout_p,
+                # which of the four gradients to compute, is_causal, scale
                 [
-                    "GO(0)",
-                    "I(0)",
-                    "I(1)",
-                    "I(2)",
-                    "I(3)",
-                    "O(0)",
-                    "O(1)",
-                    "O(2)",
-                    "O(3)",
-                    "I(5)",
+                    *_refs("GO", 0),
+                    *_refs("I", 0, 1, 2, 3),
+                    *_refs("O", 0, 1, 2, 3),
+                    *_refs("I", 5),
                     "Grad_Mask",
-                    "I(6)",
-                    "I(7)",
+                    *_refs("I", 6, 7),
                 ],
-                ["GI(0)", "GI(1)", "GI(2)", ""],
+                [*_refs("GI", 0, 1, 2), ""],
             ),
         ],
     )

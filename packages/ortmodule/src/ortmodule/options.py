@@ -48,25 +48,27 @@ MIN_OPSET, MAX_OPSET, DEFAULT_OPSET = 14, 20, 17
 
 
 class FallbackPolicy(enum.IntFlag):
-    """Which failures let training continue in PyTorch (``ORTMODULE_FALLBACK_POLICY``)."""
+    """Which failures let training continue in PyTorch (``ORTMODULE_FALLBACK_POLICY``).
 
-    FALLBACK_DISABLE = enum.auto()
-    FALLBACK_FORCE_TORCH_FORWARD = enum.auto()
-    FALLBACK_FORCE_TORCH_BACKWARD = enum.auto()
-    FALLBACK_UNSUPPORTED_DEVICE = enum.auto()
-    FALLBACK_UNSUPPORTED_DATA = enum.auto()
-    FALLBACK_UNSUPPORTED_TORCH_MODEL = enum.auto()
-    FALLBACK_UNSUPPORTED_ONNX_MODEL = enum.auto()
-    FALLBACK_BAD_INITIALIZATION = enum.auto()
+    One bit per policy, so policies combine with ``|``."""
+
+    FALLBACK_DISABLE = 1 << 0
+    FALLBACK_FORCE_TORCH_FORWARD = 1 << 1
+    FALLBACK_FORCE_TORCH_BACKWARD = 1 << 2
+    FALLBACK_UNSUPPORTED_DEVICE = 1 << 3
+    FALLBACK_UNSUPPORTED_DATA = 1 << 4
+    FALLBACK_UNSUPPORTED_TORCH_MODEL = 1 << 5
+    FALLBACK_UNSUPPORTED_ONNX_MODEL = 1 << 6
+    FALLBACK_BAD_INITIALIZATION = 1 << 7
 
 
 class SkipCheck(enum.IntFlag):
     """Which per-call consistency checks to skip once the graph is built (``ORTMODULE_SKIPCHECK_POLICY``)."""
 
-    SKIP_CHECK_DISABLED = enum.auto()
-    SKIP_CHECK_DEVICE = enum.auto()
-    SKIP_CHECK_BUILD_GRADIENT = enum.auto()
-    SKIP_CHECK_EXECUTION_AGENT = enum.auto()
+    SKIP_CHECK_DISABLED = 1 << 0
+    SKIP_CHECK_DEVICE = 1 << 1
+    SKIP_CHECK_BUILD_GRADIENT = 1 << 2
+    SKIP_CHECK_EXECUTION_AGENT = 1 << 3
 
 
 DEFAULT_FALLBACK_POLICY = (
