@@ -59,21 +59,19 @@ class _TimedAgent:
         self.seconds = 0.0
         self.calls = 0
 
-    def run_forward(self, *args: Any) -> Any:
+    def _timed(self, call: Any, *args: Any) -> Any:
         start = time.perf_counter()
         try:
-            return self.agent.run_forward(*args)
+            return call(*args)
         finally:
             self.seconds += time.perf_counter() - start
             self.calls += 1
 
+    def run_forward(self, *args: Any) -> Any:
+        return self._timed(self.agent.run_forward, *args)
+
     def run_backward(self, *args: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return self.agent.run_backward(*args)
-        finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
+        return self._timed(self.agent.run_backward, *args)
 
 
 def _training_session(model: Any) -> Any:

@@ -27,7 +27,7 @@ import ctypes
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -407,6 +407,31 @@ def _name(raw: bytes | None) -> str:
     return (raw or b"").decode("utf-8", "replace")
 
 
+def _serve(
+    result: int, func_name: bytes, args: int, phase: str, run: Callable[[str, list[Any]], list[Any]]
+) -> int:
+    """One engine callback: read the arguments, ``run(name, objects)``, write what it returns.
+
+    An exception never unwinds through the engine: it is remembered (re-raised to the user when
+    the engine call fails) and an empty result makes the engine fail the node cleanly.
+    """
+    name = _name(func_name)
+    try:
+        objects = [
+            bridge.object_from_pointer(p) if p else None for p in bridge.read_pointer_vector(args)
+        ]
+        values = run(name, objects)
+        del objects
+    except BaseException as err:  # noqa: BLE001 - must not unwind through the engine
+        remember(
+            err,
+            f"raised in {name}.{phase}, a torch.autograd.Function that ONNX Runtime ran as a PythonOp",
+        )
+        values = []
+    bridge.write_object_vector(result, values)
+    return result
+
+
 def _forward_entry(
     result: int,
     func_name: bytes,
@@ -419,12 +444,8 @@ def _forward_entry(
     _safe: bool,
     args: int,
 ) -> int:
-    name = _name(func_name)
-    try:
-        objects = [
-            bridge.object_from_pointer(p) if p else None for p in bridge.read_pointer_vector(args)
-        ]
-        values = run_forward(
+    def run(name: str, objects: list[Any]) -> list[Any]:
+        return run_forward(
             name,
             bridge.read_int64_vector(requires_grad),
             bridge.read_int64_vector(tensor_flags),
@@ -432,15 +453,8 @@ def _forward_entry(
             invoke_id or b"",
             objects,
         )
-        del objects
-    except BaseException as err:  # noqa: BLE001 - must not unwind through the engine
-        remember(
-            err,
-            f"raised in {name}.forward, a torch.autograd.Function that ONNX Runtime ran as a PythonOp",
-        )
-        values = []  # an empty result makes the engine fail the node cleanly
-    bridge.write_object_vector(result, values)
-    return result
+
+    return _serve(result, func_name, args, "forward", run)
 
 
 def _backward_entry(
@@ -455,21 +469,7 @@ def _backward_entry(
     _safe: bool,
     args: int,
 ) -> int:
-    name = _name(func_name)
-    try:
-        objects = [
-            bridge.object_from_pointer(p) if p else None for p in bridge.read_pointer_vector(args)
-        ]
-        values = run_backward(name, objects)
-        del objects
-    except BaseException as err:  # noqa: BLE001
-        remember(
-            err,
-            f"raised in {name}.backward, a torch.autograd.Function that ONNX Runtime ran as a PythonOp",
-        )
-        values = []
-    bridge.write_object_vector(result, values)
-    return result
+    return _serve(result, func_name, args, "backward", run_backward)
 
 
 # the engine keeps only the addresses: these objects must live as long as the process
