@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import BARE_PACKAGES
 
 from ortmodule import log
 from ortmodule.debug_options import LogLevel
@@ -30,7 +31,6 @@ from ortmodule.log import (
 )
 
 L = LogLevel
-SRC = Path(__file__).resolve().parents[1] / "src"
 HELD_BACK = (L.FATAL, L.ERROR, L.WARNING)
 SHOWN = (L.DEVINFO, L.VERBOSE)
 
@@ -125,15 +125,8 @@ def test_records_reach_application_handlers(caplog: pytest.LogCaptureFixture) ->
 
 def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``code`` with the modules under test importable and return its captured output."""
-    prelude = textwrap.dedent(
-        f"""
-        import importlib.util, sys, types
-        for name in ("ortmodule", "ortmodule_exporter"):
-            spec = importlib.util.find_spec(name)
-            pkg = types.ModuleType(name)
-            pkg.__path__ = list(spec.submodule_search_locations)
-            sys.modules[name] = pkg
-        sys.modules["ortmodule"].__path__.insert(0, {str(SRC / "ortmodule")!r})
+    prelude = BARE_PACKAGES + textwrap.dedent(
+        """
         import os, logging, ctypes
         from ortmodule.log import LogLevel, suppress_output, configure_logger
         """

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import BARE_PACKAGES
 
 from ortmodule.debug_options import DebugOptions, LogLevel
 from ortmodule.options import (
@@ -27,7 +28,6 @@ from ortmodule.options import (
 
 FP = FallbackPolicy
 BY_NAME = {var.name: var for var in VARIABLES}
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 @pytest.fixture
@@ -373,17 +373,8 @@ def test_debug_options_errors(kwargs: dict[str, Any], match: str) -> None:
 
 def test_modules_import_without_onnxruntime_or_torch() -> None:
     """options, log, debug_options and doctor import neither the engine nor torch at module level."""
-    code = textwrap.dedent(
-        f"""
-        import importlib.util, sys, types
-        # bare packages: test these modules, not what the packages' __init__ imports
-        for name in ("ortmodule", "ortmodule_exporter"):
-            spec = importlib.util.find_spec(name)
-            pkg = types.ModuleType(name)
-            pkg.__path__ = list(spec.submodule_search_locations)
-            sys.modules[name] = pkg
-        sys.path.insert(0, {str(SRC)!r})
-        sys.modules["ortmodule"].__path__.insert(0, {str(SRC / "ortmodule")!r})
+    code = BARE_PACKAGES + textwrap.dedent(
+        """
         import ortmodule.options, ortmodule.log, ortmodule.debug_options, ortmodule.doctor
         heavy = sorted(m for m in ("onnxruntime", "torch", "onnx") if m in sys.modules)
         assert not heavy, heavy
