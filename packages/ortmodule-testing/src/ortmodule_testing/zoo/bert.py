@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ._checks import check_heads
 
 __all__ = ["IGNORE_INDEX", "MASK_TOKEN_ID", "PAD_TOKEN_ID", "BertConfig", "BertEncoder"]
 
@@ -42,16 +45,11 @@ class BertConfig:
     @classmethod
     def small(cls, **changes: Any) -> BertConfig:
         """A size that trains in milliseconds on a CPU, for tests; ``changes`` override fields."""
-        sizes: dict[str, Any] = dict(
-            vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_position=16
-        )
-        return cls(**{**sizes, **changes})
+        small = cls(vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_position=16)
+        return dataclasses.replace(small, **changes)
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"BertConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
-            )
+        check_heads(self)
 
 
 class BertEmbeddings(nn.Module):

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import check_heads
+
 __all__ = ["GPTConfig", "GPTDecoder"]
 
 
@@ -29,10 +31,7 @@ class GPTConfig:
         return cls(vocab_size=128, d_model=32, n_layers=2, n_heads=4, seq_len=16)
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"GPTConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
-            )
+        check_heads(self)
 
 
 class CausalSelfAttention(nn.Module):
