@@ -82,6 +82,14 @@ def _training_session(model: Any) -> Any:
     return graph.session
 
 
+def _time_engine_calls(model: Any) -> _TimedAgent:
+    """Put a :class:`_TimedAgent` between ORTModule's training session and the engine's agent."""
+    session = _training_session(model)
+    agent = _TimedAgent(session._agent)
+    session._agent = agent
+    return agent
+
+
 def _enable_engine_profiling(prefix: str) -> None:
     """Turn on ONNX Runtime's profiler for every session this process creates.
 
@@ -180,9 +188,7 @@ def train(
             seconds.append(end - start)
             optimizer_seconds.append(end - mid)
             if mode == "ortmodule" and agent is None:
-                session = _training_session(model)
-                agent = _TimedAgent(session._agent)
-                session._agent = agent
+                agent = _time_engine_calls(model)
             if agent is not None and step == warmup - 1:
                 engine_before = agent.seconds
     except Exception as err:  # reported in the table, not raised
@@ -225,9 +231,7 @@ def overhead(mode: str, full: bool) -> dict[str, Any]:
         TINY.loss(model(*args, **kwargs), (args, kwargs)).backward()
         seconds.append(time.perf_counter() - start)
         if mode == "ortmodule" and agent is None:
-            session = _training_session(model)
-            agent = _TimedAgent(session._agent)
-            session._agent = agent
+            agent = _time_engine_calls(model)
         if agent is not None and step == warmup - 1:
             engine_before = agent.seconds
     result: dict[str, Any] = {
