@@ -98,36 +98,30 @@ class DemoConfig:
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
 
 
+#: the numeric ``ortmodule demo`` options: DemoConfig field, type, help (the default is appended)
+_NUMERIC_OPTIONS: tuple[tuple[str, type, str], ...] = (
+    ("steps", int, "training steps per run"),
+    ("batch_size", int, "sequences per step"),
+    ("seq_len", int, "characters per sequence"),
+    ("layers", int, "transformer blocks"),
+    ("d_model", int, "model width"),
+    ("heads", int, "attention heads"),
+    ("lr", float, "AdamW learning rate"),
+    ("generate", int, "characters to generate at the end"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``ortmodule demo`` options (``ortmodule demo --help``)."""
     d = DemoConfig()
-    parser.add_argument(
-        "--steps", type=int, default=d.steps, help=f"training steps per run (default {d.steps})"
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=d.batch_size,
-        help=f"sequences per step (default {d.batch_size})",
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=int,
-        default=d.seq_len,
-        help=f"characters per sequence (default {d.seq_len})",
-    )
-    parser.add_argument(
-        "--layers", type=int, default=d.layers, help=f"transformer blocks (default {d.layers})"
-    )
-    parser.add_argument(
-        "--d-model", type=int, default=d.d_model, help=f"model width (default {d.d_model})"
-    )
-    parser.add_argument(
-        "--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})"
-    )
-    parser.add_argument(
-        "--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})"
-    )
+    for name, kind, text in _NUMERIC_OPTIONS:
+        default = getattr(d, name)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=default,
+            help=f"{text} (default {default})",
+        )
     parser.add_argument(
         "--seed", type=int, default=d.seed, help="seed of the initial weights and the batches"
     )
@@ -149,12 +143,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.threads,
         help="intra-op threads for both runs (default: one per core)",
-    )
-    parser.add_argument(
-        "--generate",
-        type=int,
-        default=d.generate,
-        help=f"characters to generate at the end (default {d.generate})",
     )
 
 
