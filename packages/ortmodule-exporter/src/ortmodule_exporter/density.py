@@ -86,9 +86,11 @@ def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     return {out: node for node in graph.node for out in node.output if out}
 
 
-def _cone(graph: onnx.GraphProto, tensor: str) -> tuple[list[onnx.NodeProto], set[str]]:
+def _cone(
+    graph: onnx.GraphProto, tensor: str, producer: Mapping[str, onnx.NodeProto] | None = None
+) -> tuple[list[onnx.NodeProto], set[str]]:
     """The nodes computing ``tensor`` (in graph order) and the graph inputs they read."""
-    producer = _producers(graph)
+    producer = producer if producer is not None else _producers(graph)
     inputs = {vi.name for vi in graph.input}
     needed: set[int] = set()
     sources: set[str] = set()
@@ -137,7 +139,7 @@ def label_sites(model: onnx.ModelProto) -> list[LabelSite]:
         feeding = producer.get(labels)
         if feeding is not None and attribute(feeding, "func_name") in (ENGINE_FLAG, PRINT_ONLY):
             continue
-        _, sources = _cone(graph, labels)
+        _, sources = _cone(graph, labels, producer)
         sites.append(
             LabelSite(node.name, labels, int(ignore_index), reduction, tuple(sorted(sources)))
         )
@@ -365,6 +367,11 @@ def embedding_sites(
     """
     graph = model.graph
     producer = _producers(graph)
+    # indices -> the constants they are compared with (the padding id, where there is one)
+    compared: dict[str, list[str]] = {}
+    for other in graph.node:
+        if other.op_type == "Equal" and len(other.input) == 2:
+            compared.setdefault(other.input[0], []).append(other.input[1])
     sites = []
     for node in graph.node:
         if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
@@ -375,15 +382,11 @@ def embedding_sites(
         feeding = producer.get(indices)
         if feeding is not None and attribute(feeding, "func_name") in (ENGINE_FLAG, PRINT_ONLY):
             continue
-        padding = None
-        for other in graph.node:
-            if other.op_type == "Equal" and len(other.input) == 2 and other.input[0] == indices:
-                padding = _int_constant(graph, other.input[1])
-                if padding is not None:
-                    break
+        constants = (_int_constant(graph, c) for c in compared.get(indices, ()))
+        padding = next((c for c in constants if c is not None), None)
         if padding is None:
             continue
-        _, sources = _cone(graph, indices)
+        _, sources = _cone(graph, indices, producer)
         sites.append(EmbeddingSite(node.name, indices, padding, tuple(sorted(sources))))
     return sites
 

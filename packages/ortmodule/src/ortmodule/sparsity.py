@@ -88,6 +88,23 @@ def apply_label_sparsity(
         return []
 
 
+def _why_not(
+    labels: np.ndarray, density: float, config: SparsityConfig, training: bool
+) -> str | None:
+    """Why the engine is not asked to shrink a loss reading ``labels``; ``None`` when it is."""
+    if labels.dtype != np.int64:
+        return f"its labels are {labels.dtype}, not int64"
+    if not config.label:
+        return "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER is off"
+    if not training:
+        return "not a training graph"
+    if labels.ndim != 1:
+        return f"its labels have rank {labels.ndim} (the engine shrinks rank 1)"
+    if density >= config.threshold:
+        return f"density is not below {config.threshold:.0%}"
+    return None
+
+
 def _apply(
     exported: ExportedModel,
     feeds: Mapping[str, torch.Tensor],
@@ -110,25 +127,13 @@ def _apply(
             )
             continue
         density = label_density(labels, site.ignore_index)
-        if labels.dtype != np.int64:
-            applied, reason = False, f"its labels are {labels.dtype}, not int64"
-        elif not config.label:
-            applied, reason = False, "ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER is off"
-        elif not training:
-            applied, reason = False, "not a training graph"
-        elif labels.ndim != 1:
-            applied, reason = (
-                False,
-                f"its labels have rank {labels.ndim} (the engine shrinks rank 1)",
-            )
-        elif density >= config.threshold:
-            applied, reason = False, f"density is not below {config.threshold:.0%}"
-        else:
-            applied, reason = True, "loss computed on the counted labels only"
+        off = _why_not(labels, density, config, training)
+        applied = off is None
         if applied or (config.print_density and labels.dtype == np.int64):
             insert_density_flag(
                 model, site, engine=applied, emit=config.print_density, rank=labels.ndim
             )
+        reason = off or "loss computed on the counted labels only"
         decisions.append(LabelDecision(site.node, site.labels, density, applied, reason))
 
     if config.print_density:
