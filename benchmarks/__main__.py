@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .models import LABEL_SPARSITY_MODELS, WORKLOADS
+from .models import DEFAULT_MODELS, LABEL_SPARSITY_MODELS, WORKLOADS
 from .report import Report, machine_info, machine_slug, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--full", action="store_true", help="bigger configurations and more steps")
-    parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_MODELS)
+    )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument(
         "--no-micro", action="store_true", help="skip the benchmarks/bench_*.py micro-benchmarks"
