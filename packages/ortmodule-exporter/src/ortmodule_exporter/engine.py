@@ -49,7 +49,18 @@ def import_onnxruntime() -> Any:
     return onnxruntime
 
 
+_BOUND: Any = None
+
+
 def _C() -> Any:
+    """The engine's ``_pybind_state`` (looked up once: this sits on every step's path)."""
+    global _BOUND
+    if _BOUND is None:
+        _BOUND = _bind_engine()
+    return _BOUND
+
+
+def _bind_engine() -> Any:
     try:
         import_onnxruntime()
         from onnxruntime.capi import _pybind_state as C
@@ -315,7 +326,8 @@ def _ort_device(device: torch.device) -> Any:
 
 
 def _push(vec: Any, tensor: torch.Tensor) -> None:
-    tensor = tensor.detach()
+    if tensor.requires_grad:  # DLPack refuses tensors that require grad
+        tensor = tensor.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     if tensor.dtype == torch.bool:

@@ -9,6 +9,7 @@ gradient back to autograd so ``param.grad`` accumulates exactly as in eager.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,6 +111,22 @@ class CompiledGraph:
     #: for each feed position: index into the backward outputs, or -1 for no gradient
     grad_index: list[int] = field(default_factory=list)
     _reached: dict[frozenset[int], frozenset[str]] = field(default_factory=dict)
+    _returned: dict[frozenset[int], list[int]] = field(default_factory=dict)
+
+    def returned_grads(self, used: frozenset[int]) -> list[int]:
+        """Per feed, the backward output handed to autograd, or -1 for None (memoised).
+
+        Like eager, an input that reaches no output with a gradient gets None, not zeros.
+        """
+        found = self._returned.get(used)
+        if found is None:
+            reached = self.reached_by(used)
+            found = [
+                j if j >= 0 and name in reached else -1
+                for j, name in zip(self.grad_index, self.built.feed_names, strict=True)
+            ]
+            self._returned[used] = found
+        return found
 
     def reached_by(self, outputs: frozenset[int]) -> frozenset[str]:
         """Graph inputs that any of ``outputs`` depends on (memoised per set of outputs)."""
@@ -171,15 +188,7 @@ class _EngineFunction(torch.autograd.Function):
             )
         assert isinstance(graph.session, TrainingSession)
         grads = graph.session.backward(feeds, state)
-        # like eager, an input that reaches no output with a gradient gets None, not zeros
-        reached = graph.reached_by(used)
-        return (
-            None,
-            *(
-                grads[j] if j >= 0 and name in reached else None
-                for j, name in zip(graph.grad_index, graph.built.feed_names, strict=True)
-            ),
-        )
+        return (None, *[grads[j] if j >= 0 else None for j in graph.returned_grads(used)])
 
 
 @dataclass(frozen=True)
@@ -203,6 +212,51 @@ class RunnerConfig:
     transformer_options: tuple[tuple[str, Any], ...] = ()
 
 
+class _Binder:
+    """``bind_arguments`` for the usual signature (plain parameters, no ``*args``/``**kwargs``)
+    without ``inspect.Signature.bind`` on every step.
+
+    Gives the same ordered dict ``Signature.bind(...).arguments`` would: the arguments passed, in
+    the signature's order, defaults left out. Anything else (a missing or unknown argument, a
+    signature with variadic or keyword-only parameters) goes to ``bind_arguments``, which also
+    produces its errors.
+    """
+
+    __slots__ = ("module", "signature", "names", "required", "plain")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.signature = forward_signature(module)
+        params = list(self.signature.parameters.values()) if self.signature is not None else []
+        plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
+        self.plain = self.signature is not None and all(p.kind in plain for p in params)
+        self.names = tuple(p.name for p in params)
+        self.required = sum(p.default is inspect.Parameter.empty for p in params)
+        if self.plain and any(
+            p.default is inspect.Parameter.empty for p in params[self.required :]
+        ):
+            self.plain = False  # a required parameter after a defaulted one: leave it to inspect
+
+    def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        names = self.names
+        n = len(args)
+        if self.plain and n <= len(names):
+            if not kwargs:
+                if n >= self.required:
+                    return dict(zip(names, args, strict=False))  # fewer args than names
+            else:
+                bound = dict(zip(names, args, strict=False))
+                for name in names[n:]:
+                    if name in kwargs:
+                        bound[name] = kwargs[name]
+                # every keyword matched a parameter not given by position, none required missing
+                if len(bound) == n + len(kwargs) and all(
+                    name in bound for name in names[n : self.required]
+                ):
+                    return bound
+        return bind_arguments(self.module, args, kwargs, self.signature)
+
+
 class GraphRunner:
     """Runs one wrapped module through the engine; one per ORTModule."""
 
@@ -219,7 +273,7 @@ class GraphRunner:
         self.exports = 0
         self._quiet = quiet
         self.last_times: PhaseTimer | None = None
-        self._signature: Any = None
+        self._binder: _Binder | None = None
 
     # -- the key ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -246,9 +300,10 @@ class GraphRunner:
 
     # -- one call ----------------------------------------------------------------------------
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        if self._signature is None:
-            self._signature = forward_signature(self.module)
-        arguments = bind_arguments(self.module, args, kwargs, self._signature)
+        binder = self._binder
+        if binder is None:
+            binder = self._binder = _Binder(self.module)
+        arguments = binder(args, kwargs)
         try:
             flat, schema = flatten(
                 arguments, prefix="input", static_shapes=self.config.static_shapes
