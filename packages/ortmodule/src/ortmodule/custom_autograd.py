@@ -37,6 +37,6 @@ def configure(options: RuntimeOptions) -> None:
         options.enable_custom_autograd, options.allow_autograd_checkpoint
     )
     aten_fallback.configure_aten_routes(
-        sdpa_fallback=options.aten_sdpa_fallback,
+        sdpa_fallback=options.aten_sdpa_fallback or options.fused_attention,
         efficient_attention=options.use_efficient_attention,
     )

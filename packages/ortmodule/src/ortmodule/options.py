@@ -330,6 +330,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Export scaled_dot_product_attention as an ATen op that PyTorch runs, not decomposed.",
     ),
     _switch(
+        "ORTMODULE_FUSED_ATTENTION",
+        True,
+        _EXPORTER,
+        "Run scaled_dot_product_attention with PyTorch's fused kernels, forward and backward "
+        "(as ORTMODULE_ATEN_SDPA_FALLBACK=1; a mask that needs a gradient stays decomposed); "
+        "0 lets the engine run attention as separate operators.",
+    ),
+    _switch(
         "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT",
         True,
         _EXPORTER,
@@ -536,6 +544,7 @@ class RuntimeOptions:
     cache_dir: str | None
     use_efficient_attention: bool
     aten_sdpa_fallback: bool
+    fused_attention: bool
     deepcopy_before_model_export: bool
     memory_opt_level: int
     memory_opt_config: str | None
