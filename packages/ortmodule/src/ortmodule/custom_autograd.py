@@ -19,6 +19,7 @@ from ortmodule_exporter import (
     aten_executor,
     aten_fallback,
     custom_gradients,
+    kernel_choice,
     python_op,
     python_op_runner,
 )
@@ -40,3 +41,4 @@ def configure(options: RuntimeOptions) -> None:
         sdpa_fallback=options.aten_sdpa_fallback or options.fused_attention,
         efficient_attention=options.use_efficient_attention,
     )
+    kernel_choice.configure_kernel_choice(options.kernel_choice.lower())

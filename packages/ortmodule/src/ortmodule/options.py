@@ -337,6 +337,18 @@ VARIABLES: tuple[EnvVar, ...] = (
         "(as ORTMODULE_ATEN_SDPA_FALLBACK=1; a mask that needs a gradient stays decomposed); "
         "0 lets the engine run attention as separate operators.",
     ),
+    EnvVar(
+        "ORTMODULE_KERNEL_CHOICE",
+        "str",
+        "AUTO",
+        _choice("AUTO", "ENGINE", "TORCH"),
+        "AUTO, ENGINE or TORCH (any case)",
+        _EXPORTER,
+        "Per-operator kernel choice (GELU so far): AUTO times the engine's kernel against "
+        "PyTorch's (run as ATen nodes) once per process and size class and exports the faster; "
+        "ENGINE or TORCH force one.",
+        "ENGINE",
+    ),
     _switch(
         "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT",
         True,
@@ -545,6 +557,7 @@ class RuntimeOptions:
     use_efficient_attention: bool
     aten_sdpa_fallback: bool
     fused_attention: bool
+    kernel_choice: str
     deepcopy_before_model_export: bool
     memory_opt_level: int
     memory_opt_config: str | None
