@@ -35,6 +35,9 @@ def test_demo_trains_both_runs_and_reports_them(
         assert row in stdout, f"{row!r} missing from the table:\n{stdout}"
     assert "PyTorch eager" in stdout and "ORTModule" in stdout
     assert "The losses match" in stdout
+    # the speed line names the ratio and the settings that produced it
+    assert "Speed: ORTModule ran" in stdout and "ORTMODULE_FUSED_ATTENTION=" in stdout
+    assert "ORTMODULE_KERNEL_CHOICE=" in stdout and "intra-op threads" in stdout
     # not a terminal here: the progress bar prints plain lines
     assert "PyTorch eager: step 4/4" in stderr and "ORTModule: step 4/4" in stderr
 

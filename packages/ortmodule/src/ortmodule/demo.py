@@ -559,6 +559,33 @@ def format_table(eager: RunResult, ort: RunResult) -> str:
     return "\n".join(lines)
 
 
+#: the options that decide ORTModule's speed, reported with every speed figure
+SPEED_OPTIONS = ("ORTMODULE_FUSED_ATTENTION", "ORTMODULE_KERNEL_CHOICE")
+
+
+def speed_summary(
+    eager: RunResult, ort: RunResult, threads: int, loads: tuple[float, float]
+) -> str:
+    """One honest sentence on speed: the ratio, and the settings and load that produced it."""
+    from .options import VARIABLES
+
+    ratio = ort.median_step / eager.median_step
+    verdict = (
+        f"{1 / ratio:.2f}x as fast as eager" if ratio < 1 else f"{ratio:.2f}x eager's step time"
+    )
+    defaults = {var.name: var.default for var in VARIABLES}
+    settings = ", ".join(
+        f"{name}={os.environ.get(name) or defaults.get(name)}" for name in SPEED_OPTIONS
+    )
+    return (
+        f"Speed: ORTModule ran {verdict} (median step {_fmt_s(ort.median_step)} vs "
+        f"{_fmt_s(eager.median_step)}), with {threads or torch.get_num_threads()} intra-op "
+        f"threads each, {settings}; load average {loads[0]:.1f} before and {loads[1]:.1f} after "
+        f"on {os.cpu_count()} CPUs. The two runs were sequential processes, so a busy machine "
+        "skews the ratio; `python -m benchmarks.worker ratio --model gpt` interleaves them."
+    )
+
+
 def plot_losses(eager: RunResult, ort: RunResult, path: Path) -> Path | None:
     """Write the two loss curves (and their difference) to ``path``; None without matplotlib."""
     try:
@@ -660,9 +687,12 @@ def run_demo(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     eager, ort = results["eager"], results["ortmodule"]
     diffs = loss_differences(eager, ort)
     worst = max(diffs)
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
     say()
     say(format_table(eager, ort))
+    say()
+    say(speed_summary(eager, ort, config.threads, (load, load_after)))
     say()
     matched = worst <= LOSS_TOLERANCE and all(map(math.isfinite, ort.losses))
     if matched:
