@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-overhead", action="store_true", help="skip the per-step overhead benchmark"
     )
     parser.add_argument(
+        "--no-interleaved",
+        action="store_true",
+        help="skip the interleaved runs (modes taking turns in one process per model)",
+    )
+    parser.add_argument(
         "--machine", help="machine name in the results file name (default: from the CPU)"
     )
     parser.add_argument(
@@ -195,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
                         "3",
                     ],
                 )
+        if not args.no_interleaved and "eager" in args.modes and len(args.modes) > 1:
+            print("interleaved: the modes take turns, one process per model", flush=True)
+            for model in args.models:
+                report.interleaved[model] = runner.run(
+                    model, ["ratio", "--model", model, "--modes", *args.modes]
+                )
         if not args.no_overhead:
             print("overhead: Linear(8, 8) on a 4x8 batch, forward + backward", flush=True)
             for mode in ("eager", "ortmodule"):
@@ -219,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {f"{model}/{mode}": run for (model, mode), run in report.runs.items()},
         "profile": report.profile,
         "overhead": report.overhead,
+        "interleaved": report.interleaved,
         "micro": report.micro,
     }
     output.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str))
