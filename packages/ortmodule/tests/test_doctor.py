@@ -53,6 +53,12 @@ def test_reports_the_cpu_engine_build(clean: tuple[int, str]) -> None:
     )
 
 
+def test_reports_the_kernel_choice_it_measures(clean: tuple[int, str]) -> None:
+    _, text = clean
+    assert "Kernel choice (ORTMODULE_KERNEL_CHOICE=AUTO, measured now):" in text
+    assert text.count("GELU forward+backward") == 2 and "-> " in text
+
+
 def test_reports_devices(clean: tuple[int, str]) -> None:
     _, text = clean
     if torch.cuda.is_available():

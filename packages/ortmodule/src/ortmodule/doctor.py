@@ -173,6 +173,26 @@ def _devices(report: Report, engine: Mapping[str, Any]) -> None:
         )
 
 
+def _kernel_choice(report: Report) -> None:
+    """Re-measure, on this machine, what ORTMODULE_KERNEL_CHOICE=AUTO decides at export."""
+    lines = report.section("Kernel choice (ORTMODULE_KERNEL_CHOICE=AUTO, measured now)")
+    from ortmodule_exporter.kernel_choice import CALIBRATION_NUMEL, measure_gelu
+
+    for numel in (1 << 14, CALIBRATION_NUMEL):
+        try:
+            engine_us, torch_us = measure_gelu(numel)
+        except Exception as err:  # an inference-only engine has no GeluGrad: AUTO keeps its own
+            lines.append(
+                f"GELU could not be timed ({type(err).__name__}); the engine's kernel is used"
+            )
+            return
+        route = "PyTorch (ATen nodes)" if torch_us < engine_us else "the engine"
+        lines.append(
+            f"GELU forward+backward, {numel} float32 elements: engine {engine_us:.0f} us, "
+            f"PyTorch {torch_us:.0f} us with its ATen nodes -> {route}"
+        )
+
+
 def _optional(report: Report) -> dict[str, bool]:
     lines = report.section("Optional components")
     present = {}
@@ -257,6 +277,8 @@ def collect(environ: Mapping[str, str] = os.environ) -> Report:
     guarded("ortmodule packages", lambda: _ortmodule_packages(report))
     engine = guarded("the engine", lambda: _engine(report)) or engine
     guarded("devices", lambda: _devices(report, engine))
+    if engine.get("build"):
+        guarded("kernel choice", lambda: _kernel_choice(report))
     present = guarded("optional components", lambda: _optional(report)) or present
     guarded("settings", lambda: _settings(report, environ, present))
     return report
