@@ -49,6 +49,10 @@ def _peak_rss_mib() -> float:
 def _error_text(err: BaseException) -> str:
     lines = [line for line in str(err).strip().splitlines() if line.strip()]
     head = lines[0] if lines else ""
+    if "[ONNXRuntimeError]" in head:
+        # the engine's own words come after its source location, which fills the first 300
+        before, _, after = head.partition(": /onnxruntime_src/")
+        head = f"{before}: [ONNXRuntimeError]{after.split('[ONNXRuntimeError]', 1)[-1]}"
     return f"{type(err).__name__}: {head}"[:300]
 
 
