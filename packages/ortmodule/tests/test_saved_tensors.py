@@ -164,13 +164,14 @@ def _case(body: Callable[[torch.Tensor], torch.Tensor]) -> ZooCase:
 def test_tensors_kept_for_backward_stay_valid(name: str) -> None:
     # three steps: the first call of a PythonOp copies its inputs, later calls do not
     case = _case(BODIES[name])
+    pending = python_op_runner.live_contexts()  # other tests may leave some behind
     model = case.build(seed=0)
     eager = train_steps(clone_model(model), case, 3, _sgd)
     wrapped = ORTModule(clone_model(model))
     ours = train_steps(wrapped, case, 3, _sgd)
     assert wrapped._fallback.cause is None
     assert_same_training(eager, ours)
-    assert python_op_runner.live_contexts() == 0
+    assert python_op_runner.live_contexts() == pending
 
 
 class Scale(torch.autograd.Function):

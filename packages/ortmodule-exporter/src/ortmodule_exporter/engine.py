@@ -141,7 +141,7 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     if config.save is not None:
         os.makedirs(config.save.path, exist_ok=True)
         transformer.optimized_pre_grad_filepath = config.save.file_path(
-            "optimized_pre_grad", exported.training
+            "pre_gradient", exported.training
         )
 
     def run_builder(model: onnx.ModelProto) -> Any:
@@ -183,7 +183,8 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     )
     model = onnx.load_from_string(model_bytes)
     if config.save is not None:
-        onnx.save_model(model, config.save.file_path("optimized", exported.training))
+        stage = "gradient" if config.build_gradient else "built"
+        onnx.save_model(model, config.save.file_path(stage, exported.training))
     feed_names = [vi.name for vi in model.graph.input]
     fetch_names = [vi.name for vi in model.graph.output]
     grad_of: dict[str, str] = {}

@@ -63,6 +63,7 @@ __all__ = [
     "check_model",
     "custom_autograd_enabled",
     "enable_custom_autograd",
+    "python_op_exporters",
     "export_settings",
     "exporting_copy_of",
     "model_is_runnable",
@@ -258,6 +259,11 @@ def register_python_op_exporter(func_name: str, handler: Callable[..., Any]) -> 
     >>> register_python_op_exporter("bitsandbytes.autograd._functions.MatMul4Bit", lambda g, n, *a: None)
     """
     _SPECIAL[func_name] = handler
+
+
+def python_op_exporters() -> dict[str, Callable[..., Any]]:
+    """The registered Function exporters (``func_name -> handler``), for export-cache keys."""
+    return dict(_SPECIAL)
 
 
 # -- shape inference ---------------------------------------------------------------------------
