@@ -246,6 +246,8 @@ class SessionConfig:
     external_allocator: tuple[int, int, int] | None = None  # alloc, free, empty_cache addresses
     optimized_model_path: str | None = None
     extra_provider_options: tuple[tuple[str, str], ...] = ()
+    #: ``add_session_config_entry`` pairs from component session contributors
+    config_entries: tuple[tuple[str, str], ...] = ()
 
 
 def _providers(cfg: SessionConfig) -> tuple[list[str], list[dict[str, str]]]:
@@ -289,6 +291,8 @@ def _session(model_bytes: bytes, cfg: SessionConfig) -> Any:
         # Engine workers spin after each run; between runs PyTorch (autograd, the optimizer)
         # needs the same cores, and spinning starved it (AdamW 330-450 ms -> ~20 ms without).
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for key, value in cfg.config_entries:
+        so.add_session_config_entry(key, value)
     if cfg.optimized_model_path:
         so.optimized_model_filepath = cfg.optimized_model_path
     providers, provider_options = _providers(cfg)
@@ -360,6 +364,11 @@ class TrainingSession:
             [device] * len(built.fetch_names),
             cfg.device.index or 0,
         )
+
+    @property
+    def agent(self) -> Any:
+        """The engine's ``TrainingAgent`` (components read statistics from it)."""
+        return self._agent
 
     def forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         C = _C()
