@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import onnx
 import torch
 
 from ortmodule_exporter import (
@@ -25,6 +26,14 @@ from ortmodule_exporter import (
     export,
     parameter_signature,
     run_post_export_passes,
+)
+from ortmodule_exporter.components import (
+    SessionContext,
+    SessionInfo,
+    StepContext,
+    has_session_contributors,
+    session_contribution,
+    step_hooks,
 )
 from ortmodule_exporter.engine import (
     BuiltGraph,
@@ -134,11 +143,14 @@ class _EngineFunction(torch.autograd.Function):
     """Forward half and backward half of the engine's gradient graph as one autograd node."""
 
     @staticmethod
-    def forward(ctx: Any, graph: CompiledGraph, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, graph: CompiledGraph, step: StepContext, *feeds: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         session = graph.session
         assert isinstance(session, TrainingSession)
         outputs, state = session.forward(feeds)
         ctx.graph = graph
+        ctx.step = step
         ctx.state = state
         ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
         ctx.set_materialize_grads(False)
@@ -171,10 +183,16 @@ class _EngineFunction(torch.autograd.Function):
                 grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device)
             )
         assert isinstance(graph.session, TrainingSession)
+        hooks = step_hooks()
+        for hook in hooks:
+            hook.pre_backward(ctx.step)
         grads = graph.session.backward(feeds, state)
+        for hook in reversed(hooks):
+            hook.post_backward(ctx.step)
         # like eager, an input that reaches no output with a gradient gets None, not zeros
         reached = graph.reached_by(used)
         return (
+            None,
             None,
             *(
                 grads[j] if j >= 0 and name in reached else None
@@ -202,6 +220,7 @@ class RunnerConfig:
     exporter_verbose: bool = False
     conv_algo_search: str = "HEURISTIC"
     use_memory_efficient_gradient: bool = False
+    #: ``ORTMODULE_*`` variable -> parsed value, for post-export passes and components
     pass_options: tuple[tuple[str, Any], ...] = ()
     transformer_options: tuple[tuple[str, Any], ...] = ()
 
@@ -223,6 +242,7 @@ class GraphRunner:
         self._quiet = quiet
         self.last_times: PhaseTimer | None = None
         self._signature: Any = None
+        self.step = StepContext(module, dict(config.pass_options))
 
     # -- the key ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -251,6 +271,9 @@ class GraphRunner:
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         if self._signature is None:
             self._signature = forward_signature(self.module)
+        hooks = step_hooks()
+        for hook in hooks:
+            hook.pre_forward(self.step)
         arguments = bind_arguments(self.module, args, kwargs, self._signature)
         try:
             flat, schema = flatten(
@@ -275,12 +298,14 @@ class GraphRunner:
             if u.count_index >= 0
         ]
         if training_graph:
-            outputs = _EngineFunction.apply(graph, *feeds)
+            outputs = _EngineFunction.apply(graph, self.step, *feeds)
         else:
             assert isinstance(graph.session, InferenceSession)
             outputs = graph.session.forward(feeds)
         if graph.buffer_updates:
             _apply_buffer_updates(graph.buffer_updates, outputs, old)
+        for hook in reversed(hooks):
+            hook.post_forward(self.step, outputs)
         return unflatten(list(outputs[: graph.output_count]), graph.built.exported.output_schema)
 
     def _check_inputs(self, flat: Sequence[torch.Tensor], device: torch.device) -> None:
@@ -385,6 +410,18 @@ class GraphRunner:
         with times.phase("graph build"), self._silenced():
             built = build_graph(exported, graph_config)
 
+        hooks = step_hooks()
+        context = None
+        contribution = None
+        if hooks or has_session_contributors():
+            context = SessionContext(
+                model=onnx.load_from_string(built.model_bytes),
+                training=key.build_gradient,
+                device=device,
+                options=self.step.options,
+                input_shapes={name: tuple(flat[i].shape) for name, i in index_of.items()},
+            )
+            contribution = session_contribution(context)
         session_config = SessionConfig(
             device=device,
             intra_op_threads=torch.get_num_threads(),
@@ -393,6 +430,8 @@ class GraphRunner:
             conv_algo_search=cfg.conv_algo_search,
             external_allocator=_torch_allocator(device),
             optimized_model_path=save.file_path("execution", exported.training) if save else None,
+            memory_efficient_order=bool(contribution and contribution.memory_efficient_order),
+            config_entries=tuple(contribution.config_entries.items()) if contribution else (),
         )
         with times.phase("session creation"), self._silenced():
             session: TrainingSession | InferenceSession = (
@@ -421,6 +460,10 @@ class GraphRunner:
         position = {name: j for j, name in enumerate(built.fetch_names)}
         grad_by_input = {target: position[fetch] for fetch, target in built.grad_of.items()}
         grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]
+        if context is not None:
+            info = SessionInfo(context=context, session=session, built=built)
+            for hook in hooks:
+                hook.on_session(self.step, info)
         self.last_times = times
         log_initialisation_summary(times, logger)
         return CompiledGraph(

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ortmodule_exporter.components import load_components
+
 from . import custom_autograd
 from .debug_options import DebugOptions
 from .execution import GraphRunner
@@ -46,6 +48,8 @@ class ORTModule(torch.nn.Module):
     def _setup(self) -> None:
         options = RuntimeOptions.resolve(self._debug_options)
         configure_logger(options.log_level)
+        # installed components (memory, Triton, QLoRA, ZeRO-3) register their plug-ins once
+        load_components()
         custom_autograd.configure(options)
         apply_engine_severity(options.log_level)
         object.__setattr__(self, "_options", options)

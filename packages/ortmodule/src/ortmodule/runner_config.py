@@ -8,7 +8,7 @@ from ortmodule_exporter import ExportConfig, SaveOptions
 
 from .execution import RunnerConfig
 from .log import engine_severity, exporter_verbose
-from .options import RuntimeOptions
+from .options import VARIABLES, RuntimeOptions
 
 
 def runner_config(options: RuntimeOptions) -> RunnerConfig:
@@ -29,6 +29,7 @@ def runner_config(options: RuntimeOptions) -> RunnerConfig:
         engine_log_severity=engine_severity(options.log_level),
         exporter_verbose=exporter_verbose(options.log_level),
         conv_algo_search=options.conv_algo_search,
+        pass_options=component_options(options),
     )
 
 
@@ -41,3 +42,8 @@ def export_config(options: RuntimeOptions) -> ExportConfig:
         aten_sdpa_fallback=options.aten_sdpa_fallback,
         efficient_attention=options.use_efficient_attention,
     )
+
+
+def component_options(options: RuntimeOptions) -> tuple[tuple[str, object], ...]:
+    """Every ``ORTMODULE_*`` variable with its resolved value: what passes and components read."""
+    return tuple((var.name, getattr(options, var.field)) for var in VARIABLES)
