@@ -188,10 +188,12 @@ def _optional(report: Report) -> dict[str, bool]:
 
 def _settings(report: Report, environ: Mapping[str, str], present: Mapping[str, bool]) -> None:
     from .options import (
+        NEEDS_COMPONENT,
         VARIABLES,
         InvalidOptionError,
         RuntimeOptions,
         format_value,
+        inactive_variables,
         unknown_variables,
     )
 
@@ -228,14 +230,23 @@ def _settings(report: Report, environ: Mapping[str, str], present: Mapping[str, 
                 RuntimeOptions.resolve(environ=environ)
             except InvalidOptionError as err:
                 report.problem(str(err), "change the variables as the message says")
-    _needs = (
-        ("use_triton", "triton", "pip install triton (needs a CUDA device)"),
-        ("use_flash_attention", "triton", "pip install triton (needs a CUDA device)"),
-        ("enable_zero_stage3", "deepspeed", "pip install deepspeed"),
-    )
-    for option, component, fix in _needs:
-        if values.get(option) and not present.get(component):
-            report.problem(f"ORTMODULE_{option.upper()}=1 but {component} is not installed", fix)
+    if all(var.field in values for var in VARIABLES):
+        # the same check ORTModule logs at wrap time: a set variable nothing installed acts on
+        from ortmodule_exporter.components import handled_options, load_components
+
+        load_components()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                options = RuntimeOptions.resolve(environ=environ)
+            except InvalidOptionError:
+                return
+        for name, message in inactive_variables(options, handled_options()):
+            package = NEEDS_COMPONENT.get(name)
+            report.problem(
+                message,
+                f"pip install {package}" if package else f"unset {name}; it does nothing here",
+            )
 
 
 def collect(environ: Mapping[str, str] = os.environ) -> Report:

@@ -14,6 +14,7 @@ from . import custom_autograd
 from .debug_options import DebugOptions
 from .execution import GraphRunner
 from .fallback import FallbackManager
+from .inactive_options import warn_inactive_options
 from .log import apply_engine_severity, configure_logger
 from .options import RuntimeOptions
 from .runner_config import runner_config
@@ -50,6 +51,7 @@ class ORTModule(torch.nn.Module):
         configure_logger(options.log_level)
         # installed components (memory, Triton, QLoRA, ZeRO-3) register their plug-ins once
         load_components()
+        warn_inactive_options(options)  # after the components: they may honour some variables
         custom_autograd.configure(options)
         apply_engine_severity(options.log_level)
         object.__setattr__(self, "_options", options)
