@@ -145,6 +145,8 @@ def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "ortmodule":
         from ortmodule import ORTModule
 
+        # timings of a PyTorch fallback would be reported as ORTModule's: every failure stops
+        os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
         return ORTModule(model)
     return model
 
