@@ -29,35 +29,35 @@ def _ms(fn: object, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def run(quick: bool = True) -> dict[str, dict[str, float]]:
-    """``{model: {"export ms", "key ms", "hit ms"}}``."""
-    os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+def _measure(name: str, repeat: int) -> dict[str, float]:
     from ortmodule_exporter import ExportCache, ExportConfig, export
     from ortmodule_pytree import flatten
     from ortmodule_testing.zoo import ZOO
 
-    repeat = 3 if quick else 10
     config = ExportConfig(custom_autograd=True)
-    results: dict[str, dict[str, float]] = {}
-    for name in MODELS:
-        case = ZOO[name]
-        model = case.build(seed=0)
-        args, kwargs = case.make_batch(0)
-        with tempfile.TemporaryDirectory() as folder:
-            cache = ExportCache(folder)
-            full = _ms(lambda: export(model, args, kwargs, training=True, config=config), repeat)
+    case = ZOO[name]
+    model = case.build(seed=0)
+    args, kwargs = case.make_batch(0)
+    with tempfile.TemporaryDirectory() as folder:
+        cache = ExportCache(folder)
+        full = _ms(lambda: export(model, args, kwargs, training=True, config=config), repeat)
+        export(model, args, kwargs, training=True, config=config, cache=cache)
+        _, schema = flatten({"args": args, **kwargs}, prefix="input")
+
+        def key() -> None:
+            cache.key_for(model, schema, training=True, opset=17, extra=config.fingerprint())
+
+        def hit() -> None:
             export(model, args, kwargs, training=True, config=config, cache=cache)
-            _, schema = flatten({"args": args, **kwargs}, prefix="input")
 
-            def key() -> None:
-                cache.key_for(model, schema, training=True, opset=17, extra=config.fingerprint())
+        return {"export ms": full, "key ms": _ms(key, repeat), "hit ms": _ms(hit, repeat)}
 
-            hit = _ms(
-                lambda: export(model, args, kwargs, training=True, config=config, cache=cache),
-                repeat,
-            )
-            results[name] = {"export ms": full, "key ms": _ms(key, repeat), "hit ms": hit}
-    return results
+
+def run(quick: bool = True) -> dict[str, dict[str, float]]:
+    """``{model: {"export ms", "key ms", "hit ms"}}``."""
+    os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    repeat = 3 if quick else 10
+    return {name: _measure(name, repeat) for name in MODELS}
 
 
 def main() -> None:
