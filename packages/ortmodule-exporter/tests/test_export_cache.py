@@ -150,8 +150,14 @@ def test_concurrent_writers_never_read_half_a_file(tmp_path: Path) -> None:
     results = [out.get(timeout=5) for _ in procs]
     assert sum(h for h, _ in results) >= 4  # every call after the first in a process hits
     assert not list(tmp_path.glob(".tmp-*"))
-    cache = ExportCache(str(tmp_path))
-    assert export(Net(), (torch.randn(2, 4),), training=True, cache=cache).from_cache
+    # a fresh process (this one's registries differ after other tests: another key) reads the
+    # entry they left: every export hits
+    alone = ctx.Barrier(1)  # kept referenced until the child has unpickled it
+    reader = ctx.Process(target=_writer, args=(str(tmp_path), alone, out))
+    reader.start()
+    reader.join(timeout=120)
+    assert reader.exitcode == 0
+    assert out.get(timeout=5) == (3, 0)
 
 
 # -- the key misses whenever the export could differ -------------------------------------------
