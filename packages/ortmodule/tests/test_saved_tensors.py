@@ -199,3 +199,34 @@ def test_only_kept_tensors_are_copied() -> None:
     for _ in range(2):
         wrapped(torch.randn(4, 16)).sum().backward()
     assert python_op_runner.protective_copies() == before + 2
+
+
+class SometimesSaves(torch.autograd.Function):
+    """Saves its input only once ``save`` is set: the runner cannot know to copy it."""
+
+    save = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        if SometimesSaves.save:
+            ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> torch.Tensor:
+        return gy * 2
+
+
+def test_a_function_that_starts_saving_an_argument_later_is_a_clear_error() -> None:
+    from ortmodule_exporter.callback_errors import user_errors
+
+    SometimesSaves.save = False
+    wrapped = ORTModule(Net(lambda h: torch.sigmoid(SometimesSaves.apply(h))))
+    wrapped(torch.randn(4, 16)).sum().backward()
+    SometimesSaves.save = True
+    try:
+        with pytest.raises(RuntimeError, match=r"SometimesSaves.forward kept argument\(s\) \[0\]"):
+            with user_errors():
+                wrapped(torch.randn(4, 16)).sum().backward()
+    finally:
+        SometimesSaves.save = False
