@@ -217,7 +217,11 @@ class CompiledSubgraph:
             args += [*strides, *seeds]
             grid = (rows,) if start is not None else None
 
+            col = [k for k, spec in enumerate(plan.outputs) if spec.kind == "col"]
+
             def run(config: LaunchConfig) -> None:
+                for k in col:  # summed atomically: a tuning run must start from zero too
+                    outputs[k].zero_()
                 g = grid if grid is not None else (-(-total // config.block),)
                 kernel[g](*args, **flags, BLOCK=config.block, num_warps=config.num_warps)
 
