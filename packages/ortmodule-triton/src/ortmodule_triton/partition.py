@@ -354,6 +354,9 @@ def replace_subgraphs(
     drop = {k for s in subgraphs for k in s.nodes}
     kept = [n for k, n in enumerate(graph.node) if k not in drop]
     added = [n for i, s in enumerate(subgraphs) for n in make_nodes(s, i)]
+    used = {i for n in kept + added for i in n.input} | {o.name for o in graph.output}
+    # Constant nodes whose only readers were fused are embedded in the kernels now
+    kept = [n for n in kept if n.op_type != "Constant" or any(o in used for o in n.output)]
     del graph.node[:]
     graph.node.extend(kept + added)
     topological_sort(graph)
