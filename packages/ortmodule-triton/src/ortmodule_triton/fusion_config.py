@@ -39,7 +39,7 @@ import onnx
 import onnx.defs
 
 from .errors import TritonConfigError
-from .ops import OPS
+from .ops import MS_DOMAIN, OPS
 
 __all__ = ["FusionConfig", "OpRule", "load_config"]
 
@@ -71,7 +71,11 @@ class FusionConfig:
     def to_json(self) -> str:
         """The config as the engine's TritonFusion transformer reads it (CUDA build)."""
         ops: dict[str, Any] = {}
+        # the format keys ops by name alone: where a name exists in two domains (Gelu), the
+        # com.microsoft one wins, the one the engine's own fusions produce
         for (domain, op), rule in sorted(self.ops.items()):
+            if not domain and (MS_DOMAIN, op) in self.ops:
+                continue
             entry: dict[str, Any] = {"versions": sorted(rule.versions or _all_versions(domain, op))}
             if domain:
                 entry["domain"] = domain
