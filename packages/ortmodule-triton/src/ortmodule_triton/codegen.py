@@ -271,9 +271,12 @@ def generate(model: onnx.ModelProto, name: str | None = None) -> KernelPlan:
         if val.kind == "full":
             em.line(f"tl.store(out{k} + flat, ({val.expr}).to({tt}), mask=mask)")
         elif val.kind == "row":
-            em.line(f"tl.store(out{k} + row, ({val.expr}).to({tt}))")
+            em.line(f"tl.store(out{k} + row, ({val.expr}).to({tt}), mask=row_mask)")
         else:
-            em.line(f"tl.atomic_add(out{k} + cols, ({val.expr}).to(tl.float32), mask=mask)")
+            part = f"tl.sum(tl.where(mask, ({val.expr}).to(tl.float32), 0.0), axis=0)"
+            em.line(
+                f"tl.atomic_add(out{k} + tl.arange(0, BLOCK), {part}, mask=tl.arange(0, BLOCK) < N)"
+            )
         outputs.append(OutputSpec(vi.name, dtype, out_rank, val.kind, deps[vi.name]))
 
     for val in values.values():
@@ -284,17 +287,21 @@ def generate(model: onnx.ModelProto, name: str | None = None) -> KernelPlan:
 
     n_in, n_out = len(loaded), len(outputs)
     params = [f"in{i}" for i in range(n_in)] + [f"out{k}" for k in range(n_out)]
-    params.append("N" if reduces else "NUMEL")
+    params += ["M", "N"] if reduces else ["NUMEL"]
     params += [f"rd{d}" for d in range(rank)] + [f"rs{d}" for d in range(rank)]
     params += [f"in{i}_s{d}" for i in range(n_in) for d in range(rank)]
     params += [s for s, _ in em.seeds]
     params += [f"BC{i}: tl.constexpr" for i in range(n_in)]
     params.append("BLOCK: tl.constexpr")
     if reduces:
+        params.append("ROWS: tl.constexpr")
+    if reduces:
+        # ROWS rows per program, [ROWS, BLOCK] tiles: short rows still fill a program
         head = [
-            "row = tl.program_id(0).to(tl.int64)",
-            "cols = tl.arange(0, BLOCK)",
-            "mask = cols < N",
+            "row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]",
+            "cols = tl.arange(0, BLOCK)[None, :]",
+            "row_mask = row < M",
+            "mask = row_mask & (cols < N)",
             "flat = row * N + cols",
         ]
     else:

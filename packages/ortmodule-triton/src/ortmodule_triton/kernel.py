@@ -49,10 +49,12 @@ _LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Block size (elementwise template; the row template's block is the row) and warps."""
+    """Block size (elementwise template; the row template's block is the row), warps and, for
+    the row template, rows per program."""
 
     block: int
     num_warps: int
+    rows: int = 1
 
 
 def _source_dir() -> Path:
@@ -135,11 +137,13 @@ class CompiledSubgraph:
             ]
         return self._hidden[device]
 
-    def default_config(self, n: int) -> LaunchConfig:
+    def default_config(self, n: int, rows_total: int = 1) -> LaunchConfig:
         if self.plan.reduce_start is None:
             return LaunchConfig(1024, 4)
         block = 1 << max(n - 1, 0).bit_length()
-        return LaunchConfig(block, max(1, min(16, block // 256)))
+        # up to 4096 elements per program: many short rows share one
+        rows = max(1, min(1 << max(rows_total - 1, 0).bit_length(), 4096 // block))
+        return LaunchConfig(block, max(1, min(16, block * rows // 256)), rows)
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         plan = self.plan
@@ -213,19 +217,23 @@ class CompiledSubgraph:
                 for s in plan.seeds
             ]
             kernel = self._kernel(device)
-            args = [*loaded, *outputs, n if start is not None else total, *ref, *ref_strides]
+            sizes = [rows, n] if start is not None else [total]
+            args = [*loaded, *outputs, *sizes, *ref, *ref_strides]
             args += [*strides, *seeds]
-            grid = (rows,) if start is not None else None
 
             col = [k for k, spec in enumerate(plan.outputs) if spec.kind == "col"]
 
             def run(config: LaunchConfig) -> None:
                 for k in col:  # summed atomically: a tuning run must start from zero too
                     outputs[k].zero_()
-                g = grid if grid is not None else (-(-total // config.block),)
-                kernel[g](*args, **flags, BLOCK=config.block, num_warps=config.num_warps)
+                if start is not None:
+                    g = (-(-rows // config.rows),)
+                    extra = {"ROWS": config.rows}
+                else:
+                    g, extra = (-(-total // config.block),), {}
+                kernel[g](*args, **flags, **extra, BLOCK=config.block, num_warps=config.num_warps)
 
-            config = self.default_config(n)
+            config = self.default_config(n, rows)
             chooser = _CHOOSER[0]
             if chooser is not None:
                 key = f"{tuple(ref)}:{[str(t.dtype) for t in loaded]}"

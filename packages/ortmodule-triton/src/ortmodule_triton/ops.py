@@ -311,11 +311,11 @@ def _full(ctx: OpContext, em: Emitter, *vals: Val) -> None:
 
 
 def _sum(x: str) -> str:
-    return f"tl.sum(tl.where(mask, {x}, 0.0), axis=0)"
+    return f"tl.sum(tl.where(mask, {x}, 0.0), axis=1, keep_dims=True)"
 
 
 def _max(x: str) -> str:
-    return f"tl.max(tl.where(mask, {x}, float('-inf')), axis=0)"
+    return f"tl.max(tl.where(mask, {x}, float('-inf')), axis=1, keep_dims=True)"
 
 
 def _reduce(how: str) -> Handler:
@@ -329,9 +329,9 @@ def _reduce(how: str) -> Handler:
         else:
             zero, low = "0", "-9223372036854775807"
         if how == "max":
-            expr = f"tl.max(tl.where(mask, {x.expr}, {low}), axis=0)"
+            expr = f"tl.max(tl.where(mask, {x.expr}, {low}), axis=1, keep_dims=True)"
         else:
-            expr = f"tl.sum(tl.where(mask, {x.expr}, {zero}), axis=0)"
+            expr = f"tl.sum(tl.where(mask, {x.expr}, {zero}), axis=1, keep_dims=True)"
             if how == "mean":
                 expr = f"{expr} / N"
         return [em.value(expr, x.dtype, "row", rank)]

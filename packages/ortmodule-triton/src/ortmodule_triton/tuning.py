@@ -35,7 +35,13 @@ def _candidates(plan: KernelPlan, default: LaunchConfig) -> list[LaunchConfig]:
     if plan.reduce_start is None:
         return [LaunchConfig(b, w) for b in (256, 512, 1024, 2048) for w in (2, 4, 8)]
     block = default.block
-    return [LaunchConfig(block, w) for w in (1, 2, 4, 8, 16) if w * 32 <= max(block, 32)]
+    rows = sorted({1, default.rows, max(1, default.rows // 4)})
+    return [
+        LaunchConfig(block, w, r)
+        for r in rows
+        for w in (1, 2, 4, 8, 16)
+        if w * 32 <= max(block * r, 32)
+    ]
 
 
 class Tuner:
@@ -86,7 +92,7 @@ class Tuner:
         with self._lock:
             known = self.results.get(plan.key, {}).get(key)
         if known is not None:
-            return LaunchConfig(int(known[0]), int(known[1]))
+            return LaunchConfig(*(int(v) for v in known))
         if not self.enabled:
             return default
         budget = self.max_ms / 1000.0
@@ -103,7 +109,7 @@ class Tuner:
             if elapsed < best_time:
                 best, best_time = config, elapsed
         with self._lock:
-            self.results.setdefault(plan.key, {})[key] = [best.block, best.num_warps]
+            self.results.setdefault(plan.key, {})[key] = [best.block, best.num_warps, best.rows]
             self.tuned += 1
             self._save()
         logger.info(
