@@ -46,17 +46,19 @@ def registered():
     set_launch_chooser(None)
 
 
-def engine_step(module, x, options):
+def engine_step(module, x, options, extra=()):
     """Export, run the post-export passes, build the gradient graph and run forward + backward
-    through the engine's TrainingAgent; returns the output, the gradients by name and the model."""
-    exported = export(module, (x,), training=True)
+    through the engine's TrainingAgent; returns the output, the gradients by name and the model.
+    ``extra``: more positional inputs that take no gradient."""
+    exported = export(module, (x, *extra), training=True)
     run_post_export_passes(exported, options)
     params = dict(module.named_parameters())
     built = build_graph(
         exported, GraphConfig(build_gradient=True, params_to_train=tuple(exported.param_names))
     )
     session = TrainingSession(built, SessionConfig())
-    feeds = [x if n in exported.user_input_names else params[n].detach() for n in built.feed_names]
+    users = dict(zip(exported.user_input_names, (x, *extra), strict=False))
+    feeds = [users[n] if n in users else params[n].detach() for n in built.feed_names]
     outputs, state = session.forward(feeds)
     dy = torch.randn(outputs[0].shape, generator=torch.Generator().manual_seed(1))
     grads = session.backward([dy], state)

@@ -24,6 +24,7 @@ from typing import Any
 from ortmodule_exporter import register_post_export_pass, unregister_post_export_pass
 from ortmodule_exporter.export import ExportedModel
 
+from .attention_fusion import fuse_attention
 from .debug import set_debug
 from .executor import register_triton_executor
 from .fusion_config import load_config
@@ -53,6 +54,8 @@ class PassReport:
 
     route: str = "off"
     runners: list[SubgraphRunner] = field(default_factory=list)
+    #: attention patterns rewritten to flash attention
+    attention: int = 0
 
 
 _LAST = [PassReport()]
@@ -84,19 +87,17 @@ def triton_pass(exported: ExportedModel, options: Mapping[str, Any]) -> None:
     config = load_config(opts.config_file)
     configure_tuning(opts.enable_tuning, opts.max_tuning_duration_ms, opts.tuning_results_path)
     engine = _engine()
-    if bool(engine.is_triton_enabled()):
+    cuda_engine = bool(engine.is_triton_enabled())
+    attention = 0
+    if opts.use_flash_attention:
+        attention = _flash_attention(exported, cuda_engine)
+    if cuda_engine:
         register_triton_executor(engine, config.to_json())
-        if opts.use_flash_attention:
-            _once(
-                "flash",
-                "ORTMODULE_USE_FLASH_ATTENTION=1: the attention fusion is not built in this "
-                "version of ortmodule-triton; attention runs unfused",
-            )
-        _LAST[0] = PassReport("cuda-engine")
+        _LAST[0] = PassReport("cuda-engine", attention=attention)
         return
     if verification_enabled():
         runners = apply_verification_route(exported.model, config, exported.training)
-        _LAST[0] = PassReport("verification", runners)
+        _LAST[0] = PassReport("verification", runners, attention)
         logger.info("Triton verification route: %d fused subgraph(s) as PythonOps", len(runners))
         return
     _once(
@@ -105,6 +106,26 @@ def triton_pass(exported: ExportedModel, options: Mapping[str, Any]) -> None:
         "build); this engine reports is_triton_enabled() == False, so the graph is left as it is",
     )
     _LAST[0] = PassReport("cpu-engine-unchanged")
+
+
+def _flash_attention(exported: ExportedModel, cuda_engine: bool) -> int:
+    """Attention -> flash-attention PythonOps where they can run; returns how many."""
+    import torch
+
+    if cuda_engine:
+        # the kernel's tiles need Ampere's tensor cores and shared memory
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+            _once(
+                "flash-cc",
+                "ORTMODULE_USE_FLASH_ATTENTION=1 needs a CUDA device of compute capability 8.0 "
+                "or above; attention runs unfused",
+            )
+            return 0
+    elif not verification_enabled():
+        return 0  # the CPU engine without the verification route: nothing runs Triton
+    count = fuse_attention(exported.model, exported.training)
+    logger.info("flash attention: %d attention pattern(s) fused", count)
+    return count
 
 
 def register_triton_pass() -> None:
