@@ -1,5 +1,6 @@
 """The GPT zoo model trains with Triton-fused subgraphs (the verification route: generated kernels
-as PythonOps inside the CPU engine, under Triton's interpreter), losses equal to eager.
+as PythonOps inside the CPU engine, under Triton's interpreter), losses equal to eager; then again
+with ORTMODULE_USE_FLASH_ATTENTION=1 (attention through the flash-attention kernels).
 
 Runs in a subprocess: Triton picks interpreter or GPU mode when it is first imported, and other
 tests in this session may import it (through torch.compile) without the interpreter."""
@@ -29,13 +30,19 @@ from ortmodule_triton import last_report, verification_mode
 
 case = ZOO["gpt"]
 model = case.build(seed=0)
-eager = train_steps(clone_model(model), case, steps=3)
+eager = train_steps(clone_model(model), case, steps=2)
 with verification_mode():
     wrapped = ORTModule(clone_model(model))
-    record = train_steps(wrapped, case, steps=3)
+    record = train_steps(wrapped, case, steps=2)
 report = last_report()
 assert_same_training(eager, record)
+os.environ["ORTMODULE_USE_FLASH_ATTENTION"] = "1"
+with verification_mode():
+    flash = train_steps(ORTModule(clone_model(model)), case, steps=2)
+assert_same_training(eager, flash)
 print(json.dumps({
+    "flash_attention": last_report().attention,
+    "flash_losses": flash.losses,
     "route": report.route,
     "subgraphs": len(report.runners),
     "forward_calls": sum(r.calls for r in report.runners),
@@ -56,7 +63,9 @@ def test_gpt_trains_with_triton_subgraphs_like_eager():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["route"] == "verification"
     assert result["subgraphs"] >= 4, result  # per block: residual Add + LayerNorm, GELU chain, ...
-    # 3 steps, every fused kernel ran in every forward and every gradient kernel was built
-    assert result["forward_calls"] >= 3 * result["subgraphs"], result
+    # 2 steps, every fused kernel ran in every forward and every gradient kernel was built
+    assert result["forward_calls"] >= 2 * result["subgraphs"], result
     assert result["backward_kernels"] >= 1, result
     assert {"LayerNormalization", "Softmax", "Erf"} <= set(result["ops"]), result
+    # ORTMODULE_USE_FLASH_ATTENTION=1: both blocks' attention ran the flash-attention kernels
+    assert result["flash_attention"] == 2, result
