@@ -1,4 +1,6 @@
-"""Triton runs these kernels on CPU under its interpreter, chosen when triton is first imported."""
+"""Triton chooses interpreter or GPU mode once, when first imported, so one test process runs
+either the CPU tests (interpreter) or the GPU tests: ``ORTMODULE_TRITON_GPU_TESTS=1`` on a CUDA
+machine runs the ``gpu``-marked ones, compiled; otherwise everything else runs interpreted."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+GPU_RUN = os.environ.get("ORTMODULE_TRITON_GPU_TESTS") == "1" and torch.cuda.is_available()
+if not GPU_RUN:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -27,9 +30,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    if GPU_RUN:
+        skip = pytest.mark.skip(
+            reason="runs under Triton's interpreter: unset ORTMODULE_TRITON_GPU_TESTS"
+        )
+        for item in items:
+            if "gpu" not in item.keywords:
+                item.add_marker(skip)
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = pytest.mark.skip(reason="needs a CUDA device and ORTMODULE_TRITON_GPU_TESTS=1")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
