@@ -35,6 +35,20 @@ class SdpaCausal(torch.nn.Module):
         return y.transpose(1, 2).reshape(b, s, 16)
 
 
+class SdpaMasked(torch.nn.Module):
+    """Hugging Face's SDPA path: a 4-D padding mask passed as attn_mask (bool or additive)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, -1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return y.transpose(1, 2).reshape(b, s, 16)
+
+
 class HandWrittenPadded(torch.nn.Module):
     """BERT-style: scores / sqrt(d) + (1 - mask) * min, softmax, @ v."""
 
@@ -66,16 +80,23 @@ def test_patterns_are_found():
     assert match.divide and match.mask is not None
 
 
-@pytest.mark.parametrize("which", ["sdpa_causal", "hand_written_padded"])
+@pytest.mark.parametrize(
+    "which", ["sdpa_causal", "hand_written_padded", "sdpa_bool_mask", "sdpa_additive_mask"]
+)
 def test_flash_attention_trains_like_eager(which):
     torch.manual_seed(0)
     x = torch.randn(2, 6, 16)
+    keep = torch.ones(2, 6)
+    keep[1, 4:] = 0  # the second sequence is padded after 4 tokens
     if which == "sdpa_causal":
         module, eager, extra = SdpaCausal(), SdpaCausal(), ()
-    else:
-        keep = torch.ones(2, 6)
-        keep[1, 4:] = 0  # padding
+    elif which == "hand_written_padded":
         module, eager, extra = HandWrittenPadded(), HandWrittenPadded(), (keep,)
+    else:
+        mask = keep.bool()[:, None, None, :].expand(2, 1, 6, 6)
+        if which == "sdpa_additive_mask":
+            mask = torch.zeros(2, 1, 6, 6).masked_fill(~mask, torch.finfo(torch.float32).min)
+        module, eager, extra = SdpaMasked(), SdpaMasked(), (mask.contiguous(),)
     eager.load_state_dict(module.state_dict())
     with verification_mode():
         out, grads, dy, model = engine_step(module, x, {**ON}, extra=extra)
