@@ -65,6 +65,24 @@ def test_min_nodes_and_initializer_policy():
     assert sub.inputs == ("x", "two")  # "none": the scalar initializer stays an input
 
 
+def test_multi_axis_reduction_axes_are_embedded_under_initializer_none():
+    m = model(
+        [
+            h.make_node("Exp", ["x"], ["e"], name="exp"),
+            h.make_node("ReduceSum", ["e", "axes"], ["y"], name="sum", keepdims=1),
+        ],
+        [("x", F, ["n", 3, 5])],
+        [("y", F, ["n", 1, 1])],
+        [numpy_helper.from_array(np.array([1, 2], dtype=np.int64), "axes")],
+    )
+    config = parse_config(
+        '{"ops": {"Exp": {"versions": [13]}, "ReduceSum": {"versions": [13]}},'
+        ' "initializer": "none"}'
+    )
+    (sub,) = find_subgraphs(m, config)
+    assert sub.inputs == ("x",)
+
+
 def test_versions_and_conditions():
     m = model(
         [

@@ -131,7 +131,7 @@ def _literal(arr: np.ndarray) -> tuple[str, float | int | bool]:
 
 
 #: inputs that are attributes in disguise (read as constants, not loaded)
-_META_INPUTS = {"ReduceSum": 1, "ReduceMean": 1, "ReduceMax": 1}
+META_INPUTS = {"ReduceSum": 1, "ReduceMean": 1, "ReduceMax": 1}
 
 
 def generate(model: onnx.ModelProto, name: str | None = None) -> KernelPlan:
@@ -161,7 +161,7 @@ def generate(model: onnx.ModelProto, name: str | None = None) -> KernelPlan:
         name
         for n in compute
         for j, name in enumerate(n.input)
-        if name in consts and not (j == _META_INPUTS.get(n.op_type, -1))
+        if name in consts and not (j == META_INPUTS.get(n.op_type, -1))
     }
     hidden = tuple((c, consts[c]) for c in sorted(data_consts) if consts[c].size != 1)
     loaded = [*inputs, *(TensorSpec(c, _np_onnx_type(a), a.ndim) for c, a in hidden)]
@@ -198,7 +198,7 @@ def generate(model: onnx.ModelProto, name: str | None = None) -> KernelPlan:
     for node in compute:
         domain = node.domain if node.domain != "ai.onnx" else ""
         where = f"node {node.name or '<unnamed>'} ({node.op_type})"
-        skip = _META_INPUTS.get(node.op_type, -1)
+        skip = META_INPUTS.get(node.op_type, -1)
         ins: list[Val | None] = []
         for j, iname in enumerate(node.input):
             if j == skip or not iname:

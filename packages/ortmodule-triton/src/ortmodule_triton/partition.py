@@ -21,7 +21,7 @@ import onnx.defs
 import onnx.numpy_helper
 import onnx.shape_inference
 
-from .codegen import generate
+from .codegen import META_INPUTS, generate
 from .errors import TritonCodegenError
 from .fusion_config import FusionConfig, OpRule, since_version
 
@@ -191,14 +191,18 @@ def extract(
     inputs: list[str] = []
     initializers: list[onnx.TensorProto] = []
     for node in nodes:
-        for name in node.input:
+        for position, name in enumerate(node.input):
             if not name or name in produced or name in inputs:
                 continue
             if any(t.name == name for t in initializers):
                 continue
             arr = consts.get(name)
+            # axes are attributes in disguise: always embedded, whatever the initializer policy
+            axes = META_INPUTS.get(node.op_type, -1) == position
             embed = arr is not None and (
-                config.initializer == "all" or (config.initializer == "scalar" and arr.size == 1)
+                axes
+                or config.initializer == "all"
+                or (config.initializer == "scalar" and arr.size == 1)
             )
             if embed:
                 assert arr is not None
