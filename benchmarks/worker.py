@@ -97,7 +97,7 @@ def _enable_engine_profiling(prefix: str) -> None:
     from ``onnxruntime.SessionOptions()``; this benchmark-only process hands it options with
     profiling on. The measured runs never do this.
     """
-    from ortmodule_exporter.engine import import_onnxruntime
+    from ortmodule_exporter.engine_binding import import_onnxruntime
 
     onnxruntime = import_onnxruntime()
     original = onnxruntime.SessionOptions

@@ -46,6 +46,7 @@ from typing import Any
 import onnx
 import torch
 
+from .engine_binding import _C
 from .errors import ExportError
 from .onnx_graph import attribute
 from .post_export import register_post_export_pass
@@ -375,12 +376,8 @@ class _EngineStub(torch.autograd.Function):
 
 def _register_with_engine(name: str) -> None:
     try:
-        from .engine import _C
-    except ImportError:  # pragma: no cover - exporting without the engine installed
-        return
-    try:
         C = _C()
-    except ImportError:  # pragma: no cover
+    except ImportError:  # pragma: no cover - exporting without the engine installed
         return
     C.register_torch_autograd_function(name, _EngineStub)
 

@@ -36,6 +36,7 @@ from torch.autograd.function import Function, FunctionCtx, _SingleLevelFunction
 
 from . import dlpack_bridge as bridge
 from .callback_errors import remember, take_pending_error, user_errors
+from .engine_binding import _C
 from .python_op import REGISTRY, FunctionEntry
 
 __all__ = [
@@ -307,7 +308,6 @@ def release_engine_contexts() -> bool:
     with _LIVE_LOCK:
         if _LIVE:
             return False
-        from .engine import _C
         from .python_op import _EngineStub
 
         C = _C()
@@ -489,7 +489,6 @@ def install() -> None:
     with _INSTALL_LOCK:
         if _INSTALLED:
             return
-        from .engine import _C
 
         C = _C()
         C.register_forward_runner(_address(_FORWARD_CALLBACK))
@@ -508,8 +507,6 @@ def _release_engine_references() -> None:
     with _LIVE_LOCK:
         _LIVE.clear()
     try:
-        from .engine import _C
-
         _C().unregister_python_functions()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass

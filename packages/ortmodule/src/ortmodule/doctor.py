@@ -116,7 +116,7 @@ def _engine(report: Report) -> dict[str, Any]:
     try:
         # held back: importing the engine can print (some wheels pull in DeepSpeed, which logs)
         with suppress_output(LogLevel.WARNING):
-            from ortmodule_exporter.engine import import_onnxruntime
+            from ortmodule_exporter.engine_binding import import_onnxruntime
 
             onnxruntime = import_onnxruntime()
             from onnxruntime.capi import _pybind_state

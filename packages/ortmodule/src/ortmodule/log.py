@@ -201,7 +201,7 @@ def configure_logger(level: LogLevel, rank: int | None = None) -> logging.Logger
 
 def apply_engine_severity(level: LogLevel) -> None:
     """Set the engine's process-wide default logger (graph build uses it) to ``level``'s severity."""
-    from ortmodule_exporter.engine import import_onnxruntime
+    from ortmodule_exporter.engine_binding import import_onnxruntime
 
     onnxruntime = import_onnxruntime()
     onnxruntime.set_default_logger_severity(engine_severity(level))
