@@ -22,6 +22,9 @@ import onnx
 import onnx.numpy_helper
 import torch
 
+from ortmodule_exporter import python_op_runner
+from ortmodule_exporter.python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
+
 from .flash_attention import FlashAttentionFunction
 from .flash_attention import _forward as flash_forward
 from .partition import _constants, _types, topological_sort
@@ -200,9 +203,6 @@ def find_attention(model: onnx.ModelProto) -> list[AttentionMatch]:
 
 def fuse_attention(model: onnx.ModelProto, training: bool) -> int:
     """Rewrite every matched attention into a flash-attention PythonOp; returns how many."""
-    from ortmodule_exporter import python_op_runner
-    from ortmodule_exporter.python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
-
     matches = find_attention(model)
     if not matches:
         return 0

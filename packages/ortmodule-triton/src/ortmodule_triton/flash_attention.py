@@ -15,11 +15,13 @@ routes attention here is :mod:`ortmodule_triton.attention_fusion`.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any
 
 import torch
 
+from .kernel import _source_dir
 from .runtime import check_device, load_triton
 
 __all__ = ["FlashAttentionFunction", "flash_attention"]
@@ -168,13 +170,9 @@ def _bwd_q(Q, K, V, MASK, DO, LSE, DELTA, DQ, scale, H, SQ, SK, D, DV,
 
 def _kernels() -> dict[str, Any]:
     if not _KERNELS:
-        from .kernel import _source_dir
-
         triton = load_triton()
         path = _source_dir() / "ortmodule_flash_attention.py"
         path.write_text(_SOURCE)
-        import importlib.util
-
         spec = importlib.util.spec_from_file_location("ortmodule_triton_generated.flash", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

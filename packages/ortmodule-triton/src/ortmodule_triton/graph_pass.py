@@ -21,7 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ortmodule_exporter import register_post_export_pass, unregister_post_export_pass
+from ortmodule_exporter.engine_binding import _C
 from ortmodule_exporter.export import ExportedModel
 
 from .attention_fusion import fuse_attention
@@ -73,8 +76,6 @@ def _once(key: str, message: str) -> None:
 
 
 def _engine() -> Any:
-    from ortmodule_exporter.engine import _C
-
     return _C()
 
 
@@ -110,8 +111,6 @@ def triton_pass(exported: ExportedModel, options: Mapping[str, Any]) -> None:
 
 def _flash_attention(exported: ExportedModel, cuda_engine: bool) -> int:
     """Attention -> flash-attention PythonOps where they can run; returns how many."""
-    import torch
-
     if cuda_engine:
         # the kernel's tiles need Ampere's tensor cores and shared memory
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):

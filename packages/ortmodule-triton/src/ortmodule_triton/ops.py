@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from .emitter import FLOAT_TYPES, KIND_ORDER, Emitter, Val
+from .emitter import FLOAT_TYPES, KIND_ORDER, Emitter, Val, triton_type
 from .errors import TritonCodegenError
 
 __all__ = ["MS_DOMAIN", "OPS", "REDUCING_OPS", "OpContext", "reduced_axes", "supported_ops"]
@@ -160,8 +160,6 @@ def _cast(em: Emitter, ctx: OpContext, ins: list[Val | None]) -> list[Val | None
     elif to == TP.BOOL:
         expr = f"({x.expr} != 0)"
     elif to in (TP.INT64, TP.INT32, TP.INT8, TP.UINT8):
-        from .emitter import triton_type
-
         expr = f"({x.expr}).to({triton_type(to, ctx.where())})"
     else:
         raise TritonCodegenError(

@@ -22,6 +22,9 @@ from typing import Any
 import onnx
 import torch
 
+from ortmodule_exporter import python_op_runner
+from ortmodule_exporter.python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
+
 from .autodiff import gradient_model
 from .codegen import generate
 from .debug import dump
@@ -143,9 +146,6 @@ def apply_verification_route(
     model: onnx.ModelProto, config: FusionConfig, training: bool
 ) -> list[SubgraphRunner]:
     """Replace every fusible subgraph of ``model`` with a PythonOp running its kernels."""
-    from ortmodule_exporter import python_op_runner
-    from ortmodule_exporter.python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
-
     subgraphs = find_subgraphs(model, config, accept=lambda s: _route_accepts(s, training))
     if not subgraphs:
         return []
