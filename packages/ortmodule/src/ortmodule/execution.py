@@ -9,6 +9,7 @@ gradient back to autograd so ``param.grad`` accumulates exactly as in eager.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -350,7 +351,9 @@ class GraphRunner:
                     f"parameter '{name}' has dtype {p.dtype}, which the engine cannot train on {device.type}; "
                     f"use one of {SUPPORTED_PARAM_DTYPES[device.type]}"
                 )
-        with times.phase("export"), self._silenced():
+        with times.phase("export"), self._silenced(), contextlib.ExitStack() as around:
+            for hook in step_hooks():
+                around.enter_context(hook.exporting(self.step))
             exported = export(
                 self.module,
                 args,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ortmodule_exporter.components import load_components
+from ortmodule_exporter.components import is_module_hook_handled, load_components
 
 from . import custom_autograd
 from .debug_options import DebugOptions
@@ -82,14 +82,16 @@ class ORTModule(torch.nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._warn_about_hooks()
         fallback: FallbackManager = self._fallback
         if fallback.use_torch():
             return self.module(*args, **kwargs)
         try:
-            return self._runner(args, kwargs)
+            outputs = self._runner(args, kwargs)
         except Exception as err:
             return fallback.handle(err, args, kwargs)
+        # after the runner: components mark the submodule hooks they stand in for on first use
+        self._warn_about_hooks()
+        return outputs
 
     def _warn_about_hooks(self) -> None:
         if self._warned_hooks:
@@ -98,10 +100,16 @@ class ORTModule(torch.nn.Module):
         hooked = [
             name or type(self.module).__name__
             for name, m in self.module.named_modules()
-            if m._forward_hooks
-            or m._forward_pre_hooks
-            or m._backward_hooks
-            or m._backward_pre_hooks
+            if any(
+                not is_module_hook_handled(fn)
+                for hooks in (
+                    m._forward_hooks,
+                    m._forward_pre_hooks,
+                    m._backward_hooks,
+                    m._backward_pre_hooks,
+                )
+                for fn in hooks.values()
+            )
         ]
         if hooked:
             warnings.warn(
