@@ -71,7 +71,7 @@ def test_broken_component_is_skipped_with_its_error(
     _install_fake_distribution(tmp_path, "NOT_A_COMPONENT = 3\n", "fake_component:NOT_A_COMPONENT")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "fake_component", raising=False)
-    assert components.load_components() == {}
+    assert "fake" not in components.load_components()
     assert "must name a Component" in components.component_failures()["fake"]
     assert "could not be loaded and is skipped" in caplog.text
 
