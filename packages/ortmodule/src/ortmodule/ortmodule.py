@@ -152,6 +152,9 @@ class ORTModule(torch.nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _replicate_for_data_parallel(self) -> ORTModule:
+        raise TypeError(_DATA_PARALLEL_MESSAGE)
+
     def extra_repr(self) -> str:
         return "engine=onnxruntime-training"
 
@@ -173,6 +176,23 @@ class ORTModule(torch.nn.Module):
         memo[id(self)] = clone
         clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return clone
+
+
+_DATA_PARALLEL_MESSAGE = (
+    "torch.nn.DataParallel(ORTModule(model)) is not supported: DataParallel copies the module to "
+    "each GPU at every step, and the engine state ORTModule builds cannot be copied that way. Run "
+    "one process per device with torch.nn.parallel.DistributedDataParallel(ORTModule(model)) "
+    "(or DeepSpeed) instead."
+)
+
+
+def _refuse_data_parallel(parent: torch.nn.Module, name: str, child: Any) -> None:
+    # DataParallel on a CPU-only machine never replicates, so only its constructor can refuse
+    if isinstance(child, ORTModule) and isinstance(parent, torch.nn.DataParallel):
+        raise TypeError(_DATA_PARALLEL_MESSAGE)
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_refuse_data_parallel)
 
 
 def _check_wrappable(module: Any) -> None:
