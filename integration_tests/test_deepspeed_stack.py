@@ -3,7 +3,7 @@
 One group of gloo processes per world size trains every stack (``deepspeed_stack_worker.py``);
 each stack runs 10 steps with and without ORTModule from the same weights and batches, and every
 parameter element must agree to rtol 1e-5 (atol 1e-7 for values at zero) in fp32; in fp16, where
-the parameters themselves are fp16, to an fp16 step (rtol 2**-9; see the worker for why). The engine must have
+the parameters themselves are fp16, to rtol 2**-9 and atol 5e-4 (see the worker for why). The engine must have
 run (fallback disabled, one export) and under stage 3 the parameters must be partitioned again
 after each backward.
 """
