@@ -365,8 +365,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     _switch(
         "ORTMODULE_ENABLE_ZERO_STAGE3",
         False,
-        _RUNTIME,
-        "Support DeepSpeed ZeRO stage 3 partitioned parameters.",
+        "ortmodule-zero",
+        "Gather DeepSpeed ZeRO stage 3 partitioned parameters for the engine, release them after.",
     ),
     EnvVar(
         "ORTMODULE_CONV_ALGO_SEARCH",
@@ -453,7 +453,6 @@ NOT_YET_HONOURED = frozenset(
         "ORTMODULE_MEMORY_OPT_LEVEL",
         "ORTMODULE_MEMORY_OPT_CONFIG",
         "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
-        "ORTMODULE_ENABLE_ZERO_STAGE3",
         "ORTMODULE_SKIPCHECK_POLICY",
         "ORTMODULE_USE_TRITON",
         "ORTMODULE_TRITON_CONFIG_FILE",
