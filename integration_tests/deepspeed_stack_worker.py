@@ -78,6 +78,26 @@ def train(deepspeed: Any, base: torch.nn.Module, stage: int, fp16: bool, wrap: b
     return {"values": values, "losses": losses, "released": released, "exports": exports}
 
 
+def stage3_without_the_switch(deepspeed: Any) -> str:
+    """The error a stage-3 model gets from ORTModule when ORTMODULE_ENABLE_ZERO_STAGE3 is off."""
+    from ortmodule import FusedAdam, ORTModule
+
+    os.environ["ORTMODULE_ENABLE_ZERO_STAGE3"] = "0"
+    try:
+        model = ORTModule(tiny())
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=FusedAdam(model.parameters(), lr=1e-2),
+            config=config(3, False),
+        )
+        engine(torch.randn(4, 8))
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        os.environ["ORTMODULE_ENABLE_ZERO_STAGE3"] = "1"
+    return "no error"
+
+
 def main() -> None:
     rank, world, port, out, cases = sys.argv[1:6]
     os.environ.update(
@@ -93,8 +113,11 @@ def main() -> None:
     get_accelerator().is_fp16_supported = lambda: True
     dist.init_process_group("gloo", rank=int(rank), world_size=int(world))
     deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    results = {}
+    results: dict[str, Any] = {}
     for case in cases.split(","):
+        if case == "3-off":
+            results[case] = stage3_without_the_switch(deepspeed)
+            continue
         stage, dtype = int(case.split("-")[0]), case.split("-")[1]
         base = tiny()
         plain = train(deepspeed, base, stage, dtype == "fp16", wrap=False)

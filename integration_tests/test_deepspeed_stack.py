@@ -53,7 +53,7 @@ def _run(world: int, cases: list[str], tmp: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return _run(1, CASES, tmp_path_factory.mktemp("ds1"))
+    return _run(1, [*CASES, "3-off"], tmp_path_factory.mktemp("ds1"))
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,12 @@ def _check(case: str, result: dict) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_one_process(one_process: list[dict], case: str) -> None:
     _check(case, one_process[0][case])
+
+
+def test_stage3_without_the_switch_names_it(one_process: list[dict]) -> None:
+    error = one_process[0]["3-off"]
+    assert error.startswith("ZeroStage3Error"), error
+    assert "ORTMODULE_ENABLE_ZERO_STAGE3=1" in error
 
 
 @pytest.mark.parametrize("case", ["1-fp32", "2-fp32", "3-fp32", "3-fp16"])
