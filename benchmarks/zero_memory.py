@@ -29,7 +29,14 @@ def _peak() -> int:
 
 
 def _rank(
-    rank: int, world: int, port: int, stage: int, steps: int, out: str, sizes: dict[str, int]
+    rank: int,
+    world: int,
+    port: int,
+    stage: int,
+    steps: int,
+    out: str,
+    sizes: dict[str, int],
+    wrap: bool = True,
 ) -> None:
     os.environ.update(
         DS_ACCELERATOR="cpu",
@@ -56,7 +63,7 @@ def _rank(
     # imports, the process group and the engine library: the part that does not depend on ZeRO
     baseline = _peak()
     torch.manual_seed(0)
-    model = ORTModule(GPTDecoder(config))
+    model = ORTModule(GPTDecoder(config)) if wrap else GPTDecoder(config)
     optimizer = FusedAdam(model.parameters(), lr=1e-3)
     ds_config = {
         "train_micro_batch_size_per_gpu": 4,
@@ -134,14 +141,25 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--eager", action="store_true", help="the same stack without ORTModule")
     args = parser.parse_args()
     sizes = {"d_model": args.d_model, "n_layers": args.layers, "vocab_size": args.vocab}
     if args.rank is not None:
-        _rank(args.rank, args.world, args.port, args.stage, args.steps, args.out, sizes)
+        _rank(
+            args.rank,
+            args.world,
+            args.port,
+            args.stage,
+            args.steps,
+            args.out,
+            sizes,
+            not args.eager,
+        )
         return
     size_args = ["--d-model", str(args.d_model), "--layers", str(args.layers)]
-    size_args += ["--vocab", str(args.vocab)]
-    print(f"GPT {sizes}, seq 128, batch 4, FusedAdam, fp32, {args.steps} steps")
+    size_args += ["--vocab", str(args.vocab), *(["--eager"] if args.eager else [])]
+    stack = "eager (no ORTModule)" if args.eager else "ORTModule"
+    print(f"GPT {sizes}, seq 128, batch 4, {stack}, FusedAdam, fp32, {args.steps} steps")
     print("| stage | world | peak RSS (MiB) | of which training (MiB) | parameters held (MiB) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for stage in (2, 3):
