@@ -173,6 +173,37 @@ def _devices(report: Report, engine: Mapping[str, Any]) -> None:
         )
 
 
+def _components(report: Report) -> None:
+    """Each component: its version, and whether it can work here (its own check says why not)."""
+    from ortmodule_exporter.components import component_failures, load_components
+
+    from .bundle import BUNDLED, status
+
+    lines = report.section("Components")
+    plugged = load_components()
+    for bundled in BUNDLED:
+        version, why = status(bundled)
+        if why is None and bundled.dist in plugged:
+            why = plugged[bundled.dist].problem()
+        state = "usable here" if why is None else f"not usable here: {why}"
+        lines.append(f"{bundled.dist} {version or '-'}: {state} ({bundled.summary})")
+        if version is None:
+            report.problem(f"{bundled.dist} is not installed", bundled.install)
+    known = {b.dist for b in BUNDLED}
+    for name, component in sorted(plugged.items()):
+        if name in known:
+            continue
+        why = component.problem()
+        state = "usable here" if why is None else f"not usable here: {why}"
+        lines.append(f"{name} {component.version}: {state} ({component.summary})")
+    for entry, error in sorted(component_failures().items()):
+        lines.append(f"entry point {entry}: FAILED TO LOAD: {error}")
+        report.problem(
+            f"component entry point {entry} failed to load: {error}",
+            "reinstall the component at the version of ortmodule, or uninstall it",
+        )
+
+
 def _optional(report: Report) -> dict[str, bool]:
     lines = report.section("Optional components")
     present = {}
@@ -268,6 +299,7 @@ def collect(environ: Mapping[str, str] = os.environ) -> Report:
     guarded("ortmodule packages", lambda: _ortmodule_packages(report))
     engine = guarded("the engine", lambda: _engine(report)) or engine
     guarded("devices", lambda: _devices(report, engine))
+    guarded("components", lambda: _components(report))
     present = guarded("optional components", lambda: _optional(report)) or present
     guarded("settings", lambda: _settings(report, environ, present))
     return report

@@ -9,6 +9,7 @@ gradient back to autograd so ``param.grad`` accumulates exactly as in eager.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -355,7 +356,9 @@ class GraphRunner:
                 )
         # each graph saves under its own version: a re-export keeps the earlier files
         save = cfg.save.next_version(self.module.training) if cfg.save else None
-        with times.phase("export"), self._silenced():
+        with times.phase("export"), self._silenced(), contextlib.ExitStack() as around:
+            for hook in step_hooks():
+                around.enter_context(hook.exporting(self.step))
             exported = export(
                 self.module,
                 args,

@@ -367,8 +367,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     _switch(
         "ORTMODULE_ENABLE_ZERO_STAGE3",
         False,
-        _RUNTIME,
-        "Support DeepSpeed ZeRO stage 3 partitioned parameters.",
+        "ortmodule-zero",
+        "Gather DeepSpeed ZeRO stage 3 partitioned parameters for the engine, release them after.",
     ),
     EnvVar(
         "ORTMODULE_CONV_ALGO_SEARCH",
