@@ -69,7 +69,7 @@ def test_auto_takes_the_faster_route_and_measures_once(
     engine_us: float, torch_us: float, route: str
 ) -> None:
     kernel_choice.configure_kernel_choice("auto")
-    calls = []
+    calls: list[int] = []
 
     def measure(numel: int) -> tuple[float, float]:
         calls.append(numel)
@@ -80,6 +80,7 @@ def test_auto_takes_the_faster_route_and_measures_once(
     assert kernel_choice.choose(op, "Float", 4000, measure) == route  # same size class
     assert calls == [4096]
     assert kernel_choice.decisions()[(op, "Float", 4096)] == (route, engine_us, torch_us)
+    kernel_choice.configure_kernel_choice("engine")  # what the process had before
 
 
 def test_measurement_times_both_kernels() -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "MODES",
     "choose",
     "configure_kernel_choice",
+    "current_mode",
     "decisions",
     "measure_gelu",
 ]
@@ -59,10 +60,16 @@ GELU = "_ortmodule_gelu"
 GELU_BACKWARD = "_ortmodule_gelu_backward"
 
 _LOCK = threading.Lock()
-_MODE = ["auto"]
+# nothing is rerouted until a caller (ORTModule, through ExportConfig) asks for it
+_MODE = ["engine"]
 #: (operator, dtype, size class) -> "engine" or "torch", with the timings that decided it
 _DECISIONS: dict[tuple[str, str, int], tuple[str, float, float]] = {}
 _PREVIOUS: dict[str, Any] = {}
+
+
+def current_mode() -> str:
+    """The mode :func:`configure_kernel_choice` set last (``engine`` until it is called)."""
+    return _MODE[0]
 
 
 def decisions() -> dict[tuple[str, str, int], tuple[str, float, float]]:

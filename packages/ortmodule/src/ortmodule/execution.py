@@ -9,22 +9,33 @@ gradient back to autograd so ``param.grad`` accumulates exactly as in eager.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import onnx
 import torch
 
 from ortmodule_exporter import (
     ExportCache,
+    ExportConfig,
     GraphKey,
     GraphTransitionManager,
     SaveOptions,
     export,
     parameter_signature,
     run_post_export_passes,
+)
+from ortmodule_exporter.components import (
+    SessionContext,
+    SessionInfo,
+    StepContext,
+    has_session_contributors,
+    session_contribution,
+    step_hooks,
 )
 from ortmodule_exporter.engine import (
     BuiltGraph,
@@ -150,11 +161,14 @@ class _EngineFunction(torch.autograd.Function):
     """Forward half and backward half of the engine's gradient graph as one autograd node."""
 
     @staticmethod
-    def forward(ctx: Any, graph: CompiledGraph, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, graph: CompiledGraph, step: StepContext, *feeds: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         session = graph.session
         assert isinstance(session, TrainingSession)
         outputs, state = session.forward(feeds)
         ctx.graph = graph
+        ctx.step = step
         ctx.state = state
         ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
         ctx.set_materialize_grads(False)
@@ -187,8 +201,13 @@ class _EngineFunction(torch.autograd.Function):
                 grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device)
             )
         assert isinstance(graph.session, TrainingSession)
+        hooks = step_hooks()
+        for hook in hooks:
+            hook.pre_backward(ctx.step)
         grads = graph.session.backward(feeds, state)
-        return (None, *[grads[j] if j >= 0 else None for j in graph.returned_grads(used)])
+        for hook in reversed(hooks):
+            hook.post_backward(ctx.step)
+        return (None, None, *[grads[j] if j >= 0 else None for j in graph.returned_grads(used)])
 
 
 @dataclass(frozen=True)
@@ -196,6 +215,8 @@ class RunnerConfig:
     """What the runner needs from the options (filled by ORTModule from RuntimeOptions)."""
 
     opset: int = 17
+    #: what changes the exported graph; None: the exporter's process-wide switches
+    export_config: ExportConfig | None = None
     static_shapes: bool = False
     deepcopy: bool = True
     cache_dir: str | None = None
@@ -208,6 +229,7 @@ class RunnerConfig:
     exporter_verbose: bool = False
     conv_algo_search: str = "HEURISTIC"
     use_memory_efficient_gradient: bool = False
+    #: ``ORTMODULE_*`` variable -> parsed value, for post-export passes and components
     pass_options: tuple[tuple[str, Any], ...] = ()
     transformer_options: tuple[tuple[str, Any], ...] = ()
 
@@ -274,6 +296,7 @@ class GraphRunner:
         self._quiet = quiet
         self.last_times: PhaseTimer | None = None
         self._binder: _Binder | None = None
+        self.step = StepContext(module, dict(config.pass_options))
 
     # -- the key ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -300,6 +323,9 @@ class GraphRunner:
 
     # -- one call ----------------------------------------------------------------------------
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        hooks = step_hooks()
+        for hook in hooks:
+            hook.pre_forward(self.step)
         binder = self._binder
         if binder is None:
             binder = self._binder = _Binder(self.module)
@@ -327,12 +353,14 @@ class GraphRunner:
             if u.count_index >= 0
         ]
         if training_graph:
-            outputs = _EngineFunction.apply(graph, *feeds)
+            outputs = _EngineFunction.apply(graph, self.step, *feeds)
         else:
             assert isinstance(graph.session, InferenceSession)
             outputs = graph.session.forward(feeds)
         if graph.buffer_updates:
             _apply_buffer_updates(graph.buffer_updates, outputs, old)
+        for hook in reversed(hooks):
+            hook.post_forward(self.step, outputs)
         return unflatten(list(outputs[: graph.output_count]), graph.built.exported.output_schema)
 
     def _check_inputs(self, flat: Sequence[torch.Tensor], device: torch.device) -> None:
@@ -380,17 +408,22 @@ class GraphRunner:
                     f"parameter '{name}' has dtype {p.dtype}, which the engine cannot train on {device.type}; "
                     f"use one of {SUPPORTED_PARAM_DTYPES[device.type]}"
                 )
-        with times.phase("export"), self._silenced():
+        # each graph saves under its own version: a re-export keeps the earlier files
+        save = cfg.save.next_version(self.module.training) if cfg.save else None
+        with times.phase("export"), self._silenced(), contextlib.ExitStack() as around:
+            for hook in step_hooks():
+                around.enter_context(hook.exporting(self.step))
             exported = export(
                 self.module,
                 args,
                 kwargs,
                 training=self.module.training,
                 opset=cfg.opset,
+                config=cfg.export_config,
                 static_shapes=cfg.static_shapes,
                 deepcopy=cfg.deepcopy,
                 cache=self.cache,
-                save=cfg.save,
+                save=save,
                 verbose=cfg.exporter_verbose,
             )
             run_post_export_passes(exported, dict(cfg.pass_options))
@@ -428,12 +461,24 @@ class GraphRunner:
             use_memory_efficient_gradient=cfg.use_memory_efficient_gradient,
             log_severity=cfg.engine_log_severity,
             static_input_shapes=static,
-            save=cfg.save,
+            save=save,
             transformer_options=cfg.transformer_options,
         )
         with times.phase("graph build"), self._silenced():
             built = build_graph(exported, graph_config)
 
+        hooks = step_hooks()
+        context = None
+        contribution = None
+        if hooks or has_session_contributors():
+            context = SessionContext(
+                model=onnx.load_from_string(built.model_bytes),
+                training=key.build_gradient,
+                device=device,
+                options=self.step.options,
+                input_shapes={name: tuple(flat[i].shape) for name, i in index_of.items()},
+            )
+            contribution = session_contribution(context)
         session_config = SessionConfig(
             device=device,
             intra_op_threads=torch.get_num_threads(),
@@ -441,6 +486,9 @@ class GraphRunner:
             log_severity=cfg.engine_log_severity,
             conv_algo_search=cfg.conv_algo_search,
             external_allocator=_torch_allocator(device),
+            optimized_model_path=save.file_path("execution", exported.training) if save else None,
+            memory_efficient_order=bool(contribution and contribution.memory_efficient_order),
+            config_entries=tuple(contribution.config_entries.items()) if contribution else (),
         )
         with times.phase("session creation"), self._silenced():
             session: TrainingSession | InferenceSession = (
@@ -469,6 +517,10 @@ class GraphRunner:
         position = {name: j for j, name in enumerate(built.fetch_names)}
         grad_by_input = {target: position[fetch] for fetch, target in built.grad_of.items()}
         grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]
+        if context is not None:
+            info = SessionInfo(context=context, session=session, built=built)
+            for hook in hooks:
+                hook.on_session(self.step, info)
         self.last_times = times
         log_initialisation_summary(times, logger)
         return CompiledGraph(
