@@ -38,7 +38,7 @@ def test_forward_and_input_gradient_match_eager(quant_type: str, nested: bool) -
 def test_backward_rewrite_replaces_the_engines_cpu_gradient_node() -> None:
     torch.manual_seed(1)
     run = run_engine(
-        FourBitBlock(32, 16, "nf4", bias=False), torch.randn(3, 32), torch.randn(3, 16)
+        FourBitBlock(64, 16, "nf4", bias=False), torch.randn(3, 64), torch.randn(3, 16)
     )
     bnb4 = [n for n in run.built.graph.node if n.op_type == "MatMulBnb4"]
     transb = [next(a.i for a in n.attribute if a.name == "transB") for n in bnb4]
@@ -52,8 +52,8 @@ def test_without_the_rewrite_the_engine_gradient_is_wrong() -> None:
     from ortmodule_qlora.component import BACKWARD_PASS, register
 
     torch.manual_seed(2)
-    module = FourBitBlock(32, 32, "nf4", bias=False)  # square, so the wrong node still runs
-    x, grad_out = torch.randn(4, 32), torch.randn(4, 32)
+    module = FourBitBlock(64, 64, "nf4", bias=False)  # square, so the wrong node still runs
+    x, grad_out = torch.randn(4, 64), torch.randn(4, 64)
     unregister_built_graph_pass(BACKWARD_PASS)
     try:
         run = run_engine(module, x, grad_out)
@@ -68,8 +68,8 @@ def test_generic_route_when_disabled() -> None:
 
     use_matmul_bnb4(False)
     torch.manual_seed(3)
-    module = FourBitBlock(32, 16, "nf4")
+    module = FourBitBlock(64, 16, "nf4")
     from ortmodule_exporter import export
 
-    ops = _ops(export(module, (torch.randn(3, 32),), training=True).model)
+    ops = _ops(export(module, (torch.randn(3, 64),), training=True).model)
     assert "PythonOp" in ops and "MatMulBnb4" not in ops

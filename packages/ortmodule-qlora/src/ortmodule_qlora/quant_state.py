@@ -70,9 +70,17 @@ def engine_layout(quant_state: Any) -> Bnb4Layout:
         raise UnsupportedQuantState(
             f"block size {block} is not a power of two >= 16, which MatMulBnb4 requires"
         )
+    n, k = (int(d) for d in shape)
+    if k % block:
+        # bitsandbytes cuts the flattened weight into blocks that run across rows; the engine
+        # starts a new block at every row, so the scales would land on the wrong elements
+        # (measured: outputs off by 1e-2 for K=32, block 64)
+        raise UnsupportedQuantState(
+            f"the weight's rows ({k} input features) are not a multiple of its block size "
+            f"{block}; MatMulBnb4 needs whole blocks per row"
+        )
     if quant_state.nested and quant_state.state2 is None:
         raise UnsupportedQuantState("nested quant_state without its second-level state")
-    n, k = (int(d) for d in shape)
     absmax = _absmax(quant_state)
     blocks = -(-n * k // block)
     if absmax.numel() != blocks:
