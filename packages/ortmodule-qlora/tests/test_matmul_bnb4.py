@@ -63,13 +63,16 @@ def test_without_the_rewrite_the_engine_gradient_is_wrong() -> None:
     assert (run.grads["input.x"] - want["input.x"]).abs().max() > 1e-2
 
 
-def test_generic_route_when_disabled() -> None:
+def test_generic_route_when_disabled_runs_bitsandbytes_inside_the_engine() -> None:
     from ortmodule_qlora import use_matmul_bnb4
 
     use_matmul_bnb4(False)
     torch.manual_seed(3)
     module = FourBitBlock(64, 16, "nf4")
-    from ortmodule_exporter import export
-
-    ops = _ops(export(module, (torch.randn(3, 64),), training=True).model)
-    assert "PythonOp" in ops and "MatMulBnb4" not in ops
+    x, grad_out = torch.randn(3, 64), torch.randn(3, 16)
+    run = run_engine(module, x, grad_out)
+    assert "PythonOp" in _ops(run.model) and "MatMulBnb4" not in _ops(run.model)
+    want_out, want = eager(module, x, grad_out)
+    torch.testing.assert_close(run.out, want_out, rtol=RTOL, atol=ATOL)
+    for name, grad in run.grads.items():
+        torch.testing.assert_close(grad, want[name], rtol=RTOL, atol=ATOL, msg=name)
