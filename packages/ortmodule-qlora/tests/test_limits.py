@@ -96,3 +96,14 @@ def test_a_direct_gemm_4bit_call_is_refused_with_what_to_do() -> None:
 
     with pytest.raises(ExportError, match="enable_input_require_grads"):
         export(Frozen(), (torch.randn(2, 32),), training=True)
+
+
+def test_eval_mode_repacking_for_the_cpu_kernel_is_refused_with_what_to_do() -> None:
+    from bitsandbytes.nn.modules import has_avx512bf16
+
+    if not has_avx512bf16():
+        pytest.skip("bitsandbytes repacks 4-bit weights for inference only on AVX512-BF16 CPUs")
+    torch.manual_seed(0)
+    layer = FourBitBlock(64, 64, "nf4").q.eval()
+    with pytest.raises(ExportError, match="gemv_4bit.*repacks its weight"):
+        export(layer, (torch.randn(2, 64),), training=False)

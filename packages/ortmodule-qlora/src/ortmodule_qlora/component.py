@@ -1,7 +1,7 @@
 """The ``qlora`` component: announced through the ``ortmodule.components`` entry point.
 
-``register()`` installs the ``MatMul4Bit`` -> ``MatMulBnb4`` exporter, the refusal of a direct
-``bitsandbytes::gemm_4bit`` call and the CPU backward rewrite, only when bitsandbytes imports;
+``register()`` installs the ``MatMul4Bit`` -> ``MatMulBnb4`` exporter, the refusals (with what to
+do) of direct ``bitsandbytes::gemm_4bit`` / ``gemv_4bit`` calls and the CPU backward rewrite, only when bitsandbytes imports;
 otherwise ``check()`` says why the component is idle.
 
 >>> from ortmodule_exporter.components import register_component
@@ -16,7 +16,7 @@ from ortmodule_exporter.python_op import register_python_op_exporter
 from ortmodule_exporter.symbolic_registry import register_symbolic
 
 from .backward_rewrite import rewrite_matmul_bnb4_backward
-from .gemm_4bit import GEMM_4BIT, refuse_gemm_4bit
+from .gemm_4bit import GEMM_4BIT, GEMV_4BIT, refuse_gemm_4bit, refuse_gemv_4bit
 from .matmul_bnb4 import MATMUL_4BIT, export_matmul_4bit
 
 __all__ = ["BACKWARD_PASS", "COMPONENT", "check", "register"]
@@ -41,6 +41,7 @@ def register() -> None:
         return
     register_python_op_exporter(MATMUL_4BIT, export_matmul_4bit)
     register_symbolic(GEMM_4BIT, refuse_gemm_4bit, 1)
+    register_symbolic(GEMV_4BIT, refuse_gemv_4bit, 1)
     register_built_graph_pass(BACKWARD_PASS, rewrite_matmul_bnb4_backward, order=50)
 
 

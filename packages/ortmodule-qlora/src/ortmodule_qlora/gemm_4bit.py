@@ -14,9 +14,17 @@ from typing import Any
 
 from ortmodule_exporter.errors import ExportError
 
-__all__ = ["GEMM_4BIT", "GEMM_4BIT_MESSAGE", "refuse_gemm_4bit"]
+__all__ = [
+    "GEMM_4BIT",
+    "GEMM_4BIT_MESSAGE",
+    "GEMV_4BIT",
+    "GEMV_4BIT_MESSAGE",
+    "refuse_gemm_4bit",
+    "refuse_gemv_4bit",
+]
 
 GEMM_4BIT = "bitsandbytes::gemm_4bit"
+GEMV_4BIT = "bitsandbytes::gemv_4bit"
 
 GEMM_4BIT_MESSAGE = (
     "ORTModule cannot export bitsandbytes::gemm_4bit: bitsandbytes calls it instead of "
@@ -30,3 +38,17 @@ GEMM_4BIT_MESSAGE = (
 
 def refuse_gemm_4bit(g: Any, *args: Any) -> Any:
     raise ExportError(GEMM_4BIT_MESSAGE, op=GEMM_4BIT)
+
+
+GEMV_4BIT_MESSAGE = (
+    "ORTModule cannot export bitsandbytes::gemv_4bit: in eval mode, with an input that needs no "
+    "gradient, bnb.nn.Linear4bit on a CPU with AVX512-BF16 repacks its weight in place for "
+    "bitsandbytes' own inference kernel, a layout the engine's MatMulBnb4 does not read. Run "
+    "inference of this model in PyTorch (ORTMODULE_FALLBACK_POLICY lets ORTModule do it), or "
+    "keep the layers in train mode. Note that the repacking changes the module's weights "
+    "for good: a model that went through it trains under ORTModule on the generic PythonOp route."
+)
+
+
+def refuse_gemv_4bit(g: Any, *args: Any) -> Any:
+    raise ExportError(GEMV_4BIT_MESSAGE, op=GEMV_4BIT)
