@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from conftest import FourBitBlock, eager, run_engine
+from bnb4_harness import FourBitBlock, eager, run_engine
 
 from ortmodule_exporter import ExportError, export
 from ortmodule_qlora import UnsupportedQuantState, engine_layout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FourBitBlock, eager, run_engine
+from bnb4_harness import FourBitBlock, eager, run_engine
 
 # The engine multiplies with its own GEMM, bitsandbytes with PyTorch's: float32 sums in another
 # order. Measured max difference on these sizes: 3e-7 (outputs), 1e-6 (gradients).
