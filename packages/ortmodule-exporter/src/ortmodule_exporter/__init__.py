@@ -7,6 +7,7 @@
 ('weight', 'bias')
 """
 
+from .built_graph_passes import register_built_graph_pass, unregister_built_graph_pass
 from .errors import (
     EngineBuildError,
     ExportError,
@@ -57,9 +58,11 @@ __all__ = [
     "describe_change",
     "export",
     "parameter_signature",
+    "register_built_graph_pass",
     "register_post_export_pass",
     "register_symbolic",
     "registered_symbolics",
+    "unregister_built_graph_pass",
     "run_post_export_passes",
     "unregister_post_export_pass",
     "unregister_symbolic",

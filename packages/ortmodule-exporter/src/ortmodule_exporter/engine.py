@@ -18,6 +18,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from . import density
+from .built_graph_passes import run_built_graph_passes
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
 from .errors import EngineBuildError
@@ -137,8 +138,9 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
             f"graph: {err}"
         ) from err
     info = builder.get_graph_info()
-    model_bytes = (
-        builder.get_gradient_model() if config.build_gradient else builder.get_forward_model()
+    model_bytes = run_built_graph_passes(
+        builder.get_gradient_model() if config.build_gradient else builder.get_forward_model(),
+        config,
     )
     model = onnx.load_from_string(model_bytes)
     if config.save is not None:
