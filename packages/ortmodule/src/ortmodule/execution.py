@@ -414,6 +414,7 @@ class GraphRunner:
                 device=device,
                 options=self.step.options,
                 input_shapes={name: tuple(flat[i].shape) for name, i in index_of.items()},
+                built=built,
             )
             contribution = session_contribution(context)
         session_config = SessionConfig(
