@@ -70,6 +70,25 @@ class SaveOptions:
         return os.path.join(self.path, self.file_name(stage, training))
 
 
+@dataclass(frozen=True)
+class ExtraInput:
+    """A graph input a post-export pass added that is neither a user tensor nor a parameter.
+
+    The runtime feeds ``zeros(shape, dtype)`` on the module's device at every step and, with
+    ``requires_grad``, asks the engine for its gradient (memory-efficient gradient management
+    uses one as the trigger whose backward hands each parameter its gradient).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    requires_grad: bool = False
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=device).requires_grad_(
+            self.requires_grad
+        )
+
+
 @dataclass
 class ExportedModel:
     """One exported graph and what is needed to feed it and read it back."""
@@ -90,6 +109,8 @@ class ExportedModel:
     variance_updates: dict[str, tuple[str, float]] = field(default_factory=dict)
     export_seconds: float = 0.0
     from_cache: bool = False
+    #: graph inputs added by post-export passes: name -> what the runtime feeds
+    extra_inputs: dict[str, ExtraInput] = field(default_factory=dict)
 
     @property
     def user_output_names(self) -> tuple[str, ...]:

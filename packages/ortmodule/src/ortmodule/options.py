@@ -359,7 +359,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     _switch(
         "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
         False,
-        _RUNTIME,
+        _MEMORY,
         "Hand each gradient to its parameter as soon as it is computed, freeing it early.",
     ),
     _switch(
@@ -449,7 +449,6 @@ VARIABLES: tuple[EnvVar, ...] = (
 NOT_YET_HONOURED = frozenset(
     {
         "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER",
-        "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
         "ORTMODULE_ENABLE_ZERO_STAGE3",
         "ORTMODULE_SKIPCHECK_POLICY",
         "ORTMODULE_USE_TRITON",
