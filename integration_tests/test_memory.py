@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ortmodule import ORTModule
+from ortmodule.debug_options import DebugOptions
 from ortmodule_memory import memory_report
 from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
 from ortmodule_testing.zoo import ZOO
@@ -54,6 +55,14 @@ def test_user_plans_from_json_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     wrapped = ORTModule(clone_model(model))
     assert_same_training(eager, train_steps(wrapped, case, steps=2), *case.tolerance)
     assert _applied(wrapped) == ("Gelu+:1:-1",)
+
+
+def test_level_from_debug_options() -> None:
+    case = ZOO["gpt"]
+    model = ORTModule(case.build(seed=0), DebugOptions(memory_opt_level=1))
+    args, kwargs = case.make_batch(0)
+    case.loss_fn(model(*args, **kwargs), args, kwargs).backward()
+    assert "Gelu+:1:-1" in _applied(model)
 
 
 def test_bad_plan_file_names_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
