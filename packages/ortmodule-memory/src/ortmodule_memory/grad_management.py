@@ -71,14 +71,14 @@ class ParamPull(torch.autograd.Function):
     """Forward: the parameter named by ``key``; backward: ``param.backward(grad)``."""
 
     @staticmethod
-    def forward(ctx: Any, trigger: torch.Tensor, key: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, trigger: torch.Tensor, key: int) -> torch.Tensor:
         param = ParamSource.current().get_parameter(_NAMES[key])
         ctx.param = param
         ctx.trigger = (trigger.shape, trigger.dtype, trigger.device)
         return param.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # a leaf's backward accumulates into .grad and runs its hooks (DDP's among them)
         ctx.param.backward(grad)
         shape, dtype, device = ctx.trigger
