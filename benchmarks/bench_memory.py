@@ -112,23 +112,14 @@ def _worker(mode: str, batch: int, warmup: int, steps: int, threads: int) -> dic
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    ns = parser.parse_args(argv)
-    if ns.worker:
-        print(json.dumps(_worker(ns.worker, ns.batch, ns.warmup, ns.steps, ns.threads)))
-        return 0
+def measure(batch: int = 8, warmup: int = 2, steps: int = 5, threads: int = 2) -> dict[str, Any]:
+    """Run every configuration in its own process; configuration name -> its figures."""
     results = {}
     for name, (mode, env) in CONFIGS.items():
         cmd = [
             sys.executable, "-m", "benchmarks.bench_memory", "--worker", mode,
-            "--batch", str(ns.batch), "--warmup", str(ns.warmup), "--steps", str(ns.steps),
-            "--threads", str(ns.threads),
+            "--batch", str(batch), "--warmup", str(warmup), "--steps", str(steps),
+            "--threads", str(threads),
         ]  # fmt: skip
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("ORTMODULE_")}
         child_env.update(
@@ -140,7 +131,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
             continue
         results[name] = json.loads(lines[-1])
-        print(f"{name}: {results[name]}", file=sys.stderr)
+    return results
+
+
+def run(quick: bool = True) -> dict[str, dict[str, float]]:
+    """For ``python -m benchmarks``: peak step memory (MiB) and median step (ms) per configuration."""
+    found = measure(steps=3 if quick else 8)
+    return {
+        name: {"peak above baseline (MiB)": r["peak_mib"], "median step (ms)": r["step_ms"]}
+        for name, r in found.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    ns = parser.parse_args(argv)
+    if ns.worker:
+        print(json.dumps(_worker(ns.worker, ns.batch, ns.warmup, ns.steps, ns.threads)))
+        return 0
+    results = measure(ns.batch, ns.warmup, ns.steps, ns.threads)
+    for name, r in results.items():
+        print(f"{name}: {r}", file=sys.stderr)
     print(_table(results, ns))
     return 0
 
