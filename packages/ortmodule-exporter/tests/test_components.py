@@ -55,7 +55,8 @@ def test_entry_point_component_is_discovered_and_registered_once(
     monkeypatch.syspath_prepend(str(tmp_path))
     found = components.load_components()
     components.load_components()
-    assert list(found) == ["fake-component"]
+    # other installed components (ortmodule-memory in a full environment) load alongside
+    assert "fake-component" in found
     assert sys.modules["fake_component"].CALLS == [1]
     assert "ORTMODULE_FAKE_SWITCH" in components.handled_options()
     assert found["fake-component"].problem() == "needs a GPU"
@@ -70,7 +71,7 @@ def test_broken_component_is_skipped_with_its_error(
     _install_fake_distribution(tmp_path, "NOT_A_COMPONENT = 3\n", "fake_component:NOT_A_COMPONENT")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "fake_component", raising=False)
-    assert components.load_components() == {}
+    assert "fake" not in components.load_components()
     assert "must name a Component" in components.component_failures()["fake"]
     assert "could not be loaded and is skipped" in caplog.text
 
