@@ -24,7 +24,8 @@ def held_stdout(into: list[str]) -> Iterator[None]:
         fd = sys.stdout.fileno() if sys.stdout is not None else 1
     except (AttributeError, OSError, ValueError):  # pytest capture, notebooks: no real fd
         fd = 1
-    sys.stdout.flush() if sys.stdout is not None else None
+    if sys.stdout is not None:
+        sys.stdout.flush()  # Python's buffered text goes out before the descriptor moves
     saved = os.dup(fd)
     with tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), fd)

@@ -15,6 +15,7 @@ Plan(pattern='BiasGelu+', opt_type=1, count=-1)
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -146,7 +147,7 @@ def write_plan_file(plans: Sequence[str], folder: str | os.PathLike[str]) -> str
     os.makedirs(folder, exist_ok=True)
     body = json.dumps(list(plans))
     # one file per distinct plan list: sessions of several models never overwrite each other's
-    name = f"recompute_plans_{abs(hash(body)) & 0xFFFFFFFF:08x}.json"
+    name = f"recompute_plans_{hashlib.sha1(body.encode()).hexdigest()[:12]}.json"
     path = os.path.join(folder, name)
     with open(path, "w", encoding="utf-8") as f:
         f.write(body)
