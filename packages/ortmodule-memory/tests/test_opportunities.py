@@ -45,3 +45,14 @@ def test_report_rows_largest_first_and_totals() -> None:
     text = report.format()
     assert "Gelu+:1:-1" in text.splitlines()[2] and text.splitlines()[2].rstrip().endswith("yes")
     assert text.splitlines()[-1].rstrip().endswith("no")
+
+
+def test_format_bytes() -> None:
+    from ortmodule_memory.opportunities import format_bytes
+
+    assert [format_bytes(n) for n in (512, 1536, 16 * 2**20, 3 * 2**30)] == [
+        "512 B",
+        "1.5 KiB",
+        "16.0 MiB",
+        "3.0 GiB",
+    ]

@@ -20,7 +20,7 @@ import torch
 from ortmodule_exporter.components import SessionInfo, StepContext, StepHook
 
 from .memory_stats import format_sample, memory_sample
-from .opportunities import MemoryReport
+from .opportunities import MemoryReport, format_bytes
 from .plans import LAYER_BOUNDARY_PROBE
 from .recompute import LEVEL, level_of, probe_report, take_decision
 
@@ -111,14 +111,14 @@ class MemoryHook(StepHook):
         lines = [report.format()]
         if report.applied:
             total = report.saving_bytes()
-            shown = "unknown" if total is None else f"{total / 2**20:.2f} MiB"
+            shown = "unknown" if total is None else format_bytes(total)
             lines.append(
                 f"recompute on: {len(report.applied)} plans applied, saving {shown} of stashed "
                 f"activations for this batch: {', '.join(report.applied)}"
             )
         elif report.opportunities:
             total = report.saving_bytes(applied_only=False)
-            shown = "" if total is None else f" (up to {total / 2**20:.2f} MiB for this batch)"
+            shown = "" if total is None else f" (up to {format_bytes(total)} for this batch)"
             lines.append(
                 f"recompute is off; {LEVEL}=1 would recompute every layer-wise subgraph above"
                 f"{shown} at some extra compute, 2 adds the compromised plans; or list chosen "

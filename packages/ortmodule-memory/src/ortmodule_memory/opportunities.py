@@ -24,6 +24,7 @@ __all__ = [
     "Opportunity",
     "dims_of_batch",
     "evaluate_saving",
+    "format_bytes",
     "opportunities_from_stat",
 ]
 
@@ -154,10 +155,10 @@ class MemoryReport:
 
     def format(self) -> str:
         """The opportunity table as text, one row per plan, largest saving first."""
-        rows = [("plan", "type", "freq", "saving (MiB)", "applied")]
+        rows = [("plan", "type", "freq", "saving", "applied")]
         chosen = {p for a in self.applied for p in a.split(",")}
         for o in self.opportunities:
-            saving = "unknown" if o.saving_bytes is None else f"{o.saving_bytes / 2**20:.2f}"
+            saving = "unknown" if o.saving_bytes is None else format_bytes(o.saving_bytes)
             on = "yes" if any(p in chosen for p in o.cluster_id.split(",")) else "no"
             rows.append((o.cluster_id, str(o.opt_type), str(o.frequency), saving, on))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
@@ -168,6 +169,16 @@ class MemoryReport:
             f"{len(self.opportunities)} recompute opportunities for batch {shapes or '(no inputs)'}"
         )
         return "\n".join([head, *lines])
+
+
+def format_bytes(count: int) -> str:
+    """``1536`` -> ``"1.5 KiB"``: bytes in the largest binary unit that keeps the number >= 1."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # pragma: no cover - the loop returns
 
 
 def opportunities_from_stat(
