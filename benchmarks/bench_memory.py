@@ -31,6 +31,14 @@ CONFIGS = {
     "ORTModule, recompute off": ("ort", {}),
     "ORTModule, level 1": ("ort", {"ORTMODULE_MEMORY_OPT_LEVEL": "1"}),
     "ORTModule, level 2": ("ort", {"ORTMODULE_MEMORY_OPT_LEVEL": "2"}),
+    "ORTModule, mem-efficient gradients": (
+        "ort",
+        {"ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT": "1"},
+    ),
+    "ORTModule, level 1 + mem-efficient gradients": (
+        "ort",
+        {"ORTMODULE_MEMORY_OPT_LEVEL": "1", "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT": "1"},
+    ),
 }
 
 
