@@ -423,6 +423,8 @@ def write_report(report: Report, path: Path) -> str:
         f"- Load average (1, 5, 15 min): {load} at the start, {load_after} at the end "
         "(the suite's own processes count in the second)",
         f"- Command: `{report.command}` (or `{_nox_equivalent(report.command)}`), from the repository root",
+        "- ORTModule runs use `ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE`: a failure stops the run "
+        "instead of timing PyTorch under ORTModule's name",
         "",
     ]
     if report.busy():

@@ -97,7 +97,7 @@ def _enable_engine_profiling(prefix: str) -> None:
     from ``onnxruntime.SessionOptions()``; this benchmark-only process hands it options with
     profiling on. The measured runs never do this.
     """
-    from ortmodule_exporter.engine import import_onnxruntime
+    from ortmodule_exporter.engine_binding import import_onnxruntime
 
     onnxruntime = import_onnxruntime()
     original = onnxruntime.SessionOptions
@@ -145,6 +145,8 @@ def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "ortmodule":
         from ortmodule import ORTModule
 
+        # timings of a PyTorch fallback would be reported as ORTModule's: every failure stops
+        os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
         return ORTModule(model)
     return model
 

@@ -55,7 +55,7 @@ def test_entry_point_component_is_discovered_and_registered_once(
     monkeypatch.syspath_prepend(str(tmp_path))
     found = components.load_components()
     components.load_components()
-    # other installed components (ortmodule-memory in a full environment) load alongside
+    # components installed next to this package (the dev environment) are discovered too
     assert "fake-component" in found
     assert sys.modules["fake_component"].CALLS == [1]
     assert "ORTMODULE_FAKE_SWITCH" in components.handled_options()
@@ -133,3 +133,21 @@ def test_component_problem_reports_a_failing_check() -> None:
 
     c = Component(name="c", version="0", register=lambda: None, check=boom)
     assert c.problem() == "its check failed: OSError: no driver"
+
+
+def test_step_hook_exporting_defaults_to_a_no_op_context() -> None:
+    ctx = components.StepContext(torch.nn.Linear(2, 2), {})
+    with StepHook().exporting(ctx):
+        pass
+
+
+def test_marked_module_hooks_are_reported_handled() -> None:
+    def hook(module: torch.nn.Module, args: object) -> None:
+        return None
+
+    assert not components.is_module_hook_handled(hook)
+    components.mark_module_hook_handled(hook, "zero")
+    assert components.is_module_hook_handled(hook)
+    # builtins cannot carry the mark: they stay unhandled instead of failing
+    components.mark_module_hook_handled(len, "zero")
+    assert not components.is_module_hook_handled(len)

@@ -24,6 +24,7 @@ from .export import (
     export,
 )
 from .export_cache import ExportCache
+from .export_config import ExportConfig
 from .graph_transition import GraphKey, GraphTransitionManager, describe_change, parameter_signature
 from .post_export import (
     register_post_export_pass,
@@ -43,6 +44,7 @@ __all__ = [
     "MIN_OPSET",
     "EngineBuildError",
     "ExportCache",
+    "ExportConfig",
     "ExportError",
     "ExportedModel",
     "GraphKey",

@@ -884,7 +884,7 @@ def fuse_attention(model: onnx.ModelProto) -> int:
 
 
 def _attention_pass(exported: Any, _options: Mapping[str, Any]) -> None:
-    if _ROUTES.efficient_attention:
+    if exported.config.efficient_attention:
         n = fuse_attention(exported.model)
         if n:
             logger.info("fused %d attention pattern(s) into PyTorch's attention kernel", n)

@@ -36,6 +36,7 @@ environment), so a component never imports the runtime.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import threading
@@ -58,8 +59,10 @@ __all__ = [
     "component_failures",
     "handled_options",
     "has_session_contributors",
+    "is_module_hook_handled",
     "load_components",
     "loaded_components",
+    "mark_module_hook_handled",
     "register_component",
     "register_session_contributor",
     "register_step_hook",
@@ -296,8 +299,13 @@ class StepHook:
     The runtime calls, per ORTModule call: ``pre_forward`` before it reads parameters (so a
     ZeRO-3 hook can gather them), ``post_forward`` after the engine's forward, and around the
     engine's backward ``pre_backward``/``post_backward``. ``on_session`` runs after a new engine
-    session is created.
+    session is created. ``exporting`` returns a context manager the runtime holds while it exports
+    (a copy of) the module, after ``pre_forward``: a component that put hooks on submodules (they
+    would run inside the trace) suspends them there.
     """
+
+    def exporting(self, ctx: StepContext) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def on_session(self, ctx: StepContext, info: SessionInfo) -> None:
         return None
@@ -352,3 +360,24 @@ def _hook_key(item: tuple[str, tuple[int, StepHook]]) -> tuple[int, str]:
 def step_hooks() -> tuple[StepHook, ...]:
     """The registered hooks in order; an empty tuple costs the hot path nothing."""
     return _HOOK_TUPLE[0]
+
+
+# -- submodule hooks a component stands in for -------------------------------------------------
+
+_HANDLED_ATTR = "__ortmodule_handled_by__"
+
+
+def mark_module_hook_handled(fn: Callable[..., Any], component: str) -> None:
+    """Say that ``component`` does the work of the submodule hook ``fn`` at every step.
+
+    ORTModule warns that hooks on submodules run only during export; a hook marked here is left
+    out of that warning (ZeRO-3 marks DeepSpeed's fetch/release hooks it replaces).
+    """
+    try:
+        setattr(fn, _HANDLED_ATTR, component)
+    except (AttributeError, TypeError):  # a builtin or a bound method: leave the warning on
+        logger.debug("cannot mark hook %r as handled by %s", fn, component)
+
+
+def is_module_hook_handled(fn: Callable[..., Any]) -> bool:
+    return getattr(fn, _HANDLED_ATTR, None) is not None

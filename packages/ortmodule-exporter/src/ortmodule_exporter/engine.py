@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,51 +19,11 @@ from torch.utils.dlpack import to_dlpack
 
 from . import density
 from .callback_errors import user_errors
+from .engine_binding import _C, import_onnxruntime
 from .errors import EngineBuildError
 from .export import ExportedModel, SaveOptions
 
 logger = logging.getLogger("ortmodule.engine")
-
-
-def import_onnxruntime() -> Any:
-    """Import onnxruntime without its import-time self-check loading the original ORTModule.
-
-    ``onnxruntime/__init__.py`` validates the build by importing ``onnxruntime.training.ortmodule``
-    (the Python package we replace). On current PyTorch that import fails slowly (tens of
-    seconds) and it must never run in our process, so it is blocked for the duration of the
-    import; the engine's C++ API in ``onnxruntime.capi`` does not need it.
-    """
-    already = sys.modules.get("onnxruntime")
-    if already is not None:
-        return already
-    blocked = "onnxruntime.training"
-    present = blocked in sys.modules
-    if not present:
-        sys.modules[blocked] = None  # type: ignore[assignment]
-    try:
-        import onnxruntime
-    finally:
-        if not present and sys.modules.get(blocked, 0) is None:
-            del sys.modules[blocked]
-    return onnxruntime
-
-
-def _C() -> Any:
-    try:
-        import_onnxruntime()
-        from onnxruntime.capi import _pybind_state as C
-    except ImportError as err:  # pragma: no cover - depends on the installed engine
-        raise ImportError(
-            "ONNX Runtime's training engine is not installed. Install one of: "
-            "`pip install ortmodule[cpu]` (onnxruntime-training-cpu) or "
-            "`pip install ortmodule[cuda]` (onnxruntime-training)."
-        ) from err
-    if not hasattr(C, "TrainingAgent"):
-        raise ImportError(
-            "the installed onnxruntime has no training engine (plain `onnxruntime` is inference "
-            "only). Uninstall it and install onnxruntime-training-cpu or onnxruntime-training."
-        )
-    return C
 
 
 # -- the build -------------------------------------------------------------------------------
@@ -141,7 +100,7 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     if config.save is not None:
         os.makedirs(config.save.path, exist_ok=True)
         transformer.optimized_pre_grad_filepath = config.save.file_path(
-            "optimized_pre_grad", exported.training
+            "pre_gradient", exported.training
         )
 
     def run_builder(model: onnx.ModelProto) -> Any:
@@ -183,7 +142,8 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     )
     model = onnx.load_from_string(model_bytes)
     if config.save is not None:
-        onnx.save_model(model, config.save.file_path("optimized", exported.training))
+        stage = "gradient" if config.build_gradient else "built"
+        onnx.save_model(model, config.save.file_path(stage, exported.training))
     feed_names = [vi.name for vi in model.graph.input]
     fetch_names = [vi.name for vi in model.graph.output]
     grad_of: dict[str, str] = {}

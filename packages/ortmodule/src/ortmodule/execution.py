@@ -9,6 +9,7 @@ gradient back to autograd so ``param.grad`` accumulates exactly as in eager.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import torch
 
 from ortmodule_exporter import (
     ExportCache,
+    ExportConfig,
     GraphKey,
     GraphTransitionManager,
     SaveOptions,
@@ -205,6 +207,8 @@ class RunnerConfig:
     """What the runner needs from the options (filled by ORTModule from RuntimeOptions)."""
 
     opset: int = 17
+    #: what changes the exported graph; None: the exporter's process-wide switches
+    export_config: ExportConfig | None = None
     static_shapes: bool = False
     deepcopy: bool = True
     cache_dir: str | None = None
@@ -353,17 +357,22 @@ class GraphRunner:
                     f"parameter '{name}' has dtype {p.dtype}, which the engine cannot train on {device.type}; "
                     f"use one of {SUPPORTED_PARAM_DTYPES[device.type]}"
                 )
-        with times.phase("export"), self._silenced():
+        # each graph saves under its own version: a re-export keeps the earlier files
+        save = cfg.save.next_version(self.module.training) if cfg.save else None
+        with times.phase("export"), self._silenced(), contextlib.ExitStack() as around:
+            for hook in step_hooks():
+                around.enter_context(hook.exporting(self.step))
             exported = export(
                 self.module,
                 args,
                 kwargs,
                 training=self.module.training,
                 opset=cfg.opset,
+                config=cfg.export_config,
                 static_shapes=cfg.static_shapes,
                 deepcopy=cfg.deepcopy,
                 cache=self.cache,
-                save=cfg.save,
+                save=save,
                 verbose=cfg.exporter_verbose,
             )
             run_post_export_passes(exported, dict(cfg.pass_options))
@@ -404,7 +413,7 @@ class GraphRunner:
             use_memory_efficient_gradient=cfg.use_memory_efficient_gradient,
             log_severity=cfg.engine_log_severity,
             static_input_shapes=static,
-            save=cfg.save,
+            save=save,
             transformer_options=cfg.transformer_options,
         )
         with times.phase("graph build"), self._silenced():
@@ -430,6 +439,7 @@ class GraphRunner:
             log_severity=cfg.engine_log_severity,
             conv_algo_search=cfg.conv_algo_search,
             external_allocator=_torch_allocator(device),
+            optimized_model_path=save.file_path("execution", exported.training) if save else None,
             memory_efficient_order=bool(contribution and contribution.memory_efficient_order),
             config_entries=tuple(contribution.config_entries.items()) if contribution else (),
         )

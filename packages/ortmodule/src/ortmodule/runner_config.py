@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ortmodule_exporter import SaveOptions
+from ortmodule_exporter import ExportConfig, SaveOptions
 
 from .execution import RunnerConfig
 from .log import engine_severity, exporter_verbose
@@ -17,6 +17,7 @@ def runner_config(options: RuntimeOptions) -> RunnerConfig:
         save = SaveOptions(path=options.save_onnx_path or os.getcwd(), prefix=options.onnx_prefix)
     return RunnerConfig(
         opset=options.onnx_opset_version,
+        export_config=export_config(options),
         deepcopy=options.deepcopy_before_model_export,
         cache_dir=options.cache_dir or None,
         save=save,
@@ -29,6 +30,17 @@ def runner_config(options: RuntimeOptions) -> RunnerConfig:
         exporter_verbose=exporter_verbose(options.log_level),
         conv_algo_search=options.conv_algo_search,
         pass_options=component_options(options),
+    )
+
+
+def export_config(options: RuntimeOptions) -> ExportConfig:
+    """The options that change the exported graph, carried to every export of this module."""
+    return ExportConfig(
+        opset=options.onnx_opset_version,
+        custom_autograd=options.enable_custom_autograd,
+        allow_autograd_checkpoint=options.allow_autograd_checkpoint,
+        aten_sdpa_fallback=options.aten_sdpa_fallback,
+        efficient_attention=options.use_efficient_attention,
     )
 
 
