@@ -53,6 +53,12 @@ def test_demo_trains_both_runs_and_reports_them(
     assert results["losses_match"] and results["max_loss_difference"] < 1e-4
     assert ort["engine_ran"]
     assert set(ort["phases"]) >= {"export", "graph build", "session creation"}
+    # the recompute run (ortmodule-memory, level 1) trains to the same losses
+    recompute = results["runs"]["recompute"]
+    assert len(recompute["losses"]) == 4
+    assert max(abs(a - b) for a, b in zip(recompute["losses"], eager["losses"], strict=True)) < 1e-4
+    assert "ORTModule + recompute: RSS growth during training" in stdout
+    assert (out / "memory_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # the ORTModule model wrote text through its inference graph, and saved its ONNX models
     assert len(ort["text"]) == len("The lamp") + 12 and ort["text"] in stdout

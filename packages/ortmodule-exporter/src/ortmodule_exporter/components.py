@@ -202,6 +202,8 @@ class SessionContext:
     options: Mapping[str, Any]
     #: graph input name -> concrete shape of the batch that triggered this build
     input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: the engine's ``BuiltGraph`` (feed/fetch names), so a contributor can open a probe session
+    built: Any = None
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,25 @@ class SaveOptions:
         return dataclasses.replace(self, version=max(taken, default=0) + 1)
 
 
+@dataclass(frozen=True)
+class ExtraInput:
+    """A graph input a post-export pass added that is neither a user tensor nor a parameter.
+
+    The runtime feeds ``zeros(shape, dtype)`` on the module's device at every step and, with
+    ``requires_grad``, asks the engine for its gradient (memory-efficient gradient management
+    uses one as the trigger whose backward hands each parameter its gradient).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    requires_grad: bool = False
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=device).requires_grad_(
+            self.requires_grad
+        )
+
+
 @dataclass
 class ExportedModel:
     """One exported graph and what is needed to feed it and read it back."""
@@ -125,6 +144,8 @@ class ExportedModel:
     from_cache: bool = False
     #: the settings it was exported with (post-export passes read theirs from here)
     config: ExportConfig = field(default_factory=ExportConfig)
+    #: graph inputs added by post-export passes: name -> what the runtime feeds
+    extra_inputs: dict[str, ExtraInput] = field(default_factory=dict)
 
     @property
     def user_output_names(self) -> tuple[str, ...]:

@@ -383,6 +383,9 @@ class GraphRunner:
         for kind, where in graph.feeds:
             if kind == "input":
                 feeds.append(flat[where])
+            elif kind == "extra":
+                extra, device = where
+                feeds.append(extra.make(device))
             else:
                 owner, attr = where
                 feeds.append(getattr(owner, attr))
@@ -449,6 +452,9 @@ class GraphRunner:
             for n in exported.user_input_names
             if flat[index_of[n]].requires_grad and flat[index_of[n]].is_floating_point()
         )
+        # inputs added by post-export passes (e.g. the gradient trigger of ortmodule-memory)
+        extra = dict(exported.extra_inputs)
+        input_grads += tuple(n for n, e in extra.items() if e.requires_grad)
         static = None
         if cfg.static_shapes:
             static = tuple(tuple(flat[index_of[n]].shape) for n in exported.user_input_names)
@@ -477,6 +483,7 @@ class GraphRunner:
                 device=device,
                 options=self.step.options,
                 input_shapes={name: tuple(flat[i].shape) for name, i in index_of.items()},
+                built=built,
             )
             contribution = session_contribution(context)
         session_config = SessionConfig(
@@ -501,6 +508,8 @@ class GraphRunner:
         for name in built.feed_names:
             if name in index_of:
                 feeds.append(("input", index_of[name]))
+            elif name in extra:
+                feeds.append(("extra", (extra[name], device)))
             else:
                 feeds.append(("param", _owner(self.module, name)))
         output_names = list(built.user_output_names)

@@ -381,7 +381,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     _switch(
         "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
         False,
-        _RUNTIME,
+        _MEMORY,
         "Hand each gradient to its parameter as soon as it is computed, freeing it early.",
     ),
     _switch(
@@ -516,6 +516,12 @@ VARIABLES = tuple(
 
 _BY_NAME: Mapping[str, EnvVar] = {var.name: var for var in VARIABLES}
 _DEBUG_FIELDS = ("log_level", "save_onnx", "onnx_prefix")
+#: DebugOptions fields that set an ORTMODULE_* variable's value when given (None: not given);
+#: validated by the variable's own parser, and the environment still wins
+_DEBUG_VARIABLES = {
+    "memory_opt_level": "ORTMODULE_MEMORY_OPT_LEVEL",
+    "memory_opt_config": "ORTMODULE_MEMORY_OPT_CONFIG",
+}
 
 DEFAULT, DEBUG_OPTIONS, ENVIRONMENT = "default", "DebugOptions", "environment"
 
@@ -612,6 +618,17 @@ class RuntimeOptions:
         for name in _DEBUG_FIELDS:
             values[name] = getattr(base, name)
             sources[name] = DEBUG_OPTIONS if debug_options is not None else DEFAULT
+        for name, variable in _DEBUG_VARIABLES.items():
+            given = getattr(base, name)
+            if given is not None:
+                var = _BY_NAME[variable]
+                try:
+                    values[var.field] = var.parse(str(given))
+                except ValueError as err:
+                    raise InvalidOptionError(
+                        f"DebugOptions({name}={given!r}) is invalid ({err}); accepted: {var.accepted}"
+                    ) from None
+                sources[var.field] = DEBUG_OPTIONS
         for var in VARIABLES:
             text = environ.get(var.name, "")
             if text.strip():
