@@ -23,6 +23,7 @@ also needs each parameter at full size when it accumulates the gradient into ``.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -127,7 +128,40 @@ class ZeroStage3Hook(StepHook):
             held[0].partition(param_list=held)  # type: ignore[attr-defined]
 
     def exporting(self, ctx: StepContext) -> contextlib.AbstractContextManager[None]:
-        return _suspended_deepspeed_hooks(ctx.module)
+        return _exporting(ctx.module)
+
+
+@contextlib.contextmanager
+def _exporting(module: torch.nn.Module) -> Iterator[None]:
+    with _suspended_deepspeed_hooks(module), _torch_linear():
+        yield
+
+
+@contextlib.contextmanager
+def _torch_linear() -> Iterator[None]:
+    """PyTorch's own ``torch.nn.functional.linear`` while the module is traced.
+
+    Stage 3 replaces it process-wide with DeepSpeed's memory-efficient autograd Function and
+    leaves it replaced (DeepSpeed: "This will persist unless manually reset"), so every later
+    export, of any model, would trace each linear layer as an opaque PythonOp instead of the
+    engine's own Gemm/MatMul. The engine gets the gathered weights itself, so the plain operator
+    is exact here; outside the export DeepSpeed's replacement stays as DeepSpeed left it.
+    """
+    functional = torch.nn.functional
+    current = functional.linear
+    original = None
+    if getattr(current, "__module__", "") == "deepspeed.runtime.zero.linear":
+        init = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+        holder = getattr(init, "InsertPostInitMethodToModuleSubClasses", None)
+        original = getattr(holder, "linear_bk", None)
+    if original is None:
+        yield
+        return
+    functional.linear = original
+    try:
+        yield
+    finally:
+        functional.linear = current
 
 
 @contextlib.contextmanager
