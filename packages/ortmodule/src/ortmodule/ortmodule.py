@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import custom_autograd
+from . import custom_autograd, integrations
 from .debug_options import DebugOptions
 from .execution import GraphRunner
 from .fallback import FallbackManager
@@ -44,6 +44,7 @@ class ORTModule(torch.nn.Module):
         self._setup()
 
     def _setup(self) -> None:
+        integrations.install_available()
         options = RuntimeOptions.resolve(self._debug_options)
         configure_logger(options.log_level)
         custom_autograd.configure(options)
@@ -79,6 +80,7 @@ class ORTModule(torch.nn.Module):
     # -- forward -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._warn_about_hooks()
+        integrations.install_available()
         fallback: FallbackManager = self._fallback
         if fallback.use_torch():
             return self.module(*args, **kwargs)
