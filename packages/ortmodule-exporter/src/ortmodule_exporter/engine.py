@@ -22,6 +22,7 @@ from . import density
 from .callback_errors import user_errors
 from .errors import EngineBuildError
 from .export import ExportedModel, SaveOptions
+from .onnx_graph import output_dependencies
 
 logger = logging.getLogger("ortmodule.engine")
 
@@ -205,29 +206,6 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
         frontier_count=len(info.frontier_node_arg_map),
         output_dependencies=output_dependencies(exported.model, list(info.user_output_names)),
     )
-
-
-def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[frozenset[str]]:
-    """For each output, the graph inputs it is computed from (walking the graph backwards)."""
-    producer = {name: node for node in model.graph.node for name in node.output if name}
-    inputs = {vi.name for vi in model.graph.input}
-    result = []
-    for out in outputs:
-        seen: set[str] = set()
-        found: set[str] = set()
-        stack = [out]
-        while stack:
-            name = stack.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            if name in inputs:
-                found.add(name)
-            node = producer.get(name)
-            if node is not None:
-                stack.extend(i for i in node.input if i)
-        result.append(frozenset(found))
-    return result
 
 
 # -- sessions --------------------------------------------------------------------------------

@@ -90,10 +90,28 @@ class ExportedModel:
     variance_updates: dict[str, tuple[str, float]] = field(default_factory=dict)
     export_seconds: float = 0.0
     from_cache: bool = False
+    #: outputs computed from no input at all (index into ``output_schema``) -> traced value;
+    #: they are not graph outputs (the engine folds them into initializers, and its gradient
+    #: builder refuses an output no node produces), the runtime hands back the traced value
+    constant_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def user_output_names(self) -> tuple[str, ...]:
-        return tuple(self.output_schema.names)
+        """The graph's user outputs, in order: the output schema's names minus constants."""
+        names = self.output_schema.names
+        if not self.constant_outputs:
+            return tuple(names)
+        return tuple(n for i, n in enumerate(names) if i not in self.constant_outputs)
+
+    def restore_outputs(self, graph_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The user outputs in schema order: ``graph_outputs`` with the constants put back."""
+        if not self.constant_outputs:
+            return list(graph_outputs)
+        produced = iter(graph_outputs)
+        return [
+            self.constant_outputs[i] if i in self.constant_outputs else next(produced)
+            for i in range(len(self.output_schema.names))
+        ]
 
 
 def forward_signature(module: torch.nn.Module) -> inspect.Signature | None:
@@ -139,6 +157,7 @@ class _FlatModule(torch.nn.Module):
         self._input_schema = input_schema
         self.output_schema: Schema | None = None
         self.output_error: TypeError | None = None
+        self.traced_outputs: tuple[torch.Tensor, ...] = ()
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         arguments = unflatten(list(flat), self._input_schema)
@@ -149,6 +168,7 @@ class _FlatModule(torch.nn.Module):
             self.output_error = err
             raise
         self.output_schema = schema
+        self.traced_outputs = tuple(t.detach() for t in tensors)
         return tuple(tensors)
 
 
@@ -341,6 +361,7 @@ def export(
     assert flat.output_schema is not None
     model = onnx.load_from_string(buf.getvalue())
     exported = _finish(model, input_schema, flat.output_schema, training, opset)
+    exported.constant_outputs = _drop_constant_outputs(model, flat.traced_outputs)
     exported.export_seconds = time.perf_counter() - start
     if cache is not None and key is not None:
         cache.store(key, exported)
@@ -386,6 +407,29 @@ def _finish(
         training=training,
         opset=opset,
     )
+
+
+def _drop_constant_outputs(
+    model: onnx.ModelProto, traced: Sequence[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Remove the graph outputs that depend on no graph input; their traced values, by index.
+
+    Such an output is a constant (a cache layer's window size kept as a tensor, say): the
+    engine folds it into an initializer and then cannot build a gradient graph that has it as
+    an output.
+    """
+    graph = model.graph
+    names = [vi.name for vi in graph.output]
+    constants = {
+        i: traced[i].clone()
+        for i, deps in enumerate(onnx_graph.output_dependencies(model, names))
+        if not deps and i < len(traced)
+    }
+    if constants:
+        kept = [vi for i, vi in enumerate(graph.output) if i not in constants]
+        del graph.output[:]
+        graph.output.extend(kept)
+    return constants
 
 
 def _save(model: onnx.ModelProto, save: SaveOptions, stage: str, training: bool) -> None:

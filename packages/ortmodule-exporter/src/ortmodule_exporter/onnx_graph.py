@@ -86,3 +86,26 @@ def graph_input_names(model: onnx.ModelProto) -> list[str]:
 
 def graph_output_names(model: onnx.ModelProto) -> list[str]:
     return [vi.name for vi in model.graph.output]
+
+
+def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[frozenset[str]]:
+    """For each output, the graph inputs it is computed from (walking the graph backwards)."""
+    producer = {name: node for node in model.graph.node for name in node.output if name}
+    inputs = {vi.name for vi in model.graph.input}
+    result = []
+    for out in outputs:
+        seen: set[str] = set()
+        found: set[str] = set()
+        stack = [out]
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in inputs:
+                found.add(name)
+            node = producer.get(name)
+            if node is not None:
+                stack.extend(i for i in node.input if i)
+        result.append(frozenset(found))
+    return result

@@ -278,7 +278,10 @@ class GraphRunner:
             outputs = graph.session.forward(feeds)
         if graph.buffer_updates:
             _apply_buffer_updates(graph.buffer_updates, outputs, old)
-        return unflatten(list(outputs[: graph.output_count]), graph.built.exported.output_schema)
+        exported = graph.built.exported
+        return unflatten(
+            exported.restore_outputs(outputs[: graph.output_count]), exported.output_schema
+        )
 
     def _check_inputs(self, flat: Sequence[torch.Tensor], device: torch.device) -> None:
         if device.type not in ("cpu", "cuda"):
@@ -401,7 +404,7 @@ class GraphRunner:
             else:
                 feeds.append(("param", _owner(self.module, name)))
         output_names = list(built.user_output_names)
-        n_user = len(exported.output_schema.names)
+        n_user = len(exported.user_output_names)
         updates = []
         for out_name, buffer in exported.buffer_updates.items():
             if out_name in output_names:
