@@ -220,6 +220,8 @@ class GraphRunner:
         self._quiet = quiet
         self.last_times: PhaseTimer | None = None
         self._signature: Any = None
+        #: attribute writes made through the wrapper (name -> value token): part of the key
+        self.module_state: dict[str, Any] = {}
 
     # -- the key ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -241,7 +243,10 @@ class GraphRunner:
             build_gradient=training_graph,
             device=str(device),
             params=params,
-            options=(("opset", self.config.opset),),
+            options=(
+                ("opset", self.config.opset),
+                ("module_state", tuple(sorted(self.module_state.items()))),
+            ),
         )
 
     # -- one call ----------------------------------------------------------------------------
