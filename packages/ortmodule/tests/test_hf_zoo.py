@@ -121,3 +121,15 @@ def test_attention_implementations_match_eager(attn: str) -> None:
     eager = train_steps(clone_model(model), case, 2, _adamw)
     ours = train_steps(ORTModule(clone_model(model)), case, 2, _adamw)
     assert_same_training(eager=eager, other=ours, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_generate_in_eval_mode_runs_the_engine_and_matches_eager(name: str) -> None:
+    model = HF_ZOO[name].build(seed=0).eval()
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    want = model.generate(ids, max_new_tokens=4, do_sample=False)
+    wrapped = ORTModule(model)
+    got = wrapped.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
+    # the prompt (empty cache) and the decoding steps (a filled cache): two inference graphs
+    assert wrapped._runner.transitions.builds == 2, wrapped._runner.transitions.history

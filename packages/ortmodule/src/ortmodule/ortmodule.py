@@ -98,12 +98,39 @@ class ORTModule(torch.nn.Module):
             if modules is None or _WRAPPED not in modules:
                 raise
             wrapped = modules[_WRAPPED]
-            method = _user_method(type(wrapped), name)
-            if method is not None:
-                # bound to the wrapper: ``self(x)`` inside runs the engine, ``self.attr`` falls
-                # through to the wrapped module as here
-                return types.MethodType(method, self)
+            if _user_method(type(wrapped), name) is not None:
+                return self._routed_method(getattr(wrapped, name))
             return getattr(wrapped, name)
+
+    def _routed_method(self, bound: Callable[..., Any]) -> Callable[..., Any]:
+        """``bound`` (a method of the wrapped module) run with the module's forward routed
+        through this wrapper, so ``self(x)`` and ``self.forward(x)`` inside it use the engine.
+
+        ``self`` stays the wrapped module (``type(self)``, ``super()`` and ``isinstance`` work as
+        in eager: Hugging Face's ``generate`` looks its decoding methods up on ``type(self)``).
+        """
+
+        @functools.wraps(bound)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            module = self.module
+            if "forward" in module.__dict__:  # already routed (a nested call) or user-set
+                return bound(*args, **kwargs)
+
+            def routed(*a: Any, **k: Any) -> Any:
+                # the export, the fallback and the signature see the module's own forward
+                del module.__dict__["forward"]
+                try:
+                    return self(*a, **k)
+                finally:
+                    module.__dict__["forward"] = routed
+
+            module.__dict__["forward"] = routed
+            try:
+                return bound(*args, **kwargs)
+            finally:
+                module.__dict__.pop("forward", None)
+
+        return call
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._owns(name):
@@ -245,8 +272,7 @@ def _token(value: Any) -> Hashable:
 
 
 def _user_method(cls: type, name: str) -> Callable[..., Any] | None:
-    """``cls.name`` when it is a plain function the user's classes define (not nn.Module's, and
-    not one that calls zero-argument ``super()``, which needs ``self`` to be a ``cls``)."""
+    """``cls.name`` when it is a plain function the user's classes define (not nn.Module's)."""
     if name.startswith("__") or name == "forward":
         return None
     for klass in cls.__mro__:
@@ -254,11 +280,7 @@ def _user_method(cls: type, name: str) -> Callable[..., Any] | None:
             if klass in _MODULE_BASES:
                 return None
             found = klass.__dict__[name]
-            if not isinstance(found, types.FunctionType):
-                return None
-            if "__class__" in found.__code__.co_freevars:
-                return None
-            return found
+            return found if isinstance(found, types.FunctionType) else None
     return None
 
 
