@@ -18,7 +18,7 @@ import onnx
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from . import density
+from . import density, onnx_graph
 from .callback_errors import user_errors
 from .errors import EngineBuildError
 from .export import ExportedModel, SaveOptions
@@ -176,7 +176,7 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     except Exception as err:
         raise EngineBuildError(
             f"the engine could not build the {'gradient' if config.build_gradient else 'inference'} "
-            f"graph: {err}"
+            f"graph{onnx_graph.node_location(str(err))}: {err}"
         ) from err
     info = builder.get_graph_info()
     model_bytes = (

@@ -28,6 +28,7 @@ from ortmodule_pytree import Schema, flatten, unflatten
 from . import onnx_graph
 from .errors import ExportError, UnsupportedOutputError
 from .export_cache import ExportCache
+from .op_location import locate_operator
 from .symbolic_registry import symbolics_applied
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -349,12 +350,22 @@ def export(
             ) from err
         op = _failed_op(err)
         where = f" at operator {op}" if op else ""
+        called_in = None
+        if op:
+            with _preserved_state(target):
+                called_in = locate_operator(
+                    target, lambda m: call_bound(m, unflatten(list(tensors), input_schema)), op
+                )
+        if called_in is not None:
+            where += f" (called in {called_in or 'its own forward'})"
         raise ExportError(
             f"ORTModule could not export {module_path(module)}{where}: {err}\n"
             "Register a symbolic for the operator with ortmodule_exporter.register_symbolic, "
+            "compute that step differently in the module named above, "
             "or let ORTModule fall back to PyTorch (see ORTMODULE_FALLBACK_POLICY).",
             module_path=module_path(module),
             op=op,
+            called_in=called_in,
         ) from err
     finally:
         target.train(was_training)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import onnx
@@ -109,3 +110,19 @@ def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[froz
                 stack.extend(i for i in node.input if i)
         result.append(frozenset(found))
     return result
+
+
+# an exported node's name is its module scope then the operator: /_ortmodule_wrapped/model/
+# layers.0/self_attn/CumSum_3 (the prefix is the exporter's wrapper attribute)
+_NODE_NAME = re.compile(r"/_ortmodule_wrapped/((?:[^/\s()']+/)*)([A-Za-z]+)(?:_\d+)?[)'\s:]")
+_NAMED_NODE = re.compile(r"[Nn]ode \(?'?" + _NODE_NAME.pattern)
+
+
+def node_location(message: str) -> str:
+    """`` at operator CumSum in model.layers.0.self_attn`` for the first exported node named in
+    an engine error message, or ``""`` when it names none."""
+    m = _NAMED_NODE.search(message) or _NODE_NAME.search(message)
+    if m is None:
+        return ""
+    path = m.group(1).strip("/").replace("/", ".")
+    return f" at operator {m.group(2)} in {path or 'the module itself'}"
