@@ -340,3 +340,14 @@ def test_forward_signature_is_the_wrapped_modules() -> None:
     clone = copy.deepcopy(wrapped)
     assert list(inspect.signature(clone.forward).parameters) == ["x", "scale"]
     assert clone(torch.randn(1, 4), scale=2.0).shape == (1, 3)
+
+
+def test_data_parallel_around_ortmodule_is_refused() -> None:
+    model = ORTModule(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"DataParallel\(ORTModule\(model\)\) is not supported"):
+        torch.nn.DataParallel(model)
+    # the replication DataParallel runs on GPUs refuses too
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        model._replicate_for_data_parallel()
+    # other containers still take an ORTModule
+    assert isinstance(torch.nn.Sequential(model)[0], ORTModule)

@@ -7,6 +7,7 @@
 ('weight', 'bias')
 """
 
+from .built_graph_passes import register_built_graph_pass, unregister_built_graph_pass
 from .errors import (
     EngineBuildError,
     ExportError,
@@ -24,6 +25,7 @@ from .export import (
     export,
 )
 from .export_cache import ExportCache
+from .export_config import ExportConfig
 from .graph_transition import GraphKey, GraphTransitionManager, describe_change, parameter_signature
 from .mask_symbolics import register_mask_symbolics
 from .post_export import (
@@ -45,6 +47,7 @@ __all__ = [
     "MIN_OPSET",
     "EngineBuildError",
     "ExportCache",
+    "ExportConfig",
     "ExportError",
     "ExportedModel",
     "GraphKey",
@@ -57,9 +60,11 @@ __all__ = [
     "describe_change",
     "export",
     "parameter_signature",
+    "register_built_graph_pass",
     "register_post_export_pass",
     "register_symbolic",
     "registered_symbolics",
+    "unregister_built_graph_pass",
     "run_post_export_passes",
     "unregister_post_export_pass",
     "unregister_symbolic",

@@ -54,9 +54,14 @@ class LogLevel(enum.IntEnum):
 class DebugOptions:
     """Per-model debugging options passed as ``ORTModule(model, DebugOptions(...))``.
 
-    ``save_onnx=True`` writes the exported, pre-gradient and final ONNX models as
-    ``<onnx_prefix>_<training|inference>_<stage>.onnx`` into ``ORTMODULE_SAVE_ONNX_PATH`` (default:
-    the current working directory), so it needs ``onnx_prefix``.
+    ``save_onnx=True`` writes every graph ORTModule builds into ``ORTMODULE_SAVE_ONNX_PATH``
+    (default: the current working directory) as
+    ``<onnx_prefix>_<training|inference>_v<N>_<stage>.onnx``, so it needs ``onnx_prefix``. ``N``
+    numbers the graphs (the next number free in the folder, so a re-export or a later run never
+    overwrites earlier files); the stages are ``1_exported`` (what torch.onnx wrote),
+    ``2_pre_gradient`` (after the engine's graph optimisations, training graphs only),
+    ``3_gradient`` or ``3_built`` (the forward+backward or inference graph the engine built) and
+    ``4_execution`` (after the session's optimisations: the model the engine runs).
     """
 
     log_level: LogLevel = LogLevel.WARNING

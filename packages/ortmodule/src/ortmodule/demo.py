@@ -381,6 +381,8 @@ class RunResult:
     cuda_peak_mib: float | None = None
     text: str = ""
     onnx_files: list[str] = field(default_factory=list)
+    #: ORTModule only: every step ran in the engine (fallback disabled, none happened)
+    engine_ran: bool = False
 
     @property
     def first_step(self) -> float:
@@ -422,6 +424,8 @@ def _train(mode: str, config: DemoConfig, work: Path) -> RunResult:
     if mode == "ortmodule":
         from ortmodule import DebugOptions, ORTModule
 
+        # a fallback would make this eager against eager: every failure must stop the run
+        os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
         debug = None
         if config.save_onnx:
             # the user's ORTMODULE_SAVE_ONNX_PATH wins over --out, as everywhere else
@@ -454,6 +458,8 @@ def _train(mode: str, config: DemoConfig, work: Path) -> RunResult:
     times = getattr(runner, "last_times", None)
     if times is not None:
         result.phases = dict(times.seconds)
+    fallback = getattr(model, "_fallback", None)
+    result.engine_ran = times is not None and fallback is not None and fallback.cause is None
     if config.generate:
         model.eval()
         result.text = generate(
@@ -559,6 +565,33 @@ def format_table(eager: RunResult, ort: RunResult) -> str:
     return "\n".join(lines)
 
 
+#: the options that decide ORTModule's speed, reported with every speed figure
+SPEED_OPTIONS = ("ORTMODULE_FUSED_ATTENTION", "ORTMODULE_KERNEL_CHOICE")
+
+
+def speed_summary(
+    eager: RunResult, ort: RunResult, threads: int, loads: tuple[float, float]
+) -> str:
+    """One honest sentence on speed: the ratio, and the settings and load that produced it."""
+    from .options import VARIABLES
+
+    ratio = ort.median_step / eager.median_step
+    verdict = (
+        f"{1 / ratio:.2f}x as fast as eager" if ratio < 1 else f"{ratio:.2f}x eager's step time"
+    )
+    defaults = {var.name: var.default for var in VARIABLES}
+    settings = ", ".join(
+        f"{name}={os.environ.get(name) or defaults.get(name)}" for name in SPEED_OPTIONS
+    )
+    return (
+        f"Speed: ORTModule ran {verdict} (median step {_fmt_s(ort.median_step)} vs "
+        f"{_fmt_s(eager.median_step)}), with {threads or torch.get_num_threads()} intra-op "
+        f"threads each, {settings}; load average {loads[0]:.1f} before and {loads[1]:.1f} after "
+        f"on {os.cpu_count()} CPUs. The two runs were sequential processes, so a busy machine "
+        "skews the ratio; `python -m benchmarks.worker ratio --model gpt` interleaves them."
+    )
+
+
 def plot_losses(eager: RunResult, ort: RunResult, path: Path) -> Path | None:
     """Write the two loss curves (and their difference) to ``path``; None without matplotlib."""
     try:
@@ -660,11 +693,21 @@ def run_demo(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     eager, ort = results["eager"], results["ortmodule"]
     diffs = loss_differences(eager, ort)
     worst = max(diffs)
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
     say()
     say(format_table(eager, ort))
     say()
-    matched = worst <= LOSS_TOLERANCE and all(map(math.isfinite, ort.losses))
+    if ort.engine_ran:
+        say(
+            "ORTModule ran every step in ONNX Runtime (ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE: "
+            "a fallback to PyTorch would have stopped the run)."
+        )
+    else:
+        say("ORTModule did NOT run in ONNX Runtime: the comparison below is not meaningful.")
+    say(speed_summary(eager, ort, config.threads, (load, load_after)))
+    say()
+    matched = ort.engine_ran and worst <= LOSS_TOLERANCE and all(map(math.isfinite, ort.losses))
     if matched:
         say(
             f"The losses match: the largest per-step difference is {worst:.2e} (tolerance {LOSS_TOLERANCE:g})."
