@@ -167,6 +167,33 @@ def test_register_with_named_children_and_unregister() -> None:
         unregister_container(Pair2)
 
 
+def test_register_with_subclasses_covers_the_whole_family() -> None:
+    class Store:
+        def __init__(self, data: Any) -> None:
+            self.data = data
+
+    class BigStore(Store):
+        pass
+
+    register_container(
+        Store,
+        lambda s: ({"data": s.data}, type(s)),
+        lambda children, cls: cls(children["data"]),
+        subclasses=True,
+    )
+    try:
+        t = torch.ones(2)
+        tensors, schema = flatten({"a": Store(t), "b": BigStore([t, 4])})
+        assert schema.names == ("input.a.data", "input.b.data.0")
+        back = unflatten(tensors, schema)
+        assert type(back["a"]) is Store and type(back["b"]) is BigStore
+        assert back["b"].data[0] is t and back["b"].data[1] == 4
+    finally:
+        unregister_container(Store)
+    with pytest.raises(TypeError, match="register_container"):
+        flatten([BigStore(1)])
+
+
 def test_registration_overrides_the_default_dataclass_handling() -> None:
     @dataclasses.dataclass
     class Cached:

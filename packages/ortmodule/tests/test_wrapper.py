@@ -267,6 +267,81 @@ def test_dtypes_without_cpu_kernels_get_a_clear_error(
         wrapped(torch.randn(3, 4, dtype=dtype)).sum().backward()
 
 
+class Switchable(torch.nn.Module):
+    """A flag read by forward, and a user method that calls the module itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.use_tanh = True
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        y = self.linear(x) * scale
+        return torch.tanh(y) if self.use_tanh else y
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x) + 1
+
+
+def test_attribute_writes_reach_the_wrapped_module_and_re_export() -> None:
+    torch.manual_seed(0)
+    eager, wrapped = _pair(Switchable())
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(wrapped(x), eager(x))
+    wrapped.use_tanh = False
+    eager.use_tanh = False
+    assert wrapped.module.use_tanh is False and "use_tanh" not in wrapped.__dict__
+    torch.testing.assert_close(wrapped(x), eager(x))  # a new graph, without tanh
+    assert wrapped._runner.transitions.builds == 2
+    wrapped.use_tanh = True
+    eager.use_tanh = True
+    torch.testing.assert_close(wrapped(x), eager(x))
+    assert wrapped._runner.transitions.builds == 3  # one graph per mode: the tanh one again
+    wrapped.use_tanh = True  # the same value: the key is unchanged
+    torch.testing.assert_close(wrapped(x), eager(x))
+    assert wrapped._runner.transitions.builds == 3
+    # submodules and parameters written through the wrapper land in the wrapped module
+    wrapped.extra = torch.nn.Linear(2, 2)
+    assert "extra" in dict(wrapped.module.named_children())
+    assert any(n.startswith("extra.") for n, _ in wrapped.named_parameters())
+    del wrapped.extra
+    assert not hasattr(wrapped.module, "extra")
+
+
+def test_user_methods_call_the_engine() -> None:
+    torch.manual_seed(0)
+    eager, wrapped = _pair(Switchable())
+    x = torch.randn(2, 4)
+    calls = []
+    runner = wrapped._runner
+    original = type(runner).__call__
+
+    def counting(self, args, kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return original(self, args, kwargs)
+
+    type(runner).__call__ = counting  # type: ignore[method-assign]
+    try:
+        out = wrapped.run(x)
+    finally:
+        type(runner).__call__ = original  # type: ignore[method-assign]
+    assert calls, "ORTModule(net).run(x) must reach the engine through self(x)"
+    out.sum().backward()
+    eager.run(x).sum().backward()
+    _assert_grads_equal(eager, wrapped)
+
+
+def test_forward_signature_is_the_wrapped_modules() -> None:
+    import inspect
+
+    wrapped = ORTModule(Switchable())
+    assert str(inspect.signature(wrapped.forward)) == str(inspect.signature(Switchable().forward))
+    assert list(inspect.signature(wrapped.forward).parameters) == ["x", "scale"]
+    clone = copy.deepcopy(wrapped)
+    assert list(inspect.signature(clone.forward).parameters) == ["x", "scale"]
+    assert clone(torch.randn(1, 4), scale=2.0).shape == (1, 3)
+
+
 def test_data_parallel_around_ortmodule_is_refused() -> None:
     model = ORTModule(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"DataParallel\(ORTModule\(model\)\) is not supported"):

@@ -27,6 +27,7 @@ from .export import (
 from .export_cache import ExportCache
 from .export_config import ExportConfig
 from .graph_transition import GraphKey, GraphTransitionManager, describe_change, parameter_signature
+from .mask_symbolics import register_mask_symbolics
 from .post_export import (
     register_post_export_pass,
     run_post_export_passes,
@@ -36,6 +37,7 @@ from .symbolic_registry import register_symbolic, registered_symbolics, unregist
 from .symbolics import register_builtin_symbolics
 
 register_builtin_symbolics()
+register_mask_symbolics()
 
 __version__ = "0.1.0"
 

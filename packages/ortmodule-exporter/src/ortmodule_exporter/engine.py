@@ -17,12 +17,13 @@ import onnx
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from . import density
+from . import density, onnx_graph
 from .built_graph_passes import run_built_graph_passes
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
 from .errors import EngineBuildError
 from .export import ExportedModel, SaveOptions
+from .onnx_graph import output_dependencies
 
 logger = logging.getLogger("ortmodule.engine")
 
@@ -135,7 +136,7 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     except Exception as err:
         raise EngineBuildError(
             f"the engine could not build the {'gradient' if config.build_gradient else 'inference'} "
-            f"graph: {err}"
+            f"graph{onnx_graph.node_location(str(err))}: {err}"
         ) from err
     info = builder.get_graph_info()
     model_bytes = run_built_graph_passes(
@@ -167,29 +168,6 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
         frontier_count=len(info.frontier_node_arg_map),
         output_dependencies=output_dependencies(exported.model, list(info.user_output_names)),
     )
-
-
-def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[frozenset[str]]:
-    """For each output, the graph inputs it is computed from (walking the graph backwards)."""
-    producer = {name: node for node in model.graph.node for name in node.output if name}
-    inputs = {vi.name for vi in model.graph.input}
-    result = []
-    for out in outputs:
-        seen: set[str] = set()
-        found: set[str] = set()
-        stack = [out]
-        while stack:
-            name = stack.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            if name in inputs:
-                found.add(name)
-            node = producer.get(name)
-            if node is not None:
-                stack.extend(i for i in node.input if i)
-        result.append(frozenset(found))
-    return result
 
 
 # -- sessions --------------------------------------------------------------------------------

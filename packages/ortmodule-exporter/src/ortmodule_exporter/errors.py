@@ -15,13 +15,23 @@ class ExportError(ORTModuleError):
     """The module could not be exported to ONNX.
 
     ``module_path`` is the qualified class of the module, ``op`` the ATen operator that failed
-    when one could be identified; the original error is chained as ``__cause__``.
+    when one could be identified, ``called_in`` the submodule that calls it (``"model.layers.0"``,
+    ``""`` for the module's own forward, None when unknown); the original error is chained as
+    ``__cause__``.
     """
 
-    def __init__(self, message: str, *, module_path: str = "", op: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        module_path: str = "",
+        op: str | None = None,
+        called_in: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.module_path = module_path
         self.op = op
+        self.called_in = called_in
 
 
 class UnsupportedOutputError(ExportError, TypeError):

@@ -31,6 +31,7 @@ from . import onnx_graph
 from .errors import ExportError, UnsupportedOutputError
 from .export_cache import ExportCache
 from .export_config import DEFAULT_OPSET, ExportConfig
+from .op_location import locate_operator
 from .symbolic_registry import symbolics_applied
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -142,6 +143,10 @@ class ExportedModel:
     variance_updates: dict[str, tuple[str, float]] = field(default_factory=dict)
     export_seconds: float = 0.0
     from_cache: bool = False
+    #: outputs computed from no input at all (index into ``output_schema``) -> traced value;
+    #: they are not graph outputs (the engine folds them into initializers, and its gradient
+    #: builder refuses an output no node produces), the runtime hands back the traced value
+    constant_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     #: the settings it was exported with (post-export passes read theirs from here)
     config: ExportConfig = field(default_factory=ExportConfig)
     #: graph inputs added by post-export passes: name -> what the runtime feeds
@@ -149,7 +154,21 @@ class ExportedModel:
 
     @property
     def user_output_names(self) -> tuple[str, ...]:
-        return tuple(self.output_schema.names)
+        """The graph's user outputs, in order: the output schema's names minus constants."""
+        names = self.output_schema.names
+        if not self.constant_outputs:
+            return tuple(names)
+        return tuple(n for i, n in enumerate(names) if i not in self.constant_outputs)
+
+    def restore_outputs(self, graph_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The user outputs in schema order: ``graph_outputs`` with the constants put back."""
+        if not self.constant_outputs:
+            return list(graph_outputs)
+        produced = iter(graph_outputs)
+        return [
+            self.constant_outputs[i] if i in self.constant_outputs else next(produced)
+            for i in range(len(self.output_schema.names))
+        ]
 
 
 def forward_signature(module: torch.nn.Module) -> inspect.Signature | None:
@@ -195,6 +214,7 @@ class _FlatModule(torch.nn.Module):
         self._input_schema = input_schema
         self.output_schema: Schema | None = None
         self.output_error: TypeError | None = None
+        self.traced_outputs: tuple[torch.Tensor, ...] = ()
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         arguments = unflatten(list(flat), self._input_schema)
@@ -205,6 +225,7 @@ class _FlatModule(torch.nn.Module):
             self.output_error = err
             raise
         self.output_schema = schema
+        self.traced_outputs = tuple(t.detach() for t in tensors)
         return tuple(tensors)
 
 
@@ -437,21 +458,33 @@ def _export(
             ) from err
         op = _failed_op(err)
         where = f" at operator {op}" if op else ""
+        called_in = None
+        if op:
+            with _preserved_state(target):
+                called_in = locate_operator(
+                    target, lambda m: call_bound(m, unflatten(list(tensors), input_schema)), op
+                )
+        if called_in is not None:
+            where += f" (called in {called_in or 'its own forward'})"
         raise ExportError(
             f"ORTModule could not export {module_path(module)}{where}: {err}\n"
             "Register a symbolic for the operator with ortmodule_exporter.register_symbolic, "
+            "compute that step differently in the module named above, "
             "or let ORTModule fall back to PyTorch (see ORTMODULE_FALLBACK_POLICY).",
             module_path=module_path(module),
             op=op,
+            called_in=called_in,
         ) from err
     finally:
         target.train(was_training)
     assert flat.output_schema is not None
     model = onnx.load_from_string(buf.getvalue())
     exported = _finish(model, input_schema, flat.output_schema, training, opset)
+    exported.constant_outputs = _drop_constant_outputs(model, flat.traced_outputs)
     exported.config = config
     exported.export_seconds = time.perf_counter() - start
-    if cache is not None and key is not None:
+    # the cache holds no tensors: a model with constant outputs is exported again next time
+    if cache is not None and key is not None and not exported.constant_outputs:
         cache.store(key, exported)
     if save is not None:
         _save(exported.model, save, "exported", training)
@@ -513,6 +546,29 @@ def _finish(
         training=training,
         opset=opset,
     )
+
+
+def _drop_constant_outputs(
+    model: onnx.ModelProto, traced: Sequence[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Remove the graph outputs that depend on no graph input; their traced values, by index.
+
+    Such an output is a constant (a cache layer's window size kept as a tensor, say): the
+    engine folds it into an initializer and then cannot build a gradient graph that has it as
+    an output.
+    """
+    graph = model.graph
+    names = [vi.name for vi in graph.output]
+    constants = {
+        i: traced[i].clone()
+        for i, deps in enumerate(onnx_graph.output_dependencies(model, names))
+        if not deps and i < len(traced)
+    }
+    if constants:
+        kept = [vi for i, vi in enumerate(graph.output) if i not in constants]
+        del graph.output[:]
+        graph.output.extend(kept)
+    return constants
 
 
 def _save(model: onnx.ModelProto, save: SaveOptions, stage: str, training: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import onnx
@@ -86,3 +87,42 @@ def graph_input_names(model: onnx.ModelProto) -> list[str]:
 
 def graph_output_names(model: onnx.ModelProto) -> list[str]:
     return [vi.name for vi in model.graph.output]
+
+
+def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[frozenset[str]]:
+    """For each output, the graph inputs it is computed from (walking the graph backwards)."""
+    producer = {name: node for node in model.graph.node for name in node.output if name}
+    inputs = {vi.name for vi in model.graph.input}
+    result = []
+    for out in outputs:
+        seen: set[str] = set()
+        found: set[str] = set()
+        stack = [out]
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in inputs:
+                found.add(name)
+            node = producer.get(name)
+            if node is not None:
+                stack.extend(i for i in node.input if i)
+        result.append(frozenset(found))
+    return result
+
+
+# an exported node's name is its module scope then the operator: /_ortmodule_wrapped/model/
+# layers.0/self_attn/CumSum_3 (the prefix is the exporter's wrapper attribute)
+_NODE_NAME = re.compile(r"/_ortmodule_wrapped/((?:[^/\s()']+/)*)([A-Za-z]+)(?:_\d+)?[)'\s:]")
+_NAMED_NODE = re.compile(r"[Nn]ode \(?'?" + _NODE_NAME.pattern)
+
+
+def node_location(message: str) -> str:
+    """`` at operator CumSum in model.layers.0.self_attn`` for the first exported node named in
+    an engine error message, or ``""`` when it names none."""
+    m = _NAMED_NODE.search(message) or _NODE_NAME.search(message)
+    if m is None:
+        return ""
+    path = m.group(1).strip("/").replace("/", ".")
+    return f" at operator {m.group(2)} in {path or 'the module itself'}"

@@ -266,6 +266,8 @@ if ContainerNode not in SUPPORTED_NODES:
 
 
 _registry: dict[type, ContainerHandler] = {}
+# Registrations that also cover subclasses (``register_container(..., subclasses=True)``).
+_family_registry: dict[type, ContainerHandler] = {}
 _registry_lock = threading.Lock()
 _MISSING: Final = object()
 _handler_cache: dict[type, ContainerHandler | None] = {}
@@ -278,6 +280,11 @@ def _find_handler(cls: type) -> ContainerHandler | None:
     user = _registry.get(cls)
     if user is not None:
         return user
+    if _family_registry:
+        for base in cls.__mro__:
+            family = _family_registry.get(base)
+            if family is not None:
+                return family
     if cls in SUPPORTED_NODES or is_namedtuple_class(cls) or issubclass(cls, _SCALAR_TYPES):
         return None  # torch's pytree handles it, or it is a leaf
     if dataclasses.is_dataclass(cls):
@@ -310,6 +317,8 @@ def register_container(
     cls: type[T],
     flatten_fn: Callable[[T], tuple[list[Any] | dict[str, Any], Hashable]],
     unflatten_fn: Callable[[Any, Any], T],
+    *,
+    subclasses: bool = False,
 ) -> None:
     """Teach flatten and unflatten a container type of your own.
 
@@ -318,7 +327,10 @@ def register_container(
     ``input.weight``, paths ``input.weight``); ``context`` is anything hashable and comparable
     that ``unflatten_fn`` needs besides the children. It is part of the schema, so a change in
     it is a schema change. ``unflatten_fn(children, context)`` gets the children back in the
-    same form (list or dict, same order) and returns the object. Matching is by exact type.
+    same form (list or dict, same order) and returns the object. Matching is by exact type,
+    or with ``subclasses=True`` also every subclass of ``cls`` (an exact registration of a
+    subclass wins; ``flatten_fn`` then gets the subclass instance, so put ``type(obj)`` into the
+    context when ``unflatten_fn`` must rebuild the same class).
 
     >>> class Pair:
     ...     def __init__(self, left, right):
@@ -349,7 +361,10 @@ def register_container(
                 f"{_qualname(cls)} is already registered; call "
                 "ortmodule_pytree.unregister_container first to replace it"
             )
-        _registry[cls] = UserHandler(cls, flatten_fn, unflatten_fn)
+        handler = UserHandler(cls, flatten_fn, unflatten_fn)
+        _registry[cls] = handler
+        if subclasses:
+            _family_registry[cls] = handler
         _handler_cache.clear()
 
 
@@ -359,6 +374,7 @@ def unregister_container(cls: type) -> None:
         if cls not in _registry:
             raise KeyError(f"{_qualname(cls)} is not registered with ortmodule_pytree")
         del _registry[cls]
+        _family_registry.pop(cls, None)
         _handler_cache.clear()
 
 

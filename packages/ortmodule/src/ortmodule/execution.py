@@ -295,6 +295,9 @@ class GraphRunner:
         self.exports = 0
         self._quiet = quiet
         self.last_times: PhaseTimer | None = None
+        self._signature: Any = None
+        #: attribute writes made through the wrapper (name -> value token): part of the key
+        self.module_state: dict[str, Any] = {}
         self._binder: _Binder | None = None
         self.step = StepContext(module, dict(config.pass_options))
 
@@ -318,7 +321,10 @@ class GraphRunner:
             build_gradient=training_graph,
             device=str(device),
             params=params,
-            options=(("opset", self.config.opset),),
+            options=(
+                ("opset", self.config.opset),
+                ("module_state", tuple(sorted(self.module_state.items()))),
+            ),
         )
 
     # -- one call ----------------------------------------------------------------------------
@@ -361,7 +367,10 @@ class GraphRunner:
             _apply_buffer_updates(graph.buffer_updates, outputs, old)
         for hook in reversed(hooks):
             hook.post_forward(self.step, outputs)
-        return unflatten(list(outputs[: graph.output_count]), graph.built.exported.output_schema)
+        exported = graph.built.exported
+        return unflatten(
+            exported.restore_outputs(outputs[: graph.output_count]), exported.output_schema
+        )
 
     def _check_inputs(self, flat: Sequence[torch.Tensor], device: torch.device) -> None:
         if device.type not in ("cpu", "cuda"):
@@ -513,7 +522,7 @@ class GraphRunner:
             else:
                 feeds.append(("param", _owner(self.module, name)))
         output_names = list(built.user_output_names)
-        n_user = len(exported.output_schema.names)
+        n_user = len(exported.user_output_names)
         updates = []
         for out_name, buffer in exported.buffer_updates.items():
             if out_name in output_names:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+import types
 import warnings
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from ortmodule_exporter.components import is_module_hook_handled, load_components
 
-from . import custom_autograd
+from . import custom_autograd, integrations
 from .debug_options import DebugOptions
 from .execution import GraphRunner
 from .fallback import FallbackManager
@@ -36,6 +40,9 @@ class ORTModule(torch.nn.Module):
 
     The wrapper behaves like the module it wraps: ``state_dict`` keys, parameters, buffers and
     children are the wrapped module's, attributes fall through to it, ``.module`` returns it.
+    Attribute writes reach the wrapped module (``model.use_cache = False``) and a changed flag
+    re-exports; the wrapped module's own methods run with ``self`` being the wrapper, so their
+    ``self(...)`` calls go through the engine; ``forward`` has the wrapped module's signature.
     """
 
     def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None) -> None:
@@ -43,10 +50,11 @@ class ORTModule(torch.nn.Module):
         super().__init__()
         self._modules[_WRAPPED] = module
         self.training = module.training
-        self._debug_options = debug_options
+        object.__setattr__(self, "_debug_options", debug_options)
         self._setup()
 
     def _setup(self) -> None:
+        integrations.install_available()
         options = RuntimeOptions.resolve(self._debug_options)
         configure_logger(options.log_level)
         # installed components (memory, Triton, QLoRA, ZeRO-3) register their plug-ins once
@@ -62,6 +70,21 @@ class ORTModule(torch.nn.Module):
         )
         object.__setattr__(self, "_fallback", FallbackManager(options, self.module))
         object.__setattr__(self, "_warned_hooks", False)
+        object.__setattr__(self, "forward", self._forward_with_module_signature())
+        self._runner.module_state = self.__dict__.setdefault("_written", {})
+
+    def _forward_with_module_signature(self) -> Callable[..., Any]:
+        """``forward`` as an instance attribute whose signature is the wrapped module's (Hugging
+        Face's Trainer reads it to choose which dataset columns to pass). A ``partial`` adds no
+        Python frame, so warnings keep pointing at the user's call."""
+        forward = functools.partial(ORTModule.forward, self)
+        wrapped_forward = self.module.forward
+        try:
+            forward.__signature__ = inspect.signature(wrapped_forward)  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            pass
+        forward.__doc__ = wrapped_forward.__doc__
+        return forward
 
     # -- the wrapped module ------------------------------------------------------------------
     @property
@@ -80,10 +103,84 @@ class ORTModule(torch.nn.Module):
             modules = self.__dict__.get("_modules")
             if modules is None or _WRAPPED not in modules:
                 raise
-            return getattr(modules[_WRAPPED], name)
+            wrapped = modules[_WRAPPED]
+            if _user_method(type(wrapped), name) is not None:
+                return self._routed_method(getattr(wrapped, name))
+            return getattr(wrapped, name)
+
+    def _routed_method(self, bound: Callable[..., Any]) -> Callable[..., Any]:
+        """``bound`` (a method of the wrapped module) run with the module's forward routed
+        through this wrapper, so ``self(x)`` and ``self.forward(x)`` inside it use the engine.
+
+        ``self`` stays the wrapped module (``type(self)``, ``super()`` and ``isinstance`` work as
+        in eager: Hugging Face's ``generate`` looks its decoding methods up on ``type(self)``).
+        """
+
+        @functools.wraps(bound)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            module = self.module
+            if "forward" in module.__dict__:  # already routed (a nested call) or user-set
+                return bound(*args, **kwargs)
+
+            def routed(*a: Any, **k: Any) -> Any:
+                # the export, the fallback and the signature see the module's own forward
+                del module.__dict__["forward"]
+                try:
+                    return self(*a, **k)
+                finally:
+                    module.__dict__["forward"] = routed
+
+            module.__dict__["forward"] = routed
+            try:
+                return bound(*args, **kwargs)
+            finally:
+                module.__dict__.pop("forward", None)
+
+        return call
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._owns(name):
+            super().__setattr__(name, value)
+            return
+        self._note_write(name, value)
+        setattr(self.module, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._owns(name):
+            super().__delattr__(name)
+            return
+        self._note_write(name, _DELETED)
+        delattr(self.module, name)
+
+    def _owns(self, name: str) -> bool:
+        """Attributes of the wrapper itself; every other write goes to the wrapped module."""
+        modules = self.__dict__.get("_modules")
+        return (
+            modules is None
+            or _WRAPPED not in modules
+            or name in self.__dict__
+            or hasattr(type(self), name)
+        )
+
+    def _note_write(self, name: str, value: Any) -> None:
+        # The written values are part of the graph key: a flag the forward reads (use_cache,
+        # a branch switch) changes the exported graph, so a new value re-exports and the old
+        # value finds its graph again. Unhashable values (modules, tensors) count by identity.
+        # Called before the write: the first write of a name remembers the value it replaces,
+        # so writing that value back gives the original key.
+        written: dict[str, Hashable] = self.__dict__["_written"]
+        first: dict[str, Hashable] = self.__dict__.setdefault("_first_values", {})
+        if name not in first:
+            first[name] = _token(getattr(self.module, name, _DELETED))
+        token = _token(value)
+        if token == first[name]:
+            written.pop(name, None)
+        else:
+            written[name] = token
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        integrations.install_available()
         fallback: FallbackManager = self._fallback
         if fallback.use_torch():
             return self.module(*args, **kwargs)
@@ -163,7 +260,7 @@ class ORTModule(torch.nn.Module):
     # -- copy and pickle: engine state is rebuilt lazily ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_runner", "_fallback", "_options"):
+        for name in ("_runner", "_fallback", "_options", "forward"):
             state.pop(name, None)
         return state
 
@@ -178,6 +275,33 @@ class ORTModule(torch.nn.Module):
         memo[id(self)] = clone
         clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return clone
+
+
+_DELETED = object()
+
+
+def _token(value: Any) -> Hashable:
+    try:
+        hash(value)
+        return (type(value), value)
+    except TypeError:
+        return (type(value), id(value))
+
+
+def _user_method(cls: type, name: str) -> Callable[..., Any] | None:
+    """``cls.name`` when it is a plain function the user's classes define (not nn.Module's)."""
+    if name.startswith("__") or name == "forward":
+        return None
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            if klass in _MODULE_BASES:
+                return None
+            found = klass.__dict__[name]
+            return found if isinstance(found, types.FunctionType) else None
+    return None
+
+
+_MODULE_BASES = frozenset(torch.nn.Module.__mro__)
 
 
 _DATA_PARALLEL_MESSAGE = (
