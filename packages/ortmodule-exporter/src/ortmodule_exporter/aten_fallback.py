@@ -22,8 +22,9 @@ Three routes lead there:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ __all__ = [
     "operator_export_type",
     "prepare_aten_nodes",
     "register_aten_route",
+    "untrainable_nodes",
+    "untrainable_ops_routed",
 ]
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -235,13 +238,13 @@ def _embedding(
 DEFAULT_ROUTES = ("aten::_upsample_bicubic2d_aa", "aten::_upsample_bilinear2d_aa")
 
 
-def _route(op: str) -> Any:
+def _route(op: str, overload: str | None = None) -> Any:
     name = op.split("::", 1)[1]
 
     def symbolic(g: Any, *args: Any) -> Any:
         node = g.original_node
-        overload = _overload_for(name, node)
-        outs = _aten(g, name, args, overload=overload, outputs=node.outputsSize())
+        chosen = _overload_for(name, node) if overload is None else overload
+        outs = _aten(g, name, args, overload=chosen, outputs=node.outputsSize())
         values = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         for value, original in zip(values, node.outputs(), strict=True):
             rank = original.type().dim() if hasattr(original.type(), "dim") else None
@@ -270,6 +273,142 @@ def register_aten_route(op: str) -> None:
     if not op.startswith("aten::"):
         raise ValueError(f"register_aten_route takes an aten:: operator, got {op!r}")
     register_symbolic(op, _route(op), 9)
+
+
+# -- operators whose ONNX form the engine cannot differentiate ----------------------------------
+
+#: value types that carry a gradient
+_FLOAT_SCALARS = frozenset({"Float", "Double", "Half", "BFloat16"})
+
+
+def _is_float(value: Any) -> bool:
+    try:
+        return value.type().scalarType() in _FLOAT_SCALARS
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def untrainable_nodes(inputs: Sequence[Any], nodes: Sequence[Any]) -> list[str]:
+    """ONNX op types among ``nodes`` (what one symbolic emitted, in order) that sit on a float
+    path from ``inputs`` and have no gradient in the engine (asked of the engine itself)."""
+    from .gradient_registry import engine_has_gradient
+
+    derived = {v.unique() for v in inputs if v is not None and _is_float(v)}
+    found: list[str] = []
+    for node in nodes:
+        if not any(i.unique() in derived for i in node.inputs()):
+            continue
+        kind = node.kind()
+        if kind.startswith("onnx::") and not engine_has_gradient(kind.split("::", 1)[1]):
+            found.append(kind.split("::", 1)[1])
+        derived.update(o.unique() for o in node.outputs() if _is_float(o))
+    return found
+
+
+def _aten_overload(node: Any) -> str:
+    try:
+        schema = node.schema()
+    except RuntimeError:
+        return _overload_for(node.kind().split("::", 1)[1], node)
+    if not schema.startswith("aten::"):
+        return ""
+    return str(torch._C.parse_schema(schema).overload_name)
+
+
+def _runnable_by_executor(name: str, overload: str, node: Any) -> bool:
+    try:
+        operator = aten_executor.aten_operator(name, overload, node.inputsSize())
+    except aten_executor.UnsupportedAtenOperatorError:
+        return False
+    if len(operator.args) != node.inputsSize():
+        return False
+    if any(a.kind == "other" for a in operator.args) or any(
+        r != "Tensor" for r in operator.returns
+    ):
+        return False  # lists of tensors, strings, ...: the executor cannot pass them
+    return all(i.node().kind() != "prim::ListConstruct" for i in node.inputs())
+
+
+def _route_untrainable(original: Any) -> Any:
+    """Wrap torch's per-node symbolic dispatch: when the ONNX nodes a symbolic emitted hold one
+    the engine cannot differentiate (CumSum, Floor, ReduceMax, ...) on a float path of a training
+    export, replace them with one ATen node, which PyTorch runs and differentiates."""
+
+    def run(
+        graph: Any,
+        block: Any,
+        node: Any,
+        inputs: Any,
+        env: Any,
+        values_in_env: Any,
+        new_nodes: list[Any],
+        operator_export_type: Any = torch.onnx.OperatorExportTypes.ONNX,
+    ) -> Any:
+        mark = len(new_nodes)
+        result = original(
+            graph, block, node, inputs, env, values_in_env, new_nodes, operator_export_type
+        )
+        kind = node.kind()
+        if (
+            operator_export_type != torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK
+            or not kind.startswith("aten::")
+            or result is None
+            or any(n.kind().startswith(("aten::", f"{ATEN_DOMAIN}::")) for n in new_nodes[mark:])
+            or any(len(list(n.blocks())) for n in new_nodes[mark:])
+        ):
+            return result
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+
+        if GLOBALS.training_mode != torch.onnx.TrainingMode.TRAINING:
+            return result
+        bad = untrainable_nodes(list(inputs), new_nodes[mark:])
+        if not bad:
+            return result
+        name = kind.split("::", 1)[1].rstrip("_")
+        overload = _aten_overload(node)
+        outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+        if (
+            len(outputs) != node.outputsSize()
+            or not _runnable_by_executor(name, overload, node)
+            or any(i is None for i in inputs)
+        ):
+            return result
+        for created in reversed(new_nodes[mark:]):
+            if any(o.uses() for o in created.outputs()):
+                return result  # something already reads them: keep the symbolic's nodes
+            created.destroy()
+        del new_nodes[mark:]
+        from torch.onnx._internal.torchscript_exporter import jit_utils
+        from torch.onnx._internal.torchscript_exporter import utils as export_utils
+
+        g = jit_utils.GraphContext(
+            graph=graph,
+            block=block,
+            opset=GLOBALS.export_onnx_opset_version,
+            original_node=node,
+            params_dict=export_utils._params_dict,
+            env=env,
+            values_in_env=values_in_env,
+            new_nodes=new_nodes,
+        )
+        logger.debug("aten::%s runs in PyTorch: the engine has no gradient for %s", name, bad)
+        return _route(f"aten::{name}", overload)(g, *inputs)
+
+    run.__wrapped__ = original  # type: ignore[attr-defined]
+    return run
+
+
+@contextlib.contextmanager
+def untrainable_ops_routed() -> Iterator[None]:
+    """For one export: operators whose ONNX form the engine cannot train become ATen nodes."""
+    from torch.onnx._internal.torchscript_exporter import utils as export_utils
+
+    original = export_utils._run_symbolic_function
+    export_utils._run_symbolic_function = _route_untrainable(original)
+    try:
+        yield
+    finally:
+        export_utils._run_symbolic_function = original
 
 
 # -- einsum ----------------------------------------------------------------------------------------

@@ -298,6 +298,7 @@ def export(
         with (
             _preserved_state(target),
             symbolics_applied(opset),
+            aten_fallback.untrainable_ops_routed(),
             python_op.exporting_copy_of(module, target),
             warnings.catch_warnings(),
         ):
