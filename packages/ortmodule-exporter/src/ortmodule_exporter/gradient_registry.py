@@ -77,11 +77,11 @@ def _probe_model(op_type: str, domain: str, opset: int) -> tuple[onnx.ModelProto
         names.append(name)
         if elem == onnx.TensorProto.FLOAT:
             float_inputs.append(name)
-    attrs: dict[str, Any] = {
-        name: _ATTR_DEFAULTS[int(a.type)]
-        for name, a in schema.attributes.items()
-        if a.required and int(a.type) in _ATTR_DEFAULTS
-    }
+    attrs: dict[str, Any] = {}
+    for name, a in schema.attributes.items():
+        kind = int(getattr(a.type, "value", 0))  # a pybind enum; its stub has no int()
+        if a.required and kind in _ATTR_DEFAULTS:
+            attrs[name] = _ATTR_DEFAULTS[kind]
     node = onnx.helper.make_node(op_type, names, ["y"], domain=domain, **attrs)
     loss = onnx.helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)
     graph = onnx.helper.make_graph(
