@@ -195,7 +195,9 @@ def _scalar_type(code: int) -> torch.dtype:
     return _type_utils.JitScalarType(int(code)).dtype()
 
 
-def _read(arg: _Arg, value: torch.Tensor | None, as_bool: bool) -> Any:
+def _read(arg: _Arg, value: Any, as_bool: bool) -> Any:
+    if isinstance(value, (str, list)):
+        return value  # a string or a list of tensors, handed over by a PythonOp (AtenOp)
     if value is None:
         if arg.optional or arg.kind == "Tensor":
             return None

@@ -692,6 +692,22 @@ def _type_aten_outputs(model: onnx.ModelProto) -> None:
                 vi.type.tensor_type.elem_type = types[list(node.output).index(vi.name)][0]
 
 
+def _grouped(inputs: list[Any], groups: str) -> list[Any]:
+    """Pack the tensors of list arguments back into lists: ``groups`` is ``"start:count,..."``
+    over ``inputs`` (a list argument reaches the PythonOp as its tensors, one input each)."""
+    if not groups:
+        return inputs
+    packed: list[Any] = []
+    position = 0
+    for group in groups.split(","):
+        start, count = (int(v) for v in group.split(":"))
+        packed.extend(inputs[position:start])
+        packed.append(list(inputs[start : start + count]))
+        position = start + count
+    packed.extend(inputs[position:])
+    return packed
+
+
 class AtenOp(torch.autograd.Function):
     """A PyTorch operator with no ONNX form, run by the engine as a PythonOp during training.
 
@@ -703,7 +719,8 @@ class AtenOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, spec: str, *inputs: Any) -> tuple[Any, ...]:
-        operator, _, overload = spec.partition("|")
+        operator, _, rest = spec.partition("|")
+        overload, _, groups = rest.partition("|")
         needs = tuple(getattr(ctx, "needs_input_grad", ()))[1:] or (False,) * len(inputs)
         leaves = list(inputs)
         with torch.enable_grad():
@@ -711,7 +728,7 @@ class AtenOp(torch.autograd.Function):
                 if needs[i] and isinstance(t, torch.Tensor) and t.is_floating_point():
                     leaves[i] = t.detach().requires_grad_(True)
             try:
-                outputs = aten_executor.execute(operator, overload, leaves)
+                outputs = aten_executor.execute(operator, overload, _grouped(leaves, groups))
             except Exception as err:
                 if hasattr(err, "add_note"):
                     err.add_note(f"raised by aten::{operator}.{overload or 'default'}")
@@ -750,32 +767,50 @@ def _as_python_op(
     types: Mapping[str, int],
     ranks: Mapping[str, int | None],
     training: bool,
+    strings: Mapping[str, str] | None = None,
+    sequences: Mapping[str, list[str]] | None = None,
 ) -> list[onnx.NodeProto]:
-    """``node`` (an ATen node) as a PythonOp running :class:`AtenOp`, plus casts of bool outputs."""
+    """``node`` (an ATen node) as a PythonOp running :class:`AtenOp`, plus casts of bool outputs.
+
+    ``strings``: inputs that are string constants (passed as Python strings); ``sequences``:
+    inputs that are ``SequenceConstruct`` outputs (passed as their tensors, packed back into a
+    list by :class:`AtenOp`)."""
+    strings = strings or {}
+    sequences = sequences or {}
     from . import python_op, python_op_runner
 
     python_op_runner.install()  # the node needs the PythonOp runners
     entry = python_op.REGISTRY.register(AtenOp)
     operator = attribute(node, "operator", "")
     overload = attribute(node, "overload_name", "") or ""
-    spec = f"{operator}|{overload}"
-    pointers = [python_op.REGISTRY.keep(spec)]
+    pointers: list[int] = []
     positions = [0]
     convention = "c"
     tensors, input_types, input_ranks = [], [], []
-    for position, name in enumerate(node.input, start=1):
-        if not name:
+    groups: list[str] = []
+    position = 1
+    for name in node.input:
+        if not name or name in strings:
+            # a missing optional argument, or a string (the engine has no string tensors)
             convention += "c"
-            pointers.append(python_op.REGISTRY.keep(None))
+            pointers.append(python_op.REGISTRY.keep(strings.get(name)))
             positions.append(position)
+            position += 1
             continue
-        convention += "d"
-        elem = types.get(name, onnx.TensorProto.FLOAT)
-        if elem == onnx.TensorProto.BOOL:
-            entry.bool_inputs.add(position)
-        tensors.append(name)
-        input_types.append(elem)
-        input_ranks.append(ranks.get(name) or 0)
+        members = sequences.get(name, [name])
+        if name in sequences:
+            groups.append(f"{position - 1}:{len(members)}")
+        for member in members:
+            convention += "d"
+            elem = types.get(member, onnx.TensorProto.FLOAT)
+            if elem == onnx.TensorProto.BOOL:
+                entry.bool_inputs.add(position)
+            tensors.append(member)
+            input_types.append(elem)
+            input_ranks.append(ranks.get(member) or 0)
+            position += 1
+    spec = f"{operator}|{overload}" + (f"|{','.join(groups)}" if groups else "")
+    pointers.insert(0, python_op.REGISTRY.keep(spec))
     tag = node.name or f"aten_{operator}_{id(node)}"
     outputs: list[str] = [f"{tag}_ctx"]
     output_types: list[int] = []
@@ -805,6 +840,31 @@ def _as_python_op(
         comment=f"aten::{operator}.{overload or 'default'}",
     )
     return [op, *casts]
+
+
+def _string_constants(graph: onnx.GraphProto) -> dict[str, str]:
+    """Constant values that are one string (an ATen node's ``reduce="amax"`` and the like)."""
+    found = {}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.STRING:  # torch writes value= as a string
+                    found[node.output[0]] = a.s.decode()
+                elif a.name == "value" and a.t.data_type == onnx.TensorProto.STRING:
+                    values = list(a.t.string_data)
+                    if len(values) == 1:
+                        found[node.output[0]] = values[0].decode()
+    return found
+
+
+def _sequence_inputs(graph: onnx.GraphProto) -> dict[str, list[str]]:
+    """``SequenceConstruct`` outputs read by ATen nodes -> the tensors they hold."""
+    read = {name for n in graph.node if n.domain == ATEN_DOMAIN for name in n.input}
+    return {
+        n.output[0]: list(n.input)
+        for n in graph.node
+        if n.op_type == "SequenceConstruct" and n.output[0] in read
+    }
 
 
 def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
@@ -837,6 +897,7 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
     ranks = {name: (len(dims) if dims is not None else None) for name, (_t, dims) in known.items()}
     count = 0
     nodes: list[onnx.NodeProto] = []
+    strings, sequences = _string_constants(graph), _sequence_inputs(graph)
     for node in graph.node:
         if node.domain != ATEN_DOMAIN:
             nodes.append(node)
@@ -846,15 +907,15 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
         overload = attribute(node, "overload_name", "") or ""
         internal = operator.startswith("_ortmodule_") and operator != EINSUM
         float_out = any(name and types.get(name) in _FLOATS for name in node.output)
-        float_in = any(name and types.get(name) in _FLOATS for name in node.input)
-        if (
-            training
-            and not internal
-            and float_out
-            and float_in
-            and not has_gradient(operator, overload)
+        elements = [m for name in node.input for m in sequences.get(name, [name])]
+        float_in = any(name and types.get(name) in _FLOATS for name in elements)
+        # the engine's ATen kernel passes tensors only: strings and lists go through a PythonOp
+        untensored = any(name in strings or name in sequences for name in node.input)
+        if not internal and (
+            untensored
+            or (training and float_out and float_in and not has_gradient(operator, overload))
         ):
-            nodes.extend(_as_python_op(node, types, ranks, training))
+            nodes.extend(_as_python_op(node, types, ranks, training, strings, sequences))
             continue
         bools = {
             i
@@ -869,6 +930,14 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
                 raw = f"{name}__uint8"
                 node.output[slot] = raw
                 nodes.append(onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL))
+    used = {name for n in nodes for name in n.input} | {o.name for o in graph.output}
+    # lists and strings now reach the PythonOps directly; the engine has no use for them
+    nodes = [
+        n
+        for n in nodes
+        if not (n.op_type == "SequenceConstruct" or n.output[0] in strings)
+        or any(o in used for o in n.output)
+    ]
     del graph.node[:]
     graph.node.extend(nodes)
     from .python_op import PYTHON_OP_DOMAIN
