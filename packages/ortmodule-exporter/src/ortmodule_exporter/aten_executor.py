@@ -126,6 +126,7 @@ def _kind(jit_type: Any) -> tuple[str, bool]:
             "SymIntType": "int[]",
             "FloatType": "float[]",
             "BoolType": "bool[]",
+            "TensorType": "Tensor[]",
         }
         return names.get(element, "other"), optional
     names = {

@@ -282,15 +282,22 @@ _FLOAT_SCALARS = frozenset({"Float", "Double", "Half", "BFloat16"})
 
 
 def _is_float(value: Any) -> bool:
+    """A float tensor, or a list built from one (``torch.hstack([x, y])``)."""
     try:
-        return value.type().scalarType() in _FLOAT_SCALARS
+        if value.type().scalarType() in _FLOAT_SCALARS:
+            return True
     except (AttributeError, RuntimeError):
-        return False
+        pass
+    producer = value.node()
+    return producer.kind() in ("onnx::SequenceConstruct", "prim::ListConstruct") and any(
+        _is_float(v) for v in producer.inputs()
+    )
 
 
 def untrainable_nodes(inputs: Sequence[Any], nodes: Sequence[Any]) -> list[str]:
     """ONNX op types among ``nodes`` (what one symbolic emitted, in order) that sit on a float
-    path from ``inputs`` and have no gradient in the engine (asked of the engine itself)."""
+    path from ``inputs`` and that the engine cannot train: no gradient builder (asked of the
+    engine itself), or an axis into a 0-d tensor."""
     from .gradient_registry import engine_has_gradient
 
     derived = {v.unique() for v in inputs if v is not None and _is_float(v)}
@@ -299,10 +306,53 @@ def untrainable_nodes(inputs: Sequence[Any], nodes: Sequence[Any]) -> list[str]:
         if not any(i.unique() in derived for i in node.inputs()):
             continue
         kind = node.kind()
-        if kind.startswith("onnx::") and not engine_has_gradient(kind.split("::", 1)[1]):
-            found.append(kind.split("::", 1)[1])
+        op_type = kind.split("::", 1)[1]
+        if kind.startswith("onnx::") and not engine_has_gradient(op_type):
+            found.append(op_type)
+        elif op_type in _AXIS_OPS and _rank(next(iter(node.inputs()), None)) == 0:
+            found.append(f"{op_type} on a 0-d tensor")
         derived.update(o.unique() for o in node.outputs() if _is_float(o))
     return found
+
+
+#: ONNX operators whose axis must index a dimension: PyTorch accepts dim=0 (or -1) on a 0-d
+#: tensor, the engine's shape inference rejects it
+_AXIS_OPS = frozenset(
+    {
+        "Softmax",
+        "LogSoftmax",
+        "Hardmax",
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceProd",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSumExp",
+        "ReduceSumSquare",
+        "TopK",
+        "Gather",
+        "GatherElements",
+        "GatherND",
+        "ArgMax",
+        "ArgMin",
+        "CumSum",
+        "Concat",
+        "Split",
+        "ScatterElements",
+    }
+)
+
+
+def _rank(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        rank = value.type().dim()
+    except (AttributeError, RuntimeError):
+        return None
+    return int(rank) if rank is not None else None
 
 
 def _aten_overload(node: Any) -> str:
@@ -322,11 +372,24 @@ def _runnable_by_executor(name: str, overload: str, node: Any) -> bool:
         return False
     if len(operator.args) != node.inputsSize():
         return False
-    if any(a.kind == "other" for a in operator.args) or any(
-        r != "Tensor" for r in operator.returns
-    ):
-        return False  # lists of tensors, strings, ...: the executor cannot pass them
-    return all(i.node().kind() != "prim::ListConstruct" for i in node.inputs())
+    # tensor lists reach it through a PythonOp (prepare_aten_nodes); other kinds cannot
+    return not any(a.kind == "other" for a in operator.args) and all(
+        r == "Tensor" for r in operator.returns
+    )
+
+
+def _key(node: Any) -> tuple[int, ...]:
+    """A node's identity (pybind hands out a new wrapper object at every access)."""
+    return tuple(o.unique() for o in node.outputs())
+
+
+def _inner_nodes(node: Any) -> list[Any]:
+    found = []
+    for block in node.blocks():
+        for inner in block.nodes():
+            found.append(inner)
+            found.extend(_inner_nodes(inner))
+    return found
 
 
 def _route_untrainable(original: Any) -> Any:
@@ -354,14 +417,20 @@ def _route_untrainable(original: Any) -> Any:
             or not kind.startswith("aten::")
             or result is None
             or any(n.kind().startswith(("aten::", f"{ATEN_DOMAIN}::")) for n in new_nodes[mark:])
-            or any(len(list(n.blocks())) for n in new_nodes[mark:])
         ):
             return result
         from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 
-        if GLOBALS.training_mode != torch.onnx.TrainingMode.TRAINING:
-            return result
         bad = untrainable_nodes(list(inputs), new_nodes[mark:])
+        if any(list(n.blocks()) for n in new_nodes[mark:]) and any(
+            i is not None and _is_float(i) for i in inputs
+        ):
+            # the engine's gradient builder aborts the process on some If/Loop subgraphs
+            # (diagonal, hstack): control flow over a float input is never handed to it
+            bad.append("control flow")
+        if GLOBALS.training_mode != torch.onnx.TrainingMode.TRAINING:
+            # an inference graph needs no gradient, only shapes the engine accepts
+            bad = [b for b in bad if b.endswith("0-d tensor")]
         if not bad:
             return result
         name = kind.split("::", 1)[1].rstrip("_")
@@ -373,10 +442,11 @@ def _route_untrainable(original: Any) -> Any:
             or any(i is None for i in inputs)
         ):
             return result
+        # nodes inside If/Loop bodies go with their owner; the rest are destroyed users first
+        nested = {_key(inner) for n in new_nodes[mark:] for inner in _inner_nodes(n)}
         for created in reversed(new_nodes[mark:]):
-            if any(o.uses() for o in created.outputs()):
-                return result  # something already reads them: keep the symbolic's nodes
-            created.destroy()
+            if _key(created) not in nested:
+                created.destroy()
         del new_nodes[mark:]
         from torch.onnx._internal.torchscript_exporter import jit_utils
         from torch.onnx._internal.torchscript_exporter import utils as export_utils
@@ -758,8 +828,18 @@ class AtenOp(torch.autograd.Function):
                 allow_unused=True,
             )
             for i, g in zip(wanted, computed, strict=True):
-                gradients[i] = g
+                gradients[i] = _materialized(g)
         return (None, *gradients)
+
+
+def _materialized(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient the engine can read: autograd may return a ZeroTensor (no storage: sgn's
+    gradient) or an empty tensor with any strides, both of which crash a DLPack reader."""
+    if grad is None:
+        return None
+    if grad._is_zerotensor() or grad.numel() == 0:
+        return torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
+    return grad if grad.is_contiguous() else grad.contiguous()
 
 
 def _as_python_op(
