@@ -198,6 +198,12 @@ def _outside_engine(op: Any, sample: Any) -> str | None:
     return None
 
 
+def _is_random(op: Any) -> bool:
+    """OpInfo runs random operators under a fixed seed (``wrapper_set_seed``)."""
+    code = getattr(op.op, "__code__", None)
+    return code is not None and "wrapper_set_seed" in code.co_names
+
+
 def _short(text: str) -> str:
     """An error without the engine's C++ source locations and signatures."""
     text = re.sub(r"/onnxruntime_src/\S+ ", "", text)
@@ -224,6 +230,9 @@ def run_op(op: Any) -> dict[str, Any]:
             routes |= run_sample(op, sample)
         except Exception as err:  # noqa: BLE001 - the failure is the result
             text = _short(f"{type(err).__name__}: {err}")
+            if _is_random(op):
+                # the engine draws its own random numbers: no element-by-element oracle
+                return {"status": "skip", "error": f"random: {' '.join(text.split())[:200]}"}
             return {
                 "status": "fail",
                 "sample": kind,

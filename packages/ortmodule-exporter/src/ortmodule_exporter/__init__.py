@@ -7,6 +7,7 @@
 ('weight', 'bias')
 """
 
+from . import output_ranks  # noqa: F401 - registers its post-export pass
 from .errors import (
     EngineBuildError,
     ExportError,

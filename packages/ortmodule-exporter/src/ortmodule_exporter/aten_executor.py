@@ -137,6 +137,7 @@ def _kind(jit_type: Any) -> tuple[str, bool]:
         "BoolType": "bool",
         "NumberType": "Scalar",
         "ScalarTypeType": "ScalarType",
+        "StringType": "str",  # reaches the executor through a PythonOp (AtenOp) only
     }
     return names.get(kind, "other"), optional
 

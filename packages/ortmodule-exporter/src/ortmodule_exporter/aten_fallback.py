@@ -233,9 +233,15 @@ def _embedding(
 
 # -- operators routed whole ----------------------------------------------------------------------
 
-#: operators with no ONNX symbolic that we always route to ATen: antialiased resampling (plain
-#: bicubic and bilinear export to ONNX Resize, which the engine trains)
-DEFAULT_ROUTES = ("aten::_upsample_bicubic2d_aa", "aten::_upsample_bilinear2d_aa")
+#: operators we always route to ATen: antialiased resampling (no ONNX symbolic; plain bicubic
+#: and bilinear export to ONNX Resize, which the engine trains), and scatter_add, whose
+#: ScatterElements(reduction=add) gradient in the engine gives 0 instead of 1 for ``self`` at
+#: the scattered positions (a silently wrong gradient)
+DEFAULT_ROUTES = (
+    "aten::_upsample_bicubic2d_aa",
+    "aten::_upsample_bilinear2d_aa",
+    "aten::scatter_add",
+)
 
 
 def _route(op: str, overload: str | None = None) -> Any:
@@ -311,8 +317,17 @@ def untrainable_nodes(inputs: Sequence[Any], nodes: Sequence[Any]) -> list[str]:
             found.append(op_type)
         elif op_type in _AXIS_OPS and _rank(next(iter(node.inputs()), None)) == 0:
             found.append(f"{op_type} on a 0-d tensor")
-        derived.update(o.unique() for o in node.outputs() if _is_float(o))
+        derived.update(o.unique() for o in node.outputs() if _maybe_float(o))
     return found
+
+
+def _maybe_float(value: Any) -> bool:
+    """Float, or of a type the exporter has not inferred (a path is kept until proven int)."""
+    try:
+        scalar = value.type().scalarType()
+    except (AttributeError, RuntimeError):
+        return True
+    return scalar is None or scalar in _FLOAT_SCALARS
 
 
 #: ONNX operators whose axis must index a dimension: PyTorch accepts dim=0 (or -1) on a 0-d
