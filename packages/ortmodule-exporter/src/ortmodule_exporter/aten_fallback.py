@@ -645,7 +645,7 @@ def _value_types(model: onnx.ModelProto) -> dict[str, int]:
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for a in node.attribute:
-                if a.name == "value":
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     types[node.output[0]] = a.t.data_type
     return types
 
@@ -684,7 +684,7 @@ def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for a in node.attribute:
-                if a.name == "value":
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     values[node.output[0]] = onnx.numpy_helper.to_array(a.t)
     return values
 
@@ -693,6 +693,8 @@ def _output_types(
     node: onnx.NodeProto,
     known: Mapping[str, tuple[int, list[int | None] | None]],
     constants: Mapping[str, np.ndarray],
+    strings: Mapping[str, str] | None = None,
+    sequences: Mapping[str, list[str]] | None = None,
 ) -> list[tuple[int, int | None]] | None:
     """(elem_type, rank) of each output of an ATen node, found by running its operator on
     PyTorch's meta device (no data, no compute); None when that is not possible."""
@@ -700,19 +702,35 @@ def _output_types(
 
     operator = attribute(node, "operator", "")
     overload = attribute(node, "overload_name", "") or ""
-    inputs: list[torch.Tensor | None] = []
-    for name in node.input:
-        if not name:
-            inputs.append(None)
-        elif name in constants:
-            inputs.append(torch.from_numpy(np.array(constants[name])))
-        elif name in known:
+    strings = strings or {}
+    sequences = sequences or {}
+
+    def meta(name: str) -> torch.Tensor | None:
+        if name in constants:
+            return torch.from_numpy(np.array(constants[name]))
+        if name in known:
             elem_type, dims = known[name]
             dtype = torch.from_numpy(np.zeros(0, dtype=tensor_dtype_to_np_dtype(elem_type))).dtype
             shape = [d if d else 2 for d in dims] if dims is not None else [2]
-            inputs.append(torch.empty(shape, dtype=dtype, device="meta"))
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return None
+
+    inputs: list[Any] = []
+    for name in node.input:
+        if not name:
+            inputs.append(None)
+        elif name in strings:
+            inputs.append(strings[name])
+        elif name in sequences:
+            members = [meta(m) for m in sequences[name]]
+            if any(m is None for m in members):
+                return None
+            inputs.append(members)
         else:
-            return None
+            value = meta(name)
+            if value is None:
+                return None
+            inputs.append(value)
     try:
         with torch.no_grad():
             results = aten_executor.execute(operator, overload, inputs)
@@ -755,11 +773,12 @@ def _type_aten_outputs(model: onnx.ModelProto) -> None:
     if not todo:
         return
     constants = _constant_values(graph)
+    strings, sequences = _string_constants(graph), _sequence_inputs(graph)
     known = _known(model)
     for node in todo:
         if any(name and name not in known and name not in constants for name in node.input):
             known = _known(model)
-        types = _output_types(node, known, constants)
+        types = _output_types(node, known, constants, strings, sequences)
         if types is None:
             logger.warning(
                 "could not type the outputs of ATen node %s; the engine may refuse it", node.name
