@@ -112,3 +112,20 @@ def test_string_and_list_arguments_reach_pytorch() -> None:
     assert {"index_reduce", "block_diag"} <= set(_aten_ops(run.built.exported.model))
     types = {vi.type.tensor_type.elem_type for vi in run.built.exported.model.graph.value_info}
     assert onnx.TensorProto.STRING not in types
+
+
+class MaxDim(torch.nn.Module):
+    # no other operator: the CPU engine has few bfloat16 kernels (not even Mul)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = torch.max(x, 1, keepdim=True)
+        return values, indices
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_max_with_dim_in_half_precision_keeps_the_dtype(dtype: torch.dtype) -> None:
+    # issue #20 B4: TopK has no bfloat16 CPU kernel and ran float16 through float32
+    x = torch.randn(4, 6).to(dtype).requires_grad_()
+    run = assert_engine_matches_eager(MaxDim(), (x,), rtol=0, atol=0)  # max is exact
+    assert run.outputs[0].dtype == dtype
+    assert run.outputs[1].dtype == torch.int64
+    assert "max" in _aten_ops(run.built.exported.model)
