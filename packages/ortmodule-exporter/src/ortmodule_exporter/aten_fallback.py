@@ -234,13 +234,15 @@ def _embedding(
 # -- operators routed whole ----------------------------------------------------------------------
 
 #: operators we always route to ATen: antialiased resampling (no ONNX symbolic; plain bicubic
-#: and bilinear export to ONNX Resize, which the engine trains), and scatter_add, whose
-#: ScatterElements(reduction=add) gradient in the engine gives 0 instead of 1 for ``self`` at
-#: the scattered positions (a silently wrong gradient)
+#: and bilinear export to ONNX Resize, which the engine trains), and operators whose ONNX form
+#: the engine differentiates silently wrong: scatter_add (ScatterElements(reduction=add) gives
+#: ``self`` a gradient of 0 instead of 1 at the scattered positions), native_layer_norm (the
+#: LayerNormalization gradient ignores gradients reaching its mean and rstd outputs)
 DEFAULT_ROUTES = (
     "aten::_upsample_bicubic2d_aa",
     "aten::_upsample_bilinear2d_aa",
     "aten::scatter_add",
+    "aten::native_layer_norm",
 )
 
 
@@ -249,7 +251,7 @@ def _route(op: str, overload: str | None = None) -> Any:
 
     def symbolic(g: Any, *args: Any) -> Any:
         node = g.original_node
-        chosen = _overload_for(name, node) if overload is None else overload
+        chosen = _aten_overload(node) if overload is None else overload
         outs = _aten(g, name, args, overload=chosen, outputs=node.outputsSize())
         values = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         for value, original in zip(values, node.outputs(), strict=True):
@@ -371,10 +373,14 @@ def _rank(value: Any) -> int | None:
 
 
 def _aten_overload(node: Any) -> str:
+    """The overload a traced node calls, from its schema (index_fill.int_Tensor and
+    index_fill.int_Scalar take as many arguments); by argument count when it has none."""
     try:
         schema = node.schema()
     except RuntimeError:
-        return _overload_for(node.kind().split("::", 1)[1], node)
+        schema = "(no schema)"
+    if schema == "(no schema)":
+        return _overload_for(node.kind().split("::", 1)[1].rstrip("_"), node)
     if not schema.startswith("aten::"):
         return ""
     return str(torch._C.parse_schema(schema).overload_name)
