@@ -108,13 +108,22 @@ def _probe(op_type: str, domain: str, opset: int) -> bool:
     if not float_inputs:
         return True
     C = _C()
-    options = C.SessionOptions()
-    options.log_severity_level = 3  # the probe's failures are answers, not news
+    # the same builder as a real build, so the engine's pre-gradient rewrites apply (it trains
+    # BatchNormalization as BatchNormInternal, which has the gradient)
+    config = C.OrtModuleGraphBuilderConfiguration()
+    config.initializer_names = []
+    config.initializer_names_to_train = []
+    config.input_names_require_grad = list(float_inputs)
+    config.build_gradient_graph = True
+    config.enable_caching = False
+    config.loglevel = C.Severity(3) if hasattr(C, "Severity") else 3
+    transformer = C.TrainingGraphTransformerConfiguration()
+    transformer.propagate_cast_ops_config = C.PropagateCastOpsConfiguration()
+    transformer.enable_compute_optimizer = False
     try:
-        builder = C.GradientGraphBuilder(
-            model.SerializeToString(), {"loss"}, set(float_inputs), "loss", options
-        )
-        builder.build()
+        builder = C.OrtModuleGraphBuilder()
+        builder.initialize(model.SerializeToString(), config)
+        builder.build(transformer)
     except Exception as err:  # noqa: BLE001 - the engine's answer is in the message
         return _NOT_REGISTERED not in str(err)
     return True
