@@ -7,7 +7,7 @@ the reason) or ``skip`` (no sample to run). Each op runs in a worker process
 in a fresh worker. A regression fails, and so does an op that starts passing, until the data
 file says so; ``docs/operators.md`` is generated from the same file (``tools/operators_doc.py``).
 
-Rewrite the data file from a run (keeping the recorded reasons of ops still unsupported):
+Rewrite the data file from a run (each unsupported op's reason is the error of that run):
 ``ORTMODULE_OPINFO_UPDATE=1 pytest packages/ortmodule/tests/test_opinfo.py``
 """
 
@@ -150,12 +150,11 @@ def _write_data(results: dict[str, dict[str, Any]]) -> None:
             continue
         status = result["status"]
         if status == "fail":
-            old = table.get(name, {})
-            kept = old.get("status") == "unsupported" and old.get("reason") != "not run yet"
-            reason = old.get("reason") if kept else None
+            # the reason is this run's error, so it never describes a failure since fixed
+            reason = result["error"]
             if result.get("died"):
-                reason = f"process dies: {result['error']}"
-            table[name] = {"status": "unsupported", "reason": reason or result["error"]}
+                reason = f"process dies: {reason}"
+            table[name] = {"status": "unsupported", "reason": reason}
         else:
             table[name] = {
                 "status": status,
