@@ -129,3 +129,17 @@ def test_max_with_dim_in_half_precision_keeps_the_dtype(dtype: torch.dtype) -> N
     assert run.outputs[0].dtype == dtype
     assert run.outputs[1].dtype == torch.int64
     assert "max" in _aten_ops(run.built.exported.model)
+
+
+def test_matmul_with_a_vector_operand() -> None:
+    # issue #20: 1-D @ 1-D failed to build (FusedMatMul of rank 0), matrix @ vector in backward
+    class Vectors(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.v = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 4))
+
+        def forward(self, m: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.matmul(u, self.v), m @ self.v
+
+    run = assert_engine_matches_eager(Vectors(), (_x(3, 4), _x(4)))
+    assert _aten_ops(run.built.exported.model)
