@@ -212,9 +212,18 @@ def _short(text: str) -> str:
     return text.strip()
 
 
+#: ops whose result changes from run to run, so no status can be recorded for them
+UNSTABLE = {
+    "linalg.pinv.singular": "unstable: on its zero-element sample the SVD sometimes reports "
+    "non-finite input (uninitialised memory), in eager and under ORTModule alike",
+}
+
+
 def run_op(op: Any) -> dict[str, Any]:
     """{'status': 'native' | 'aten' | 'fail' | 'skip', 'error': first line, 'sample': kind}."""
     start = time.perf_counter()
+    if _name(op) in UNSTABLE:
+        return {"status": "skip", "error": UNSTABLE[_name(op)]}
     try:
         samples = chosen_samples(op)
     except Exception as err:  # noqa: BLE001 - OpInfo's own sample generator

@@ -305,7 +305,7 @@ def _is_float(value: Any) -> bool:
 def untrainable_nodes(inputs: Sequence[Any], nodes: Sequence[Any]) -> list[str]:
     """ONNX op types among ``nodes`` (what one symbolic emitted, in order) that sit on a float
     path from ``inputs`` and that the engine cannot train: no gradient builder (asked of the
-    engine itself), an axis into a 0-d tensor, or a MatMul with a vector operand."""
+    engine itself), an axis into a 0-d tensor, or a MatMul by a vector."""
     from .gradient_registry import engine_has_gradient
 
     derived = {v.unique() for v in inputs if v is not None and _is_float(v)}
@@ -319,9 +319,10 @@ def untrainable_nodes(inputs: Sequence[Any], nodes: Sequence[Any]) -> list[str]:
             found.append(op_type)
         elif op_type in _AXIS_OPS and _rank(next(iter(node.inputs()), None)) == 0:
             found.append(f"{op_type} on a 0-d tensor")
-        elif op_type == "MatMul" and any(_rank(i) == 1 for i in node.inputs()):
-            # the engine's MatMul gradient (FusedMatMul, Reshape) fails on vector operands
-            found.append("MatMul of a vector")
+        elif op_type == "MatMul" and _rank(list(node.inputs())[-1]) == 1:
+            # the engine's MatMul gradient (FusedMatMul, Reshape) fails when the right operand
+            # is a vector (1-D @ 1-D, matrix @ vector); vector @ matrix trains
+            found.append("MatMul by a vector")
         derived.update(o.unique() for o in node.outputs() if _maybe_float(o))
     return found
 
