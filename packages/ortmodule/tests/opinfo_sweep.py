@@ -216,6 +216,9 @@ def _short(text: str) -> str:
 UNSTABLE = {
     "linalg.pinv.singular": "unstable: on its zero-element sample the SVD sometimes reports "
     "non-finite input (uninitialised memory), in eager and under ORTModule alike",
+    # a real defect, not a property of the op: kept out of the recorded statuses until fixed
+    "__rmatmul__": "unstable: run after other ops in one process, one output element of its "
+    "first sample is sometimes NaN (memory read before it was written); alone it trains",
 }
 
 
