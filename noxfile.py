@@ -150,7 +150,8 @@ def versions(session: nox.Session) -> None:
     version = next(iter(found.values()))
     if META in PACKAGES:
         meta = _pyproject(PACKAGES[META] / "pyproject.toml")["project"]
-        for req in meta.get("dependencies", []):
+        extras = meta.get("optional-dependencies", {}).values()
+        for req in [*meta.get("dependencies", []), *(r for reqs in extras for r in reqs)]:
             dep, _ = _split_req(req)
             if dep in PACKAGES and f"=={version}" not in req.replace(" ", ""):
                 session.error(f"{META} must pin {dep}=={version}, found {req!r}")

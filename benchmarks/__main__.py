@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .models import LABEL_SPARSITY_MODELS, WORKLOADS
+from .models import DEFAULT_MODELS, LABEL_SPARSITY_MODELS, WORKLOADS
 from .report import Report, machine_info, machine_slug, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--full", action="store_true", help="bigger configurations and more steps")
-    parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_MODELS)
+    )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument(
         "--no-micro", action="store_true", help="skip the benchmarks/bench_*.py micro-benchmarks"
@@ -109,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--no-overhead", action="store_true", help="skip the per-step overhead benchmark"
+    )
+    parser.add_argument(
+        "--no-interleaved",
+        action="store_true",
+        help="skip the interleaved runs (modes taking turns in one process per model)",
     )
     parser.add_argument(
         "--machine", help="machine name in the results file name (default: from the CPU)"
@@ -193,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
                         "3",
                     ],
                 )
+        if not args.no_interleaved and "eager" in args.modes and len(args.modes) > 1:
+            print("interleaved: the modes take turns, one process per model", flush=True)
+            for model in args.models:
+                report.interleaved[model] = runner.run(
+                    model, ["ratio", "--model", model, "--modes", *args.modes]
+                )
         if not args.no_overhead:
             print("overhead: Linear(8, 8) on a 4x8 batch, forward + backward", flush=True)
             for mode in ("eager", "ortmodule"):
@@ -217,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {f"{model}/{mode}": run for (model, mode), run in report.runs.items()},
         "profile": report.profile,
         "overhead": report.overhead,
+        "interleaved": report.interleaved,
         "micro": report.micro,
     }
     output.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str))

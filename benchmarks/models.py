@@ -22,7 +22,7 @@ from torch import nn
 
 from ortmodule_testing.zoo import CNN, MLP, bert_benchmark, gpt_benchmark, masked_lm_benchmark
 
-__all__ = ["LABEL_SPARSITY_MODELS", "WORKLOADS", "Workload"]
+__all__ = ["DEFAULT_MODELS", "LABEL_SPARSITY_MODELS", "WORKLOADS", "Workload"]
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -125,6 +125,40 @@ def _cnn_loss(out: Any, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(out, images.mean(dim=(2, 3)).argmax(dim=1))
 
 
+# -- a tiny Hugging Face Llama: built from a config, nothing downloaded ----------------------------
+
+
+def _llama(use_cache: bool | None) -> Callable[[bool], nn.Module]:
+    def make(full: bool) -> nn.Module:
+        # imported here: transformers is a bench dependency only, and a missing one must turn
+        # into an error row in the report, not a crash of the whole suite
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=1024,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=256,
+        )
+        if use_cache is not None:
+            config.use_cache = use_cache
+        return LlamaForCausalLM(config)
+
+    return make
+
+
+def _llama_batch(step: int, full: bool) -> Batch:
+    ids = torch.randint(0, 1024, (16 if full else 8, 128), generator=_gen(step))
+    return (), {"input_ids": ids, "labels": ids}
+
+
+def _hf_loss(out: Any, batch: Batch) -> torch.Tensor:
+    return out.loss  # type: ignore[no-any-return]
+
+
 # -- tiny: the per-step Python overhead ------------------------------------------------------------
 
 
@@ -191,8 +225,30 @@ WORKLOADS: dict[str, Workload] = {
             (3, 20),
             (5, 60),
         ),
+        Workload(
+            "llama",
+            "tiny Hugging Face LlamaForCausalLM (default config but vocab 1024, hidden 256, "
+            "4 layers, 4 heads), seq 128, batch 8 (16 with --full), labels = inputs",
+            _llama(None),
+            _llama_batch,
+            _hf_loss,
+            (2, 8),
+            (3, 30),
+        ),
+        Workload(
+            "llama_no_cache",
+            "the same tiny Llama with use_cache=False (no DynamicCache in its outputs)",
+            _llama(False),
+            _llama_batch,
+            _hf_loss,
+            (2, 8),
+            (3, 30),
+        ),
     )
 }
+
+#: what `python -m benchmarks` runs without --models (llama_no_cache is on request)
+DEFAULT_MODELS = tuple(name for name in WORKLOADS if name != "llama_no_cache")
 
 #: workloads also run with ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER=0 (the on/off comparison)
 LABEL_SPARSITY_MODELS = ("masked_lm",)

@@ -91,6 +91,8 @@ class Report:
     profile: dict[str, Any] | None = None
     overhead: dict[str, dict[str, Any]] = field(default_factory=dict)
     micro: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: per model, the interleaved run (``worker ratio``): modes taking turns in one process
+    interleaved: dict[str, dict[str, Any]] = field(default_factory=dict)
     commands: list[str] = field(default_factory=list)
     seconds: float = 0.0
     #: intra-op threads forced with --threads, or None for PyTorch's default
@@ -122,6 +124,45 @@ class Report:
         return self.load_before[0] > 0.75 * cores or after > 1.25 * cores
 
     # -- tables ----------------------------------------------------------------------------
+    def interleaved_section(self) -> list[str]:
+        """Ratios from one process per model whose modes take turns step by step."""
+        if not self.interleaved:
+            return []
+        modes = [
+            m
+            for m in ("ortmodule", "compile")
+            if any(m in r.get("ratio", {}) for r in self.interleaved.values())
+        ]
+        names = {"ortmodule": "ORTModule", "compile": "torch.compile"}
+        lines = [
+            "## Step time vs eager, interleaved",
+            "",
+            "One process per model holds eager, ORTModule and torch.compile copies of the model "
+            "(same weights, same batches) and runs one training step of each in turn, rotating "
+            "who goes first; the ratio is the median over the measured rounds of each step's time "
+            "over eager's step in the same round. Load that comes and goes hits every mode of a "
+            "round alike, so these are the ratios to compare on a busy machine.",
+            "",
+            "| model | eager median step | "
+            + " | ".join(f"{names[m]} vs eager" for m in modes)
+            + " | max loss diff (ORTModule) |",
+            "| --- | ---: | " + " | ".join("---:" for _ in modes) + " | ---: |",
+        ]
+        for model, run in self.interleaved.items():
+            if "error" in run:
+                lines.append(
+                    f"| {model} | error: {_cell(run['error'])} |" + " |" * len(modes) + " |"
+                )
+                continue
+            ratios = run.get("ratio", {})
+            diff = run.get("max_loss_diff", {}).get("ortmodule")
+            lines.append(
+                f"| {model} | {_ms(run.get('median_step_s', {}).get('eager'))} | "
+                + " | ".join(f"{ratios[m]:.2f}x" if m in ratios else "" for m in modes)
+                + f" | {'' if diff is None else f'{diff:.1e}'} |"
+            )
+        return [*lines, ""]
+
     def main_table(self) -> str:
         rows = [
             "| model | mode | median step | vs eager | first step | peak RSS | max loss diff vs eager |",
@@ -423,6 +464,8 @@ def write_report(report: Report, path: Path) -> str:
         f"- Load average (1, 5, 15 min): {load} at the start, {load_after} at the end "
         "(the suite's own processes count in the second)",
         f"- Command: `{report.command}` (or `{_nox_equivalent(report.command)}`), from the repository root",
+        "- ORTModule runs use `ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE`: a failure stops the run "
+        "instead of timing PyTorch under ORTModule's name",
         "",
     ]
     if report.busy():
@@ -454,6 +497,7 @@ def write_report(report: Report, path: Path) -> str:
                 f"- **{model}**: {w.description}; {warmup} warmup + {measured} measured steps"
             )
     lines += ["", report.main_table(), ""]
+    lines += report.interleaved_section()
     gpt_cold, gpt_warm = (
         report.runs.get(("gpt", "ortmodule"), {}),
         report.runs.get(("gpt", "ortmodule-warm"), {}),

@@ -4,6 +4,7 @@
     python -m benchmarks.worker train --model gpt --mode ortmodule --profile /tmp/prof --out r.json
     python -m benchmarks.worker overhead --mode eager --out r.json
     python -m benchmarks.worker micro --name bench_pytree --out r.json
+    python -m benchmarks.worker ratio --model gpt --modes eager ortmodule --out r.json
 
 Each writes one JSON object to ``--out``. A failure inside the measured code (``torch.compile``
 on a machine without a working compiler, an export error) is written as ``{"error": ...}``
@@ -48,6 +49,10 @@ def _peak_rss_mib() -> float:
 def _error_text(err: BaseException) -> str:
     lines = [line for line in str(err).strip().splitlines() if line.strip()]
     head = lines[0] if lines else ""
+    if "[ONNXRuntimeError]" in head:
+        # the engine's own words come after its source location, which fills the first 300
+        before, _, after = head.partition(": /onnxruntime_src/")
+        head = f"{before}: [ONNXRuntimeError]{after.split('[ONNXRuntimeError]', 1)[-1]}"
     return f"{type(err).__name__}: {head}"[:300]
 
 
@@ -97,7 +102,7 @@ def _enable_engine_profiling(prefix: str) -> None:
     from ``onnxruntime.SessionOptions()``; this benchmark-only process hands it options with
     profiling on. The measured runs never do this.
     """
-    from ortmodule_exporter.engine import import_onnxruntime
+    from ortmodule_exporter.engine_binding import import_onnxruntime
 
     onnxruntime = import_onnxruntime()
     original = onnxruntime.SessionOptions
@@ -145,6 +150,8 @@ def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "ortmodule":
         from ortmodule import ORTModule
 
+        # timings of a PyTorch fallback would be reported as ORTModule's: every failure stops
+        os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
         return ORTModule(model)
     return model
 
@@ -164,7 +171,12 @@ def train(
     }
     if profile:
         _enable_engine_profiling(profile)
-    base = workload.build(full)
+    try:
+        base = workload.build(full)
+    except Exception as err:  # e.g. transformers missing: an error row, not a crash
+        result["error"] = f"building the model failed: {_error_text(err)}"
+        result["traceback"] = traceback.format_exc()[-3000:]
+        return result
     result["parameters"] = sum(p.numel() for p in base.parameters())
     optimizer = torch.optim.AdamW(base.parameters(), lr=1e-3)
     result["rss_before_mib"] = _rss_mib()
@@ -215,6 +227,52 @@ def train(
             engine = _training_session(model)._session
             result["profile_file"] = engine.end_profiling()
             result["profile"] = _top_operators(result["profile_file"], warmup + measured)
+    return result
+
+
+def ratio(workload: Workload, modes: list[str], full: bool, rounds: int) -> dict[str, Any]:
+    """Step-time ratios to eager, the modes taking turns one step each in this one process.
+
+    A busy machine slows every mode of a round alike, so the median of the per-round ratios is
+    far steadier than ratios of medians from separate processes (the load moves between them).
+    """
+    warmup, measured = workload.steps(full)
+    measured = max(measured, rounds)
+    batches = [workload.batch(i, full) for i in range(warmup + measured)]
+    result: dict[str, Any] = {"model": workload.name, "modes": modes, "rounds": measured}
+    runs: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+    try:
+        for mode in modes:
+            base = workload.build(full)
+            runs[mode] = (_wrap(base, mode), torch.optim.AdamW(base.parameters(), lr=1e-3))
+        seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+        losses: dict[str, list[float]] = {mode: [] for mode in modes}
+        for step, (args, kwargs) in enumerate(batches):
+            # a different mode first each round, so none always runs right after another
+            order = modes[step % len(modes) :] + modes[: step % len(modes)]
+            for mode in order:
+                model, optimizer = runs[mode]
+                start = time.perf_counter()
+                loss = workload.loss(model(*args, **kwargs), (args, kwargs))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses[mode].append(loss.item())
+                seconds[mode].append(time.perf_counter() - start)
+    except Exception as err:  # reported, not raised
+        result["error"] = _error_text(err)
+        result["traceback"] = traceback.format_exc()[-3000:]
+        return result
+    result["median_step_s"] = {m: statistics.median(seconds[m][warmup:]) for m in modes}
+    result["ratio"] = {
+        m: statistics.median(
+            a / b for a, b in zip(seconds[m][warmup:], seconds[modes[0]][warmup:], strict=True)
+        )
+        for m in modes
+    }
+    result["max_loss_diff"] = {
+        m: max(abs(a - b) for a, b in zip(losses[m], losses[modes[0]], strict=True)) for m in modes
+    }
     return result
 
 
@@ -334,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--mode", choices=("eager", "ortmodule"), required=True)
     m = sub.add_parser("micro")
     m.add_argument("--name", required=True)
-    for p in (t, o, m):
+    r = sub.add_parser("ratio")
+    r.add_argument("--model", choices=sorted(WORKLOADS), required=True)
+    r.add_argument("--modes", nargs="+", choices=MODES, default=["eager", "ortmodule"])
+    r.add_argument("--rounds", type=int, default=0, help="measured rounds (default: the model's)")
+    for p in (t, o, m, r):
         p.add_argument("--full", action="store_true")
         p.add_argument(
             "--threads", type=int, help="torch.set_num_threads (the engine uses as many)"
@@ -348,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         result = train(WORKLOADS[args.model], args.mode, args.full, args.profile, steps)  # type: ignore[arg-type]
     elif args.what == "overhead":
         result = overhead(args.mode, args.full)
+    elif args.what == "ratio":
+        modes = ["eager", *(m for m in args.modes if m != "eager")]
+        result = ratio(WORKLOADS[args.model], modes, args.full, args.rounds)
     else:
         result = micro(args.name, args.full)
     Path(args.out).write_text(json.dumps(result, default=str))

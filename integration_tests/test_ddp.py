@@ -32,6 +32,8 @@ def _train(rank: int, world: int, port: int, wrap: bool, out: str) -> None:
         torch.manual_seed(0)
         model = case.make_model()
         if wrap:
+            # spawned processes: set here, so a fallback cannot make this DDP against DDP
+            os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
             model = ORTModule(model)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -41,6 +43,8 @@ def _train(rank: int, world: int, port: int, wrap: bool, out: str) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
+        if wrap:
+            assert model._fallback.cause is None  # every step ran in the engine
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in ddp.module.state_dict().items()}, out)
     finally:

@@ -35,6 +35,10 @@ def test_demo_trains_both_runs_and_reports_them(
         assert row in stdout, f"{row!r} missing from the table:\n{stdout}"
     assert "PyTorch eager" in stdout and "ORTModule" in stdout
     assert "The losses match" in stdout
+    assert "ORTModule ran every step in ONNX Runtime" in stdout
+    # the speed line names the ratio and the settings that produced it
+    assert "Speed: ORTModule ran" in stdout and "ORTMODULE_FUSED_ATTENTION=" in stdout
+    assert "ORTMODULE_KERNEL_CHOICE=" in stdout and "intra-op threads" in stdout
     # not a terminal here: the progress bar prints plain lines
     assert "PyTorch eager: step 4/4" in stderr and "ORTModule: step 4/4" in stderr
 
@@ -47,7 +51,14 @@ def test_demo_trains_both_runs_and_reports_them(
     assert len(eager["losses"]) == len(ort["losses"]) == 4
     assert eager["losses"][-1] < eager["losses"][0]  # it learns
     assert results["losses_match"] and results["max_loss_difference"] < 1e-4
+    assert ort["engine_ran"]
     assert set(ort["phases"]) >= {"export", "graph build", "session creation"}
+    # the recompute run (ortmodule-memory, level 1) trains to the same losses
+    recompute = results["runs"]["recompute"]
+    assert len(recompute["losses"]) == 4
+    assert max(abs(a - b) for a, b in zip(recompute["losses"], eager["losses"], strict=True)) < 1e-4
+    assert "ORTModule + recompute: RSS growth during training" in stdout
+    assert (out / "memory_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # the ORTModule model wrote text through its inference graph, and saved its ONNX models
     assert len(ort["text"]) == len("The lamp") + 12 and ort["text"] in stdout

@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *sorted((DOCS / "packages").glob("*.md"))]
 SKIP = re.compile(r"^#\s*doctest:\s*skip\b\s*(?:\((?P<reason>.*)\))?\s*$")
+#: a block that shows the fallback itself runs under the default policy; every other block runs
+#: with ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE (conftest), so no example passes in PyTorch
+FALLBACK = re.compile(r"^#\s*doctest:\s*default fallback policy\b.*$")
 FENCE = re.compile(r"^(?P<indent>\s*)```\s*(?P<lang>[\w+-]*)\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\((?P<target>[^)\s]+)\)")
 
@@ -32,6 +35,8 @@ class Block:
     code: str
     #: None: the block runs; otherwise the text of its skip marker's reason ("" when missing)
     skip: str | None
+    #: the block demonstrates the fallback: it runs under the default fallback policy
+    fallback: bool = False
 
     @property
     def where(self) -> str:
@@ -67,11 +72,15 @@ def python_blocks(path: Path) -> list[Block]:
         first = code.lstrip("\n").splitlines()[0] if code.strip() else ""
         marker = SKIP.match(first.strip())
         skip = None if marker is None else (marker.group("reason") or "").strip()
-        blocks.append(Block(path, line, code, skip))
+        blocks.append(Block(path, line, code, skip, FALLBACK.match(first.strip()) is not None))
     return blocks
 
 
 RUNNABLE = [p for p in PAGES if any(b.skip is None for b in python_blocks(p))]
+
+
+def test_docs_examples_run_with_fallback_disabled() -> None:
+    assert os.environ.get("ORTMODULE_FALLBACK_POLICY") == "FALLBACK_DISABLE"
 
 
 def test_the_docs_have_runnable_examples() -> None:
@@ -90,10 +99,14 @@ def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
                 continue
             code = compile(block.code, block.where, "exec")
             failure = None
+            policy = os.environ.pop("ORTMODULE_FALLBACK_POLICY", None) if block.fallback else None
             try:
                 exec(code, namespace)
             except Exception:
                 failure = traceback.format_exc(limit=-6)
+            finally:
+                if policy is not None:
+                    os.environ["ORTMODULE_FALLBACK_POLICY"] = policy
             if failure is not None:
                 pytest.fail(f"the python block at {block.where} failed:\n{failure}", pytrace=False)
     finally:
@@ -116,7 +129,8 @@ def test_a_skip_marker_is_only_recognised_on_the_first_line() -> None:
         b.where
         for p in PAGES
         for b in python_blocks(p)
-        if b.skip is None and any("doctest:" in line for line in b.code.splitlines())
+        if b.skip is None
+        and any("doctest:" in line for line in b.code.strip().splitlines()[b.fallback :])
     ]
     assert not late, f"`# doctest:` markers must be on the block's first line: {late}"
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
 from ortmodule_exporter import export, run_post_export_passes
@@ -146,3 +147,10 @@ def assert_engine_matches_eager(
         if p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0:
             assert name in run.grads, f"the engine produced no gradient for parameter {name}"
     return run
+
+
+@pytest.fixture(autouse=True)
+def _no_silent_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that runs ORTModule must never pass on a PyTorch fallback (tests of the fallback
+    itself set ORTMODULE_FALLBACK_POLICY with monkeypatch)."""
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")

@@ -119,9 +119,9 @@ def test_save_onnx_writes_the_documented_files(tmp_path: Path) -> None:
     )
     names = sorted(os.listdir(tmp_path))
     assert names == [
-        "mlp_training_exported.onnx",
-        "mlp_training_optimized.onnx",
-        "mlp_training_optimized_pre_grad.onnx",
+        "mlp_training_v1_1_exported.onnx",
+        "mlp_training_v1_2_pre_gradient.onnx",
+        "mlp_training_v1_3_gradient.onnx",
     ]
     for n in names:
         onnx.load(str(tmp_path / n))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ortmodule_exporter import ExportCache, export
+from ortmodule_exporter import ExportCache, ExportConfig, export
 from ortmodule_pytree import flatten
 
 
@@ -93,7 +93,13 @@ def test_entry_of_another_model_is_refused(tmp_path: Path) -> None:
     x = torch.randn(2, 4)
     export(Net(), (x,), training=True, cache=cache)
     (entry,) = tmp_path.glob("*.ortexport")
-    key_eval = cache.key_for(Net(), flatten({"x": x}, prefix="input")[1], training=False, opset=17)
+    key_eval = cache.key_for(
+        Net(),
+        flatten({"x": x}, prefix="input")[1],
+        training=False,
+        opset=17,
+        extra=f"{ExportConfig.from_switches().fingerprint()}|",
+    )
     entry.rename(tmp_path / f"{key_eval}.ortexport")
     with pytest.warns(UserWarning, match="different model"):
         result = export(Net(), (x,), training=False, cache=cache)
@@ -144,5 +150,139 @@ def test_concurrent_writers_never_read_half_a_file(tmp_path: Path) -> None:
     results = [out.get(timeout=5) for _ in procs]
     assert sum(h for h, _ in results) >= 4  # every call after the first in a process hits
     assert not list(tmp_path.glob(".tmp-*"))
+    # a fresh process (this one's registries differ after other tests: another key) reads the
+    # entry they left: every export hits
+    alone = ctx.Barrier(1)  # kept referenced until the child has unpickled it
+    reader = ctx.Process(target=_writer, args=(str(tmp_path), alone, out))
+    reader.start()
+    reader.join(timeout=120)
+    assert reader.exitcode == 0
+    assert out.get(timeout=5) == (3, 0)
+
+
+# -- the key misses whenever the export could differ -------------------------------------------
+
+
+def _scale(x: torch.Tensor) -> torch.Tensor:
+    return x * 2.0
+
+
+def _scale_differently(x: torch.Tensor) -> torch.Tensor:
+    return x * 3.0
+
+
+class UsesHelper(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _scale(self.fc(x))
+
+
+def test_changed_module_level_helper_misses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _count_exports(monkeypatch)
     cache = ExportCache(str(tmp_path))
-    assert export(Net(), (torch.randn(2, 4),), training=True, cache=cache).from_cache
+    x = torch.randn(2, 4)
+    export(UsesHelper(), (x,), training=True, cache=cache)
+    monkeypatch.setitem(globals(), "_scale", _scale_differently)
+    again = export(UsesHelper(), (x,), training=True, cache=cache)
+    assert calls[0] == 2 and not again.from_cache
+    assert "Mul" in {n.op_type for n in again.model.graph.node}
+
+
+class UsesFunction(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Double.apply(self.fc(x))
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g * 2
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        ExportConfig(custom_autograd=True),
+        ExportConfig(opset=16),
+        ExportConfig(aten_sdpa_fallback=True),
+        ExportConfig(efficient_attention=True),
+        ExportConfig(aten_embedding=True),
+    ],
+    ids=lambda c: next(k for k, v in vars(c).items() if v != getattr(ExportConfig(), k)),
+)
+def test_changed_export_option_misses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, changed: ExportConfig
+) -> None:
+    calls = _count_exports(monkeypatch)
+    cache = ExportCache(str(tmp_path))
+    x = torch.randn(2, 4)
+    plain = export(UsesFunction(), (x,), training=True, cache=cache, config=ExportConfig())
+    other = export(UsesFunction(), (x,), training=True, cache=cache, config=changed)
+    assert calls[0] == 2 and not other.from_cache
+    assert other.config == changed and plain.config == ExportConfig()
+    # each config hits its own entry afterwards
+    assert export(UsesFunction(), (x,), training=True, cache=cache, config=changed).from_cache
+
+
+def test_export_applies_its_config_only_while_it_runs() -> None:
+    from ortmodule_exporter import python_op
+
+    before = python_op.custom_autograd_enabled()
+    exported = export(
+        UsesFunction(),
+        (torch.randn(2, 4),),
+        training=True,
+        config=ExportConfig(custom_autograd=True),
+    )
+    assert "PythonOp" in {n.op_type for n in exported.model.graph.node}
+    assert python_op.custom_autograd_enabled() == before
+
+
+def test_registered_symbolic_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ortmodule_exporter import register_symbolic, unregister_symbolic
+
+    calls = _count_exports(monkeypatch)
+    cache = ExportCache(str(tmp_path))
+    x = torch.randn(2, 4)
+    export(Net(), (x,), training=True, cache=cache)
+
+    def relu_as_max(g, value):  # type: ignore[no-untyped-def]
+        zero = g.op("Constant", value_t=torch.tensor(0.0))
+        return g.op("Max", value, zero)
+
+    register_symbolic("aten::relu", relu_as_max)
+    try:
+        again = export(Net(), (x,), training=True, cache=cache)
+    finally:
+        unregister_symbolic("aten::relu")
+    assert calls[0] == 2 and not again.from_cache
+    assert "Max" in {n.op_type for n in again.model.graph.node}
+
+
+@pytest.mark.parametrize("package", ["torch", "onnx", "onnxruntime-training"])
+def test_changed_versions_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, package: str
+) -> None:
+    from ortmodule_exporter import export_cache
+
+    calls = _count_exports(monkeypatch)
+    cache = ExportCache(str(tmp_path))
+    x = torch.randn(2, 4)
+    export(Net(), (x,), training=True, cache=cache)
+    real = export_cache._versions
+    monkeypatch.setattr(export_cache, "_versions", lambda: real().replace(f"{package}", "other"))
+    assert not export(Net(), (x,), training=True, cache=cache).from_cache
+    assert calls[0] == 2

@@ -23,7 +23,7 @@ def test_gpt_200_steps_match_adamw():
     ref = GPTDecoder(config)
     ours = copy.deepcopy(ref)
     hyper = {"lr": 2e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    ref_opt = torch.optim.AdamW(ref.parameters(), **hyper)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **hyper)
     opt = FusedAdam(ours.parameters(), **hyper)
     gen = torch.Generator().manual_seed(0)
     first = last = 0.0

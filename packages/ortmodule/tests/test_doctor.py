@@ -53,6 +53,12 @@ def test_reports_the_cpu_engine_build(clean: tuple[int, str]) -> None:
     )
 
 
+def test_reports_the_kernel_choice_it_measures(clean: tuple[int, str]) -> None:
+    _, text = clean
+    assert "Kernel choice (ORTMODULE_KERNEL_CHOICE=AUTO, measured now):" in text
+    assert text.count("GELU forward+backward") == 2 and "-> " in text
+
+
 def test_reports_devices(clean: tuple[int, str]) -> None:
     _, text = clean
     if torch.cuda.is_available():
@@ -111,15 +117,16 @@ def test_unknown_variable_and_cross_check_are_problems() -> None:
     assert status == 1 and "needs ORTMODULE_USE_TRITON=1" in text
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("triton") is not None, reason="triton is installed here"
-)
-def test_feature_without_its_component_is_a_problem() -> None:
+def test_feature_without_its_component_is_a_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fix names the ORTModule component that acts on the variable, not a bare dependency
+    from ortmodule_exporter import components
+
+    monkeypatch.setattr(components, "handled_options", lambda: frozenset())
     status, text = _doctor({"ORTMODULE_USE_TRITON": "1"})
     assert status == 1
     assert (
-        "ORTMODULE_USE_TRITON=1 but triton is not installed" in text
-        and "fix: pip install triton" in text
+        "ORTMODULE_USE_TRITON=1 has no effect: no installed component honours it" in text
+        and "fix: pip install ortmodule-triton" in text
     )
 
 

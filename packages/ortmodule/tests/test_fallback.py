@@ -164,3 +164,31 @@ def test_each_cause_is_classified_and_only_its_flag_falls_back(
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "|".join(others))
     with pytest.raises(error):
         ORTModule(make_model())(make_input())
+
+
+def test_force_torch_backward_is_a_catch_all_not_a_switch_to_pytorch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the original ORTModule's meaning: fall back on every recognised failure; a model the
+    # engine can run still runs there
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_FORCE_TORCH_BACKWARD")
+    attempts = _count_export_attempts(monkeypatch)
+    model = torch.nn.Linear(3, 2)
+    wrapped = ORTModule(copy.deepcopy(model))
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(wrapped(x), model(x), rtol=1e-4, atol=1e-5)
+    assert attempts[0] == 1 and wrapped._fallback.cause is None
+
+    from ortmodule.fallback import FallbackManager
+    from ortmodule.options import FallbackPolicy, RuntimeOptions
+
+    manager = FallbackManager(RuntimeOptions.resolve(environ={}), model)
+    manager.policy = FallbackPolicy.FALLBACK_FORCE_TORCH_BACKWARD
+    for flag in (
+        FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE,
+        FallbackPolicy.FALLBACK_UNSUPPORTED_DATA,
+        FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL,
+        FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL,
+    ):
+        assert manager.covers(flag)
+    assert not manager.covers(FallbackPolicy.FALLBACK_BAD_INITIALIZATION)

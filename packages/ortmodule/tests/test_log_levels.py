@@ -183,14 +183,36 @@ def _noisy() -> None:
 
 
 @pytest.mark.parametrize("level", HELD_BACK)
-def test_warning_and_above_hold_everything_back(
+def test_warning_and_above_hold_native_output_back_and_keep_python_output(
     level: LogLevel, capfd: pytest.CaptureFixture[str]
 ) -> None:
     before = _open_fds()
     with suppress_output(level):
         _noisy()
     assert _open_fds() == before
-    assert capfd.readouterr() == ("", "")
+    # the native lines (the engine's and exporter's logging) are dropped; print() is the user's
+    assert capfd.readouterr() == ("python stdout\n", "python stderr\n")
+
+
+def test_other_threads_keep_their_output(capfd: pytest.CaptureFixture[str]) -> None:
+    import threading
+
+    started, finish = threading.Event(), threading.Event()
+
+    def user_thread() -> None:
+        started.set()
+        finish.wait(10)
+        print("from the user's thread", flush=True)
+
+    thread = threading.Thread(target=user_thread)
+    thread.start()
+    started.wait(10)
+    with suppress_output(L.WARNING):
+        os.write(2, b"engine noise\n")
+        finish.set()
+        thread.join(10)
+    out, err = capfd.readouterr()
+    assert out == "from the user's thread\n" and err == ""
 
 
 @pytest.mark.parametrize("level", SHOWN)
@@ -213,15 +235,16 @@ def test_info_shows_output_without_noise_on_rank_0(capfd: pytest.CaptureFixture[
     before = _open_fds()
     with suppress_output(L.INFO, rank=0):
         _noisy()
-        assert capfd.readouterr() == ("", "")  # held back while the region runs
+        # native output held back while the region runs
+        assert capfd.readouterr() == ("python stdout\n", "python stderr\n")
     assert _open_fds() == before
     out, err = capfd.readouterr()
-    assert out == "c-level stdout\npython stdout\n"
-    assert err == "c-level stderr\npython stderr\n"  # the shape-inference noise is dropped
+    assert out == "c-level stdout\n"
+    assert err == "c-level stderr\n"  # the shape-inference noise is dropped
 
     with suppress_output(L.INFO, rank=1):
         _noisy()
-    assert capfd.readouterr() == ("", "")
+    assert capfd.readouterr() == ("python stdout\n", "python stderr\n")
 
 
 @pytest.mark.parametrize("level", [L.WARNING, L.INFO])
@@ -350,3 +373,24 @@ def test_recommendations_registry(caplog: pytest.LogCaptureFixture) -> None:
         ]
     finally:
         clear_recommendations()
+
+
+def test_a_print_in_forward_reaches_the_user_at_warning(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    import torch
+
+    from ortmodule import ORTModule
+
+    class Talks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            print("user forward ran")
+            return self.fc(x)
+
+    model = ORTModule(Talks())  # WARNING: the export's native output is held back
+    model(torch.randn(3, 4)).sum().backward()
+    assert "user forward ran" in capfd.readouterr().out

@@ -265,3 +265,14 @@ def test_dtypes_without_cpu_kernels_get_a_clear_error(
     wrapped = ORTModule(model)
     with pytest.raises(EngineBuildError, match="no kernel.*train in float32"):
         wrapped(torch.randn(3, 4, dtype=dtype)).sum().backward()
+
+
+def test_data_parallel_around_ortmodule_is_refused() -> None:
+    model = ORTModule(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"DataParallel\(ORTModule\(model\)\) is not supported"):
+        torch.nn.DataParallel(model)
+    # the replication DataParallel runs on GPUs refuses too
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        model._replicate_for_data_parallel()
+    # other containers still take an ORTModule
+    assert isinstance(torch.nn.Sequential(model)[0], ORTModule)

@@ -8,6 +8,7 @@
 """
 
 from . import output_ranks  # noqa: F401 - registers its post-export pass
+from .built_graph_passes import register_built_graph_pass, unregister_built_graph_pass
 from .errors import (
     EngineBuildError,
     ExportError,
@@ -25,6 +26,7 @@ from .export import (
     export,
 )
 from .export_cache import ExportCache
+from .export_config import ExportConfig
 from .graph_transition import GraphKey, GraphTransitionManager, describe_change, parameter_signature
 from .post_export import (
     register_post_export_pass,
@@ -44,6 +46,7 @@ __all__ = [
     "MIN_OPSET",
     "EngineBuildError",
     "ExportCache",
+    "ExportConfig",
     "ExportError",
     "ExportedModel",
     "GraphKey",
@@ -56,9 +59,11 @@ __all__ = [
     "describe_change",
     "export",
     "parameter_signature",
+    "register_built_graph_pass",
     "register_post_export_pass",
     "register_symbolic",
     "registered_symbolics",
+    "unregister_built_graph_pass",
     "run_post_export_passes",
     "unregister_post_export_pass",
     "unregister_symbolic",

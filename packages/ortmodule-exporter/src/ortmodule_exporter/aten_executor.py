@@ -35,6 +35,7 @@ import torch
 
 from . import dlpack_bridge as bridge
 from .callback_errors import remember
+from .engine_binding import _C
 
 __all__ = [
     "ATEN_DOMAIN",
@@ -416,7 +417,6 @@ def install() -> None:
     with _LOCK:
         if _INSTALLED:
             return
-        from .engine import _C
 
         is_tensor = ctypes.cast(_IS_TENSOR_CALLBACK, ctypes.c_void_p).value
         run = ctypes.cast(_EXECUTE_CALLBACK, ctypes.c_void_p).value

@@ -589,6 +589,9 @@ def _sdpa(
         return default()
     device = _device(query)
     mask = attn_mask
+    if mask is not None and not sh._is_none(mask) and _requires_grad(mask):
+        # the fused kernels' backward gives the mask no gradient: a learned bias stays decomposed
+        return default()
     if mask is not None and not sh._is_none(mask):
         if mask.type().scalarType() == "Bool":
             # the fused kernels take an additive float mask
@@ -639,6 +642,16 @@ def _sdpa(
         )
     _typed(outs[1], query, None, torch.float32)
     return _typed(outs[0], query, out_sizes)
+
+
+def _requires_grad(value: Any) -> bool:
+    """Whether the traced value depends on something that requires grad (unknown: True)."""
+    value_type = value.type()
+    requires = getattr(value_type, "requires_grad", None)
+    if requires is None:
+        return True
+    found = requires()
+    return True if found is None else bool(found)
 
 
 # -- the post-export pass over ATen nodes -------------------------------------------------------------
@@ -1216,7 +1229,7 @@ def fuse_attention(model: onnx.ModelProto) -> int:
 
 
 def _attention_pass(exported: Any, _options: Mapping[str, Any]) -> None:
-    if _ROUTES.efficient_attention:
+    if exported.config.efficient_attention:
         n = fuse_attention(exported.model)
         if n:
             logger.info("fused %d attention pattern(s) into PyTorch's attention kernel", n)

@@ -12,9 +12,8 @@ engine's generic error.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
+from typing import Any, Literal
 
 __all__ = ["remember", "take_pending_error", "user_errors"]
 
@@ -36,14 +35,26 @@ def take_pending_error() -> BaseException | None:
     return err
 
 
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """Around an engine call: a callback's exception replaces the engine's error."""
-    _PENDING.error = None
-    try:
-        yield
-    except BaseException as engine_error:
+class _UserErrors:
+    """A class, not a generator context manager: it wraps every engine call of every step."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _PENDING.error = None
+
+    def __exit__(self, kind: Any, engine_error: BaseException | None, tb: Any) -> Literal[False]:
+        if engine_error is None:
+            return False
         user = take_pending_error()
         if user is None or user is engine_error:
-            raise
+            return False
         raise user.with_traceback(user.__traceback__) from None
+
+
+_USER_ERRORS = _UserErrors()
+
+
+def user_errors() -> _UserErrors:
+    """Around an engine call: a callback's exception replaces the engine's error."""
+    return _USER_ERRORS

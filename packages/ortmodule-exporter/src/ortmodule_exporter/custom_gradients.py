@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .aten_executor import ATEN_DOMAIN
+from .engine_binding import _C
 
 __all__ = [
     "GradientNode",
@@ -121,7 +122,6 @@ def registered_gradients() -> dict[str, tuple[GradientNode, ...]]:
 
 
 def _definition(nodes: Sequence[GradientNode]) -> list[Any]:
-    from .engine import _C
 
     C = _C()
     result = []
@@ -145,14 +145,12 @@ def _definition(nodes: Sequence[GradientNode]) -> list[Any]:
 
 
 def _send(key: str) -> None:
-    from .engine import _C
 
     _C().register_gradient_definition(key, _definition(_GRADIENTS[key]))
     _SENT.add(key)
 
 
 def _send_stop_edges(key: str) -> None:
-    from .engine import _C
 
     _C().register_custom_stop_gradient_edges(key, set(_STOP_EDGES[key]))
 

@@ -35,6 +35,7 @@ import onnx
 import onnx.numpy_helper
 import torch
 
+from .engine_binding import import_onnxruntime
 from .onnx_graph import attribute
 from .python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 
@@ -455,7 +456,6 @@ def strip_density_flags(model: onnx.ModelProto, keep_printing: bool = True) -> i
 def infer_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with named (symbolic) dims on every tensor the engine's shape inference leaves
     anonymous; the engine's gather insertion needs them. Raises if inference fails."""
-    from .engine import import_onnxruntime
 
     import_onnxruntime()  # the engine package, without its slow training self-check
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference

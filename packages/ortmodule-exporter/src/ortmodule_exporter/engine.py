@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,52 +18,13 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from . import density
+from .built_graph_passes import run_built_graph_passes
 from .callback_errors import user_errors
+from .engine_binding import _C, import_onnxruntime
 from .errors import EngineBuildError
 from .export import ExportedModel, SaveOptions
 
 logger = logging.getLogger("ortmodule.engine")
-
-
-def import_onnxruntime() -> Any:
-    """Import onnxruntime without its import-time self-check loading the original ORTModule.
-
-    ``onnxruntime/__init__.py`` validates the build by importing ``onnxruntime.training.ortmodule``
-    (the Python package we replace). On current PyTorch that import fails slowly (tens of
-    seconds) and it must never run in our process, so it is blocked for the duration of the
-    import; the engine's C++ API in ``onnxruntime.capi`` does not need it.
-    """
-    already = sys.modules.get("onnxruntime")
-    if already is not None:
-        return already
-    blocked = "onnxruntime.training"
-    present = blocked in sys.modules
-    if not present:
-        sys.modules[blocked] = None  # type: ignore[assignment]
-    try:
-        import onnxruntime
-    finally:
-        if not present and sys.modules.get(blocked, 0) is None:
-            del sys.modules[blocked]
-    return onnxruntime
-
-
-def _C() -> Any:
-    try:
-        import_onnxruntime()
-        from onnxruntime.capi import _pybind_state as C
-    except ImportError as err:  # pragma: no cover - depends on the installed engine
-        raise ImportError(
-            "ONNX Runtime's training engine is not installed. Install one of: "
-            "`pip install ortmodule[cpu]` (onnxruntime-training-cpu) or "
-            "`pip install ortmodule[cuda]` (onnxruntime-training)."
-        ) from err
-    if not hasattr(C, "TrainingAgent"):
-        raise ImportError(
-            "the installed onnxruntime has no training engine (plain `onnxruntime` is inference "
-            "only). Uninstall it and install onnxruntime-training-cpu or onnxruntime-training."
-        )
-    return C
 
 
 # -- the build -------------------------------------------------------------------------------
@@ -141,7 +101,7 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     if config.save is not None:
         os.makedirs(config.save.path, exist_ok=True)
         transformer.optimized_pre_grad_filepath = config.save.file_path(
-            "optimized_pre_grad", exported.training
+            "pre_gradient", exported.training
         )
 
     def run_builder(model: onnx.ModelProto) -> Any:
@@ -178,12 +138,14 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
             f"graph: {err}"
         ) from err
     info = builder.get_graph_info()
-    model_bytes = (
-        builder.get_gradient_model() if config.build_gradient else builder.get_forward_model()
+    model_bytes = run_built_graph_passes(
+        builder.get_gradient_model() if config.build_gradient else builder.get_forward_model(),
+        config,
     )
     model = onnx.load_from_string(model_bytes)
     if config.save is not None:
-        onnx.save_model(model, config.save.file_path("optimized", exported.training))
+        stage = "gradient" if config.build_gradient else "built"
+        onnx.save_model(model, config.save.file_path(stage, exported.training))
     feed_names = [vi.name for vi in model.graph.input]
     fetch_names = [vi.name for vi in model.graph.output]
     grad_of: dict[str, str] = {}
@@ -246,6 +208,8 @@ class SessionConfig:
     external_allocator: tuple[int, int, int] | None = None  # alloc, free, empty_cache addresses
     optimized_model_path: str | None = None
     extra_provider_options: tuple[tuple[str, str], ...] = ()
+    #: ``add_session_config_entry`` pairs from component session contributors
+    config_entries: tuple[tuple[str, str], ...] = ()
 
 
 def _providers(cfg: SessionConfig) -> tuple[list[str], list[dict[str, str]]]:
@@ -289,6 +253,8 @@ def _session(model_bytes: bytes, cfg: SessionConfig) -> Any:
         # Engine workers spin after each run; between runs PyTorch (autograd, the optimizer)
         # needs the same cores, and spinning starved it (AdamW 330-450 ms -> ~20 ms without).
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for key, value in cfg.config_entries:
+        so.add_session_config_entry(key, value)
     if cfg.optimized_model_path:
         so.optimized_model_filepath = cfg.optimized_model_path
     providers, provider_options = _providers(cfg)
@@ -315,8 +281,9 @@ def _ort_device(device: torch.device) -> Any:
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with row-major strides, as the engine's DLPack import demands."""
-    tensor = tensor.detach()
+    """``tensor`` as the engine's DLPack import takes it: no autograd, row-major strides."""
+    if tensor.requires_grad:  # DLPack refuses tensors that require grad
+        tensor = tensor.detach()
     if tensor.numel() == 0:
         # an empty tensor counts as contiguous for torch whatever its strides (the gradient of
         # an empty output is expanded, strides 0), and the engine rejects such strides
@@ -368,6 +335,11 @@ class TrainingSession:
             [device] * len(built.fetch_names),
             cfg.device.index or 0,
         )
+
+    @property
+    def agent(self) -> Any:
+        """The engine's ``TrainingAgent`` (components read statistics from it)."""
+        return self._agent
 
     def forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         C = _C()

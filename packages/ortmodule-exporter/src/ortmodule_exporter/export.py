@@ -9,9 +9,11 @@ outputs are the flattened outputs, named ``output.<path>``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import io
 import logging
+import os
 import re
 import time
 import warnings
@@ -28,11 +30,11 @@ from ortmodule_pytree import Schema, flatten, unflatten
 from . import onnx_graph
 from .errors import ExportError, UnsupportedOutputError
 from .export_cache import ExportCache
+from .export_config import DEFAULT_OPSET, ExportConfig
 from .symbolic_registry import symbolics_applied
 
 logger = logging.getLogger("ortmodule.exporter")
 
-DEFAULT_OPSET = 17
 # The TorchScript exporter in torch 2.13 writes opsets 9..20; the engine's gradient builders
 # are complete from 14 on.
 MIN_OPSET, MAX_OPSET = 14, 20
@@ -52,22 +54,72 @@ def check_opset(opset: int, source: str = "opset") -> int:
     return opset
 
 
+#: the graphs saved for one export, in the order they are made: the file name says which is which
+SAVED_STAGES = {
+    "exported": "1_exported",  # what torch.onnx wrote, before the engine saw it
+    # after the engine's graph optimisations, before gradients (training graphs only)
+    "pre_gradient": "2_pre_gradient",
+    "gradient": "3_gradient",  # the forward and backward graph the engine built (training)
+    "built": "3_built",  # the inference graph the engine built (eval, no_grad)
+    "execution": "4_execution",  # after the session's own optimisations: what the engine runs
+}
+
+
 @dataclass(frozen=True)
 class SaveOptions:
-    """Where to write the models of one export for debugging (see ``file_name``)."""
+    """Where to write the models of one export for debugging (see ``file_name``).
+
+    Every graph ORTModule builds gets its own ``version`` (1, 2, ... per prefix and mode, the
+    next number free in the folder), so a re-export never overwrites the files of an earlier one.
+
+    >>> SaveOptions("/tmp", "mlp").file_name("exported", training=True)
+    'mlp_training_v1_1_exported.onnx'
+    """
 
     path: str
     prefix: str = ""
+    version: int = 1
 
     def file_name(self, stage: str, training: bool) -> str:
+        if stage not in SAVED_STAGES:
+            raise ValueError(f"unknown saved-graph stage {stage!r}; one of {sorted(SAVED_STAGES)}")
         mode = "training" if training else "inference"
         prefix = f"{self.prefix}_" if self.prefix else ""
-        return f"{prefix}{mode}_{stage}.onnx"
+        return f"{prefix}{mode}_v{self.version}_{SAVED_STAGES[stage]}.onnx"
 
     def file_path(self, stage: str, training: bool) -> str:
-        import os
-
         return os.path.join(self.path, self.file_name(stage, training))
+
+    def next_version(self, training: bool) -> SaveOptions:
+        """These options for a new graph: the first version with no file in the folder yet."""
+        mode = "training" if training else "inference"
+        prefix = f"{self.prefix}_" if self.prefix else ""
+        pattern = re.compile(rf"{re.escape(prefix)}{mode}_v(\d+)_")
+        try:
+            names = os.listdir(self.path)
+        except OSError:
+            names = []
+        taken = [int(m.group(1)) for n in names if (m := pattern.match(n))]
+        return dataclasses.replace(self, version=max(taken, default=0) + 1)
+
+
+@dataclass(frozen=True)
+class ExtraInput:
+    """A graph input a post-export pass added that is neither a user tensor nor a parameter.
+
+    The runtime feeds ``zeros(shape, dtype)`` on the module's device at every step and, with
+    ``requires_grad``, asks the engine for its gradient (memory-efficient gradient management
+    uses one as the trigger whose backward hands each parameter its gradient).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    requires_grad: bool = False
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=device).requires_grad_(
+            self.requires_grad
+        )
 
 
 @dataclass
@@ -90,6 +142,10 @@ class ExportedModel:
     variance_updates: dict[str, tuple[str, float]] = field(default_factory=dict)
     export_seconds: float = 0.0
     from_cache: bool = False
+    #: the settings it was exported with (post-export passes read theirs from here)
+    config: ExportConfig = field(default_factory=ExportConfig)
+    #: graph inputs added by post-export passes: name -> what the runtime feeds
+    extra_inputs: dict[str, ExtraInput] = field(default_factory=dict)
 
     @property
     def user_output_names(self) -> tuple[str, ...]:
@@ -244,7 +300,8 @@ def export(
     kwargs: Mapping[str, Any] | None = None,
     *,
     training: bool,
-    opset: int = DEFAULT_OPSET,
+    opset: int | None = None,
+    config: ExportConfig | None = None,
     static_shapes: bool = False,
     deepcopy: bool = True,
     cache: ExportCache | None = None,
@@ -255,16 +312,56 @@ def export(
     """Export ``module`` called as ``module(*args, **kwargs)``.
 
     ``training`` chooses the module's mode during the trace (dropout active, batch statistics).
-    Every dim of every input is dynamic unless ``static_shapes``. With ``cache``, a hit skips the
-    export entirely.
+    Every dim of every input is dynamic unless ``static_shapes``. ``config`` holds the settings
+    that change the graph (opset, custom autograd, ATen routes); it is applied for this export
+    only and hashed into the cache key. Without one, the process-wide switches as they are now
+    are used (``ExportConfig.from_switches``); ``opset`` is a shorthand that must agree with
+    ``config.opset`` when both are given. With ``cache``, a hit skips the export: the module runs
+    once under ``no_grad`` to give the output structure, which must match the entry's.
 
     >>> exported = export(torch.nn.Linear(4, 2), (torch.randn(3, 4),), training=True)
     >>> exported.user_input_names, exported.param_names
     (('input.input',), ('weight', 'bias'))
     """
+    if config is None:
+        config = ExportConfig.from_switches(DEFAULT_OPSET if opset is None else opset)
+    elif opset is not None and opset != config.opset:
+        raise ExportError(
+            f"export(opset={opset}) disagrees with config.opset={config.opset}; pass one of them"
+        )
+    check_opset(config.opset)
+    with config.applied():
+        return _export(
+            module,
+            args,
+            kwargs,
+            training,
+            config,
+            static_shapes,
+            deepcopy,
+            cache,
+            save,
+            verbose,
+            cache_extra,
+        )
+
+
+def _export(
+    module: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None,
+    training: bool,
+    config: ExportConfig,
+    static_shapes: bool,
+    deepcopy: bool,
+    cache: ExportCache | None,
+    save: SaveOptions | None,
+    verbose: bool,
+    cache_extra: str,
+) -> ExportedModel:
     from . import aten_fallback, python_op  # both import this module
 
-    check_opset(opset)
+    opset = config.opset
     kwargs = dict(kwargs or {})
     arguments = bind_arguments(module, args, kwargs)
     try:
@@ -277,12 +374,23 @@ def export(
 
     key = None
     if cache is not None:
-        key = cache.key_for(module, input_schema, training=training, opset=opset, extra=cache_extra)
-        hit = cache.load(key)
-        if hit is not None and not python_op.model_is_runnable(hit.model):
-            hit = None  # it names Functions this process has not exported: re-export
+        key = cache.key_for(
+            module,
+            input_schema,
+            training=training,
+            opset=opset,
+            extra=f"{config.fingerprint()}|{cache_extra}",
+        )
+        entry = cache.load(key)
+        hit = None
+        if entry is not None and python_op.model_is_runnable(entry.model):
+            # the entry holds no Python objects: the output structure comes from this module
+            hit = entry.exported(
+                input_schema, _output_schema(module, input_schema, tensors, training)
+            )
+        # else it names Functions this process has not exported: re-export
         if hit is not None:
-            hit.from_cache = True
+            hit.config = config
             if save is not None:
                 _save(hit.model, save, "exported", training)
             return hit
@@ -342,6 +450,7 @@ def export(
     assert flat.output_schema is not None
     model = onnx.load_from_string(buf.getvalue())
     exported = _finish(model, input_schema, flat.output_schema, training, opset)
+    exported.config = config
     exported.export_seconds = time.perf_counter() - start
     if cache is not None and key is not None:
         cache.store(key, exported)
@@ -354,6 +463,24 @@ def export(
         exported.export_seconds,
     )
     return exported
+
+
+def _output_schema(
+    module: torch.nn.Module, input_schema: Schema, tensors: Sequence[torch.Tensor], training: bool
+) -> Schema:
+    """The output structure of ``module`` on these inputs, from one forward under no_grad (the
+    export cache stores no Python objects). Buffers and RNG streams are left as they were."""
+    flat = _FlatModule(module, input_schema)
+    was_training = module.training
+    try:
+        with _preserved_state(module), torch.no_grad():
+            module.train(training)
+            flat(*(t.detach() for t in tensors))
+    finally:
+        module.train(was_training)
+    if flat.output_schema is None:  # pragma: no cover - forward raised instead
+        raise ExportError(f"{module_path(module)} returned no output")
+    return flat.output_schema
 
 
 def _finish(
@@ -390,7 +517,5 @@ def _finish(
 
 
 def _save(model: onnx.ModelProto, save: SaveOptions, stage: str, training: bool) -> None:
-    import os
-
     os.makedirs(save.path, exist_ok=True)
     onnx.save_model(model, save.file_path(stage, training))

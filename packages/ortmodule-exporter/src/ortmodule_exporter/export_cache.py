@@ -1,67 +1,254 @@
 """On-disk cache of exported models (``ORTMODULE_CACHE_DIR``).
 
-An entry's key hashes everything that can change the exported graph: the module classes and
-their source, parameter and buffer names, shapes, dtypes and requires_grad, the input schema,
-the mode, the opset, torch's version and ours. A hit skips the export entirely.
+An entry's key hashes everything that can change the exported graph: the module classes'
+code and the code of every function their methods call (module-level helpers, followed
+through their own calls), parameter and buffer names, shapes, dtypes and requires_grad, the
+input schema, the mode, the :class:`~ortmodule_exporter.export_config.ExportConfig` fingerprint
+(opset, custom autograd, ATen routes, registered symbolics and Function exporters) and the
+versions of torch, onnx, the engine and this package. A hit skips the export.
+
+Security model (see docs/export_cache.md): an entry is data only, ONNX bytes plus a JSON
+header; loading one never unpickles, imports or calls anything named in it. The output
+structure is not read from the entry: the exporter recomputes it by running the module once
+under ``no_grad`` and checks it against the entry. The folder and every entry must belong to
+the current user and not be writable by group or others; otherwise the cache is not used and
+one warning says why. A folder that does not exist is created with mode 0700.
 
 Entries are written atomically (temporary file in the same folder, then ``os.replace``), so
 processes sharing the folder never read half a file. Every entry carries a SHA-256 of its
-payload; a corrupted, truncated or mismatched entry is reported once as a warning, removed and
-rebuilt: it is never loaded. Loading never imports anything: classes named by an entry must
-already be imported in this process.
+contents (a check against damage, not a signature); a corrupted, truncated or mismatched entry
+is reported once as a warning, removed and rebuilt.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import io
+import json
+import marshal
 import os
-import pickle
+import stat
 import sys
 import tempfile
+import types
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
+    import onnx
+
     from ortmodule_pytree import Schema
 
     from .export import ExportedModel
 
-_MAGIC = b"ORTMODULE-EXPORT-CACHE-1\n"
-_VERSION = "0.1.0"
+__all__ = ["CacheEntry", "ExportCache", "UnsafeCacheError", "code_fingerprint"]
+
+_MAGIC = b"ORTMODULE-EXPORT-CACHE-2\n"
+_SUFFIX = ".ortexport"
 
 
-class _NoImportUnpickler(pickle.Unpickler):
-    """Resolves classes only from modules already imported: a cache file imports nothing."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        mod = sys.modules.get(module)
-        if mod is None:
-            raise pickle.UnpicklingError(
-                f"cache entry names {module}.{name}, which is not imported"
-            )
-        obj: Any = mod
-        for part in name.split("."):
-            obj = getattr(obj, part)
-        return obj
+class UnsafeCacheError(RuntimeError):
+    """The cache folder or an entry could be written by someone else."""
 
 
-def _class_source(cls: type) -> str:
-    try:
-        return inspect.getsource(cls)
-    except (OSError, TypeError):
-        return f"{cls.__module__}.{cls.__qualname__}"
+def _version(*distributions: str) -> str:
+    for name in distributions:
+        try:
+            return f"{name}={metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+def _versions() -> str:
+    import onnx
+
+    return "|".join(
+        (
+            f"python={sys.version}",
+            f"torch={torch.__version__}",
+            f"onnx={onnx.__version__}",
+            _version("onnxruntime-training", "onnxruntime-training-cpu", "onnxruntime"),
+            _version("ortmodule-exporter"),
+        )
+    )
+
+
+# -- what the module's code depends on ------------------------------------------------------------
+
+# Code in these packages changes only with their version, which the key holds already.
+_SKIP_PREFIXES = ("torch", "onnx", "onnxruntime", "numpy", "builtins", "typing", "abc")
+
+
+def _own_code(obj: Any) -> types.FunctionType | None:
+    fn = inspect.unwrap(obj) if callable(obj) else obj
+    if isinstance(fn, (staticmethod, classmethod)):
+        fn = fn.__func__
+    if isinstance(fn, types.MethodType):
+        fn = fn.__func__
+    if not isinstance(fn, types.FunctionType):
+        return None
+    module = fn.__module__ or ""
+    if module.split(".")[0] in _SKIP_PREFIXES:
+        return None
+    return fn
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _referenced(fn: types.FunctionType) -> Iterator[Any]:
+    """Objects the function's code reads by global name (``helper``, ``mod.helper``)."""
+    names: set[str] = set()
+    for code in _code_objects(fn.__code__):
+        names.update(code.co_names)
+    scope = fn.__globals__
+    for name in names:
+        value = scope.get(name)
+        if isinstance(value, types.ModuleType):
+            # ``helpers.gelu(x)``: attribute names of the module that the code also reads
+            namespace = vars(value)
+            yield from (namespace[n] for n in names if n in namespace)
+        elif value is not None:
+            yield value
+    for cell in fn.__closure__ or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+
+
+def code_fingerprint(classes: list[type], limit: int = 5000) -> str:
+    """SHA-256 of the code of the classes' methods and of every function they reach by name.
+
+    Changing a module-level helper that ``forward`` calls (or a helper of that helper, or a
+    class it uses) changes the fingerprint. Code objects are hashed (``marshal``), not source
+    text, so this stays fast on large models; moving a function within its file also changes
+    it, which only costs one export. Code of torch, onnx and the engine is left out: their
+    versions are in the key. ``limit`` bounds the walk on very large programs.
+    """
+    h = hashlib.sha256()
+    seen: set[int] = set()
+    pending: list[Any] = []
+    for cls in classes:
+        h.update(f"class {cls.__module__}.{cls.__qualname__}\n".encode())
+        pending.append(cls)
+    while pending and len(seen) < limit:
+        obj = pending.pop()
+        if id(obj) in seen:
+            continue
+        if isinstance(obj, type):
+            seen.add(id(obj))
+            for klass in obj.__mro__:
+                if klass.__module__.split(".")[0] not in _SKIP_PREFIXES:
+                    pending.extend(vars(klass).values())
+            continue
+        if isinstance(obj, property):
+            pending.extend(f for f in (obj.fget, obj.fset, obj.fdel) if f is not None)
+            continue
+        fn = _own_code(obj)
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        h.update(f"def {fn.__module__}.{fn.__qualname__}\n".encode())
+        h.update(marshal.dumps(fn.__code__))
+        pending.extend(_referenced(fn))
+    return h.hexdigest()
+
+
+# -- entries --------------------------------------------------------------------------------------
+
+
+@dataclass
+class CacheEntry:
+    """One loaded entry: the ONNX model and the JSON header describing its inputs and outputs."""
+
+    model: onnx.ModelProto
+    header: dict[str, Any]
+
+    def exported(self, input_schema: Schema, output_schema: Schema) -> ExportedModel | None:
+        """The entry as an ``ExportedModel`` when ``output_schema`` (computed by running the
+        module) is the one the entry was exported with; None otherwise."""
+        from .export import ExportedModel
+
+        h = self.header
+        schema = _with_requires_grad(output_schema, h.get("output_requires_grad"))
+        if schema is None:
+            return None
+        output_schema = schema
+        if h.get("output_schema") != repr(output_schema) or tuple(h["output_names"]) != tuple(
+            output_schema.names
+        ):
+            return None
+        return ExportedModel(
+            model=self.model,
+            input_schema=input_schema,
+            output_schema=output_schema,
+            user_input_names=tuple(h["user_input_names"]),
+            param_names=tuple(h["param_names"]),
+            training=bool(h["training"]),
+            opset=int(h["opset"]),
+            buffer_updates=dict(h["buffer_updates"]),
+            variance_updates={
+                k: (str(v[0]), float(v[1])) for k, v in h["variance_updates"].items()
+            },
+            from_cache=True,
+        )
+
+
+def _with_requires_grad(schema: Schema, flags: Any) -> Schema | None:
+    """``schema`` (computed under no_grad) with each output's requires_grad as exported."""
+    if not isinstance(flags, list) or len(flags) != schema.num_tensors:
+        return None
+    restore, (spec, fields) = schema.__reduce__()
+    fields = dict(fields)
+    fields["tensor_meta"] = tuple(
+        (dtype, ndim, device, bool(flag), shape)
+        for (dtype, ndim, device, _, shape), flag in zip(fields["tensor_meta"], flags, strict=True)
+    )
+    rebuilt: Schema = restore(spec, fields)
+    return rebuilt
+
+
+def _header(key: str, exported: ExportedModel) -> dict[str, Any]:
+    return {
+        "key": key,
+        "user_input_names": list(exported.user_input_names),
+        "param_names": list(exported.param_names),
+        "training": exported.training,
+        "opset": exported.opset,
+        "buffer_updates": dict(exported.buffer_updates),
+        "variance_updates": {k: [v[0], v[1]] for k, v in exported.variance_updates.items()},
+        "output_names": list(exported.output_schema.names),
+        "output_requires_grad": [s.requires_grad for s in exported.output_schema.tensor_specs],
+        "output_schema": repr(exported.output_schema),
+    }
+
+
+def _unsafe_reason(st: os.stat_result, what: str) -> str | None:
+    if st.st_uid != os.geteuid():
+        return f"{what} belongs to user id {st.st_uid}, not to this user ({os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{what} is writable by other users (mode {stat.filemode(st.st_mode)})"
+    return None
 
 
 class ExportCache:
-    """A folder of exported models. ``ExportCache(path)``; unwritable folders warn once."""
+    """A folder of exported models. ``ExportCache(path)``; an unusable folder warns once."""
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(os.path.expanduser(path))
-        self._warned_unwritable = False
+        self._warned: set[str] = set()
+        self._folder_checked = False
         self.hits = 0
         self.misses = 0
 
@@ -79,28 +266,59 @@ class ExportCache:
         classes = sorted(
             {type(m) for m in module.modules()}, key=lambda c: (c.__module__, c.__qualname__)
         )
-        for cls in classes:
-            h.update(f"{cls.__module__}.{cls.__qualname__}\n".encode())
-            h.update(_class_source(cls).encode())
+        h.update(code_fingerprint(classes).encode())
         for name, t in (*module.named_parameters(), *module.named_buffers()):
             h.update(
                 f"{name}|{tuple(t.shape)}|{t.dtype}|{t.requires_grad}|{t.device.type}\n".encode()
             )
         h.update(repr(input_schema).encode())
-        h.update(
-            f"|training={training}|opset={opset}|torch={torch.__version__}|ours={_VERSION}|{extra}".encode()
-        )
+        h.update(f"|training={training}|opset={opset}|{_versions()}|{extra}".encode())
         return h.hexdigest()
 
     def _file(self, key: str) -> str:
-        return os.path.join(self.path, f"{key}.ortexport")
+        return os.path.join(self.path, f"{key}{_SUFFIX}")
+
+    # -- the folder -------------------------------------------------------------------------
+    def _safe_folder(self, create: bool) -> bool:
+        """Whether the folder is ours and private enough to use; warns once when it is not."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            if not create:
+                return False
+            try:
+                os.makedirs(self.path, mode=0o700, exist_ok=True)
+                st = os.stat(self.path)
+            except OSError as err:
+                self._warn(
+                    f"ORTMODULE_CACHE_DIR={self.path} is not writable ({err}); "
+                    "training continues without the export cache"
+                )
+                return False
+        except OSError as err:
+            self._warn(
+                f"ORTMODULE_CACHE_DIR={self.path} is not writable ({err}); "
+                "training continues without the export cache"
+            )
+            return False
+        reason = _unsafe_reason(st, f"ORTMODULE_CACHE_DIR={self.path}")
+        if reason is not None:
+            self._warn(
+                f"{reason}: another user could plant graphs there, so the export cache is not "
+                f"used. Use a folder only you can write (chmod go-w {self.path})."
+            )
+            return False
+        return True
 
     # -- load ---------------------------------------------------------------------------
-    def load(self, key: str) -> ExportedModel | None:
+    def load(self, key: str) -> CacheEntry | None:
+        """The entry for ``key``, or None (missing, damaged, unsafe: the caller exports)."""
+        if not self._safe_folder(create=False):
+            self.misses += 1
+            return None
         file = self._file(key)
         try:
-            with open(file, "rb") as f:
-                data = f.read()
+            fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
             self.misses += 1
             return None
@@ -108,8 +326,15 @@ class ExportCache:
             self._warn(f"cannot read export cache entry {file}: {err}; exporting instead")
             self.misses += 1
             return None
+        with os.fdopen(fd, "rb") as f:
+            reason = _unsafe_reason(os.fstat(f.fileno()), f"export cache entry {file}")
+            if reason is not None:
+                self._warn(f"{reason}; it is not loaded")
+                self.misses += 1
+                return None
+            data = f.read()
         try:
-            exported = self._decode(data, key)
+            entry = self._decode(data, key)
         except Exception as err:  # noqa: BLE001 - any damage means: do not use it
             self._warn(f"export cache entry {file} is unusable ({err}); it is removed and rebuilt")
             try:
@@ -119,45 +344,37 @@ class ExportCache:
             self.misses += 1
             return None
         self.hits += 1
-        return exported
+        return entry
 
-    def _decode(self, data: bytes, key: str) -> ExportedModel:
+    def _decode(self, data: bytes, key: str) -> CacheEntry:
         import onnx
 
         if not data.startswith(_MAGIC):
-            raise ValueError("not an export cache file")
-        rest = data[len(_MAGIC) :]
-        digest, sep, payload = rest.partition(b"\n")
-        if not sep or hashlib.sha256(payload).hexdigest().encode() != digest:
+            raise ValueError("not an export cache file of this version")
+        digest, sep, rest = data[len(_MAGIC) :].partition(b"\n")
+        if not sep or hashlib.sha256(rest).hexdigest().encode() != digest:
             raise ValueError("checksum mismatch (truncated or corrupted)")
-        with warnings.catch_warnings():
-            # torch's pytree rebuilds leaf specs through a class it marks deprecated
-            warnings.simplefilter("ignore", FutureWarning)
-            record = _NoImportUnpickler(io.BytesIO(payload)).load()
-        if record.get("key") != key:
+        size, sep, rest = rest.partition(b"\n")
+        if not sep or not size.isdigit() or int(size) > len(rest):
+            raise ValueError("bad header length")
+        header = json.loads(rest[: int(size)].decode("utf-8"))
+        if not isinstance(header, dict) or header.get("key") != key:
             raise ValueError("entry belongs to a different model")
-        exported: ExportedModel = record["exported"]
-        exported.model = onnx.load_from_string(record["onnx"])
-        return exported
+        return CacheEntry(onnx.load_from_string(rest[int(size) :]), header)
 
     # -- store --------------------------------------------------------------------------
     def store(self, key: str, exported: ExportedModel) -> None:
-        import copy
-
-        shallow = copy.copy(exported)
-        shallow.model = None  # type: ignore[assignment]
         try:
-            payload = pickle.dumps(
-                {"key": key, "exported": shallow, "onnx": exported.model.SerializeToString()},
-                protocol=pickle.HIGHEST_PROTOCOL,
-            )
-        except Exception as err:  # noqa: BLE001
+            header = json.dumps(_header(key, exported), sort_keys=True).encode("utf-8")
+        except (TypeError, ValueError) as err:
             self._warn(f"cannot cache this export ({err}); training continues without the cache")
             return
-        blob = _MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+        body = str(len(header)).encode() + b"\n" + header + exported.model.SerializeToString()
+        blob = _MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+        if not self._safe_folder(create=True):
+            return
         try:
-            os.makedirs(self.path, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".ortexport", dir=self.path)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=self.path)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(blob)
@@ -177,8 +394,10 @@ class ExportCache:
             )
 
     def _warn(self, message: str) -> None:
-        if "not writable" in message:
-            if self._warned_unwritable:
-                return
-            self._warned_unwritable = True
+        # folder-level problems repeat on every export: say them once
+        once = "ORTMODULE_CACHE_DIR=" in message
+        if once and message in self._warned:
+            return
+        if once:
+            self._warned.add(message)
         warnings.warn(f"ORTModule: {message}", stacklevel=4)

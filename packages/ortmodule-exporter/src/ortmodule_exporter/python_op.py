@@ -46,6 +46,7 @@ from typing import Any
 import onnx
 import torch
 
+from .engine_binding import _C
 from .errors import ExportError
 from .onnx_graph import attribute
 from .post_export import register_post_export_pass
@@ -63,6 +64,7 @@ __all__ = [
     "check_model",
     "custom_autograd_enabled",
     "enable_custom_autograd",
+    "python_op_exporters",
     "export_settings",
     "exporting_copy_of",
     "model_is_runnable",
@@ -260,6 +262,11 @@ def register_python_op_exporter(func_name: str, handler: Callable[..., Any]) -> 
     _SPECIAL[func_name] = handler
 
 
+def python_op_exporters() -> dict[str, Callable[..., Any]]:
+    """The registered Function exporters (``func_name -> handler``), for export-cache keys."""
+    return dict(_SPECIAL)
+
+
 # -- shape inference ---------------------------------------------------------------------------
 
 _SHAPE_FNS: dict[str, ShapeFn] = {}
@@ -375,12 +382,8 @@ class _EngineStub(torch.autograd.Function):
 
 def _register_with_engine(name: str) -> None:
     try:
-        from .engine import _C
-    except ImportError:  # pragma: no cover - exporting without the engine installed
-        return
-    try:
         C = _C()
-    except ImportError:  # pragma: no cover
+    except ImportError:  # pragma: no cover - exporting without the engine installed
         return
     C.register_torch_autograd_function(name, _EngineStub)
 

@@ -36,6 +36,7 @@ from torch.autograd.function import Function, FunctionCtx, _SingleLevelFunction
 
 from . import dlpack_bridge as bridge
 from .callback_errors import remember, take_pending_error, user_errors
+from .engine_binding import _C
 from .python_op import REGISTRY, FunctionEntry
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "installed",
     "kernel_count",
     "live_contexts",
+    "protective_copies",
     "release_engine_contexts",
     "take_pending_error",
     "user_errors",
@@ -146,7 +148,8 @@ def live_contexts() -> int:
 @dataclass
 class _KernelState:
     seen: bool = False
-    #: argument positions to copy before forward because the Function writes them in place
+    #: argument positions to copy before forward because the Function writes them in place or
+    #: keeps them for backward
     clone: frozenset[int] = frozenset()
 
 
@@ -165,6 +168,60 @@ def _kernel(invoke_id: bytes) -> _KernelState:
 
 def kernel_count() -> int:
     return len(_KERNELS)
+
+
+# -- tensors the context keeps for backward ------------------------------------------------------------
+
+#: The engine does not know that PyTorch still holds some of its buffers after a PythonOp ran:
+#: its planner lets an elementwise node write its result into its input's buffer once nothing
+#: else in the graph reads that input. So memory the Function keeps for backward (saved tensors,
+#: tensors set as ``ctx`` attributes, views of either) must never be a buffer the engine owns:
+#: an argument the Function keeps is copied before forward (learnt on the first call, which
+#: copies every argument), and an output it keeps (or one aliasing an engine buffer or an
+#: earlier output) is handed to the engine as a copy. Nothing else is copied.
+_PROTECTIVE_COPIES = [0]
+_CTX_FIELDS = frozenset(
+    {
+        "_ortmodule_call",
+        "needs_input_grad",
+        "materialize_grads",
+        "to_save",
+        "dirty_tensors",
+        "non_differentiable",
+    }
+)
+
+
+def protective_copies() -> int:
+    """How many tensors the runners copied so far to keep a Function's saved tensors intact."""
+    return _PROTECTIVE_COPIES[0]
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    if tensor.numel() == 0:
+        return None
+    return int(tensor.untyped_storage().data_ptr())
+
+
+def _add_storages(value: Any, into: set[int]) -> None:
+    if isinstance(value, torch.Tensor):
+        storage = _storage(value)
+        if storage is not None:
+            into.add(storage)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            if isinstance(item, (torch.Tensor, tuple, list)):
+                _add_storages(item, into)
+
+
+def _kept_storages(ctx: _Context) -> set[int]:
+    """The storages of every tensor ``ctx`` keeps for backward (saved or set as attributes)."""
+    kept: set[int] = set()
+    _add_storages(tuple(ctx.to_save), kept)
+    for name, value in vars(ctx).items():
+        if name not in _CTX_FIELDS:
+            _add_storages(value, kept)
+    return kept
 
 
 # -- forward ----------------------------------------------------------------------------------------
@@ -210,11 +267,14 @@ def run_forward(
         tensor = bridge.tensor_from_capsule(obj)
         if position in entry.bool_inputs and tensor.dtype == torch.uint8:
             tensor = tensor.view(torch.bool)
-        # the engine's buffer may feed other nodes: a Function that writes its input in place
-        # gets a copy (every argument on the first call, then the ones it wrote)
+        # the engine's buffer may feed other nodes, or be reused once the node ran: a Function
+        # that writes an argument in place or keeps it for backward gets a copy (every argument
+        # on the first call, then the ones it wrote or kept)
         if not kernel.seen or position in kernel.clone:
             tensor = tensor.clone()
             cloned.add(position)
+            if kernel.seen:
+                _PROTECTIVE_COPIES[0] += 1
         wants = bool(
             training
             and requires_grad[position]
@@ -252,14 +312,27 @@ def run_forward(
             "call but not on its first call, so the engine's buffer was changed. A Function run "
             "by ORTModule must write the same arguments in place (mark_dirty) on every call."
         )
+    kept = _kept_storages(ctx) if keep else set()
+    saved = {position for position, t in fed.items() if _storage(t) in kept}
+    if saved - cloned:
+        raise RuntimeError(
+            f"{entry.name}.forward kept argument(s) {sorted(saved - cloned)} for backward on "
+            "this call but not on its first call; the engine may reuse their buffers before "
+            "backward runs. A Function run by ORTModule must save the same arguments on every call."
+        )
     if not kernel.seen:
-        kernel.clone = frozenset(written)
+        kernel.clone = frozenset(written | saved)
         kernel.seen = True
 
     outputs = result if isinstance(result, tuple) else (result,)
     non_differentiable = (
         {id(t) for t in ctx.non_differentiable} if ctx.non_differentiable else set()
     )
+    taken = kept | {
+        storage
+        for position, t in fed.items()
+        if position not in cloned and (storage := _storage(t)) is not None
+    }
     returned: list[Any] = []
     for out in outputs:
         if not isinstance(out, torch.Tensor):
@@ -269,6 +342,14 @@ def run_forward(
         if keep:
             state.outputs.append(_TensorMeta(out, non_differentiable=id(out) in non_differentiable))
         value = out.detach()
+        storage = _storage(value)
+        if storage is not None and storage in taken:
+            # the engine may write this output's buffer in place (an elementwise consumer reuses
+            # it): it must not be memory that backward reads or that another engine value owns
+            value = value.clone()
+            _PROTECTIVE_COPIES[0] += 1
+        elif storage is not None:
+            taken.add(storage)
         if value.dtype == torch.bool:  # the engine imports bool as uint8 (declared so at export)
             value = value.view(torch.uint8)
         if not value.is_contiguous():
@@ -307,7 +388,6 @@ def release_engine_contexts() -> bool:
     with _LIVE_LOCK:
         if _LIVE:
             return False
-        from .engine import _C
         from .python_op import _EngineStub
 
         C = _C()
@@ -489,7 +569,6 @@ def install() -> None:
     with _INSTALL_LOCK:
         if _INSTALLED:
             return
-        from .engine import _C
 
         C = _C()
         C.register_forward_runner(_address(_FORWARD_CALLBACK))
@@ -508,8 +587,6 @@ def _release_engine_references() -> None:
     with _LIVE_LOCK:
         _LIVE.clear()
     try:
-        from .engine import _C
-
         _C().unregister_python_functions()
     except Exception:  # noqa: BLE001 - best effort at exit
         pass

@@ -8,6 +8,7 @@
 """
 
 import sys as _sys
+from typing import TYPE_CHECKING
 
 from .engine_check import check_engine
 
@@ -18,10 +19,18 @@ if _sys.argv[1:2] != ["doctor"]:
 # ruff: noqa: E402 - the engine check must run before anything imports the engine
 from ortmodule_exporter import EngineBuildError, ExportError, ORTModuleError, register_symbolic
 
+from .bundle import MissingComponentError, find_export
 from .debug_options import DebugOptions, LogLevel
 from .fallback import InitializationError
 from .options import FallbackPolicy, RuntimeOptions
 from .ortmodule import ORTModule
+
+if TYPE_CHECKING:  # the names __getattr__ resolves, for type checkers
+    from ortmodule_optim import FP16_Optimizer, FusedAdam
+    from ortmodule_sampler import (
+        LoadBalancingDistributedBatchSampler,
+        LoadBalancingDistributedSampler,
+    )
 
 __version__ = "0.1.0"
 
@@ -29,11 +38,28 @@ __all__ = [
     "DebugOptions",
     "EngineBuildError",
     "ExportError",
+    "FP16_Optimizer",
     "FallbackPolicy",
+    "FusedAdam",
     "InitializationError",
+    "LoadBalancingDistributedBatchSampler",
+    "LoadBalancingDistributedSampler",
     "LogLevel",
+    "MissingComponentError",
     "ORTModule",
     "ORTModuleError",
     "RuntimeOptions",
     "register_symbolic",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # components' public names, imported on first use: one import path per class, and a missing
+    # component fails only the import that needs it, naming the distribution to install
+    value = find_export(name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -7,21 +7,16 @@
 >>> configure(RuntimeOptions.defaults())
 
 It registers, once per process, the PythonOp runners, the ATen executor and the ATen gradients
-with the engine, then applies the switches (``ORTMODULE_ENABLE_CUSTOM_AUTOGRAD``,
+with the engine. The export switches (``ORTMODULE_ENABLE_CUSTOM_AUTOGRAD``,
 ``ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT``, ``ORTMODULE_ATEN_SDPA_FALLBACK``,
-``ORTMODULE_USE_EFFICIENT_ATTENTION``). The switches are process-wide, like the environment
-variables they come from: the last ORTModule created decides them for later exports.
+``ORTMODULE_USE_EFFICIENT_ATTENTION``) are not set here: each ORTModule carries them in its
+``ExportConfig`` (``runner_config.export_config``), which its exports apply for their own
+duration, so two modules with different options never see each other's.
 """
 
 from __future__ import annotations
 
-from ortmodule_exporter import (
-    aten_executor,
-    aten_fallback,
-    custom_gradients,
-    python_op,
-    python_op_runner,
-)
+from ortmodule_exporter import aten_executor, custom_gradients, python_op_runner
 
 from .options import RuntimeOptions
 
@@ -29,14 +24,9 @@ __all__ = ["configure"]
 
 
 def configure(options: RuntimeOptions) -> None:
-    """Install the engine callbacks (idempotent) and apply ``options``' export switches."""
+    """Install the engine callbacks (idempotent); ``options`` reach the export through
+    ``ExportConfig``, not here."""
+    del options  # kept in the signature: callers pass theirs
     python_op_runner.install()
     aten_executor.install()
     custom_gradients.install_gradients()
-    python_op.enable_custom_autograd(
-        options.enable_custom_autograd, options.allow_autograd_checkpoint
-    )
-    aten_fallback.configure_aten_routes(
-        sdpa_fallback=options.aten_sdpa_fallback,
-        efficient_attention=options.use_efficient_attention,
-    )

@@ -54,14 +54,23 @@ class LogLevel(enum.IntEnum):
 class DebugOptions:
     """Per-model debugging options passed as ``ORTModule(model, DebugOptions(...))``.
 
-    ``save_onnx=True`` writes the exported, pre-gradient and final ONNX models as
-    ``<onnx_prefix>_<training|inference>_<stage>.onnx`` into ``ORTMODULE_SAVE_ONNX_PATH`` (default:
-    the current working directory), so it needs ``onnx_prefix``.
+    ``save_onnx=True`` writes every graph ORTModule builds into ``ORTMODULE_SAVE_ONNX_PATH``
+    (default: the current working directory) as
+    ``<onnx_prefix>_<training|inference>_v<N>_<stage>.onnx``, so it needs ``onnx_prefix``. ``N``
+    numbers the graphs (the next number free in the folder, so a re-export or a later run never
+    overwrites earlier files); the stages are ``1_exported`` (what torch.onnx wrote),
+    ``2_pre_gradient`` (after the engine's graph optimisations, training graphs only),
+    ``3_gradient`` or ``3_built`` (the forward+backward or inference graph the engine built) and
+    ``4_execution`` (after the session's optimisations: the model the engine runs).
     """
 
     log_level: LogLevel = LogLevel.WARNING
     save_onnx: bool = False
     onnx_prefix: str = ""
+    #: ``ORTMODULE_MEMORY_OPT_LEVEL`` from code (0, 1 or 2); the variable, when set, wins
+    memory_opt_level: int | None = None
+    #: ``ORTMODULE_MEMORY_OPT_CONFIG`` from code: the JSON file of recompute plans
+    memory_opt_config: str | None = None
 
     def __post_init__(self) -> None:
         # frozen: normalise through object.__setattr__ so "INFO" and 2 become LogLevel.INFO
@@ -81,6 +90,18 @@ class DebugOptions:
                 "DebugOptions(save_onnx=True) needs onnx_prefix, the prefix of the saved file names: "
                 "DebugOptions(save_onnx=True, onnx_prefix='my_model'). Set ORTMODULE_SAVE_ONNX_PATH "
                 "to choose the folder (default: the current working directory)."
+            )
+        if self.memory_opt_level is not None and (
+            isinstance(self.memory_opt_level, bool) or self.memory_opt_level not in (0, 1, 2)
+        ):
+            raise InvalidOptionError(
+                f"DebugOptions.memory_opt_level={self.memory_opt_level!r} must be 0 (plans from "
+                "memory_opt_config), 1 (layer-wise recompute) or 2 (layer-wise with compromised plans)."
+            )
+        if self.memory_opt_config is not None and not isinstance(self.memory_opt_config, str):
+            raise InvalidOptionError(
+                f"DebugOptions.memory_opt_config={self.memory_opt_config!r} must be the path of a "
+                'JSON file of recompute plans, e.g. "plans.json" holding ["Gelu+:1:-1"].'
             )
         if any(sep in self.onnx_prefix for sep in ("/", "\\")):
             raise InvalidOptionError(

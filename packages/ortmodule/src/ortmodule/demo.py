@@ -47,8 +47,13 @@ __all__ = [
 ]
 
 CORPUS = "corpus.txt"
-MODES = ("eager", "ortmodule")
-TITLES = {"eager": "PyTorch eager", "ortmodule": "ORTModule"}
+MODES = ("eager", "ortmodule", "recompute")
+TITLES = {
+    "eager": "PyTorch eager",
+    "ortmodule": "ORTModule",
+    # ortmodule-memory's layer-wise recompute: less activation memory for some extra compute
+    "recompute": "ORTModule + recompute",
+}
 #: the largest per-step loss difference the demo accepts as "the same training run"
 LOSS_TOLERANCE = 1e-3
 PROMPT = "The lamp"
@@ -381,6 +386,8 @@ class RunResult:
     cuda_peak_mib: float | None = None
     text: str = ""
     onnx_files: list[str] = field(default_factory=list)
+    #: ORTModule only: every step ran in the engine (fallback disabled, none happened)
+    engine_ran: bool = False
 
     @property
     def first_step(self) -> float:
@@ -419,20 +426,24 @@ def _train(mode: str, config: DemoConfig, work: Path) -> RunResult:
     model: nn.Module = build_model(config, tokenizer.vocab_size)
     model.load_state_dict(torch.load(work / "init.pt"))
     model.to(device)
-    if mode == "ortmodule":
+    if mode in ("ortmodule", "recompute"):
         from ortmodule import DebugOptions, ORTModule
 
+        # a fallback would make this eager against eager: every failure must stop the run
+        os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
         debug = None
-        if config.save_onnx:
+        if config.save_onnx and mode == "ortmodule":
             # the user's ORTMODULE_SAVE_ONNX_PATH wins over --out, as everywhere else
             os.environ.setdefault("ORTMODULE_SAVE_ONNX_PATH", str(Path(config.out).resolve()))
             debug = DebugOptions(save_onnx=True, onnx_prefix="demo_gpt")
+        if mode == "recompute":
+            debug = DebugOptions(memory_opt_level=1)
         model = ORTModule(model, debug)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
 
     bar = ProgressBar(TITLES[mode], config.steps)
-    bar.start("first step: export + graph build" if mode == "ortmodule" else "")
+    bar.start("first step: export + graph build" if mode != "eager" else "")
     rss_before = _current_rss_mib()
     losses: list[float] = []
     seconds: list[float] = []
@@ -454,6 +465,8 @@ def _train(mode: str, config: DemoConfig, work: Path) -> RunResult:
     times = getattr(runner, "last_times", None)
     if times is not None:
         result.phases = dict(times.seconds)
+    fallback = getattr(model, "_fallback", None)
+    result.engine_ran = times is not None and fallback is not None and fallback.cause is None
     if config.generate:
         model.eval()
         result.text = generate(
@@ -504,8 +517,8 @@ def loss_differences(a: RunResult, b: RunResult) -> list[float]:
     return [abs(x - y) for x, y in zip(a.losses, b.losses, strict=True)]
 
 
-def format_table(eager: RunResult, ort: RunResult) -> str:
-    """The side-by-side table ``ortmodule demo`` prints."""
+def format_table(eager: RunResult, ort: RunResult, recompute: RunResult | None = None) -> str:
+    """The side-by-side table ``ortmodule demo`` prints (with the recompute run's rows if given)."""
     diffs = loss_differences(eager, ort)
     worst = max(range(len(diffs)), key=diffs.__getitem__)
     phases = ", ".join(f"{name} {sec:.2f} s" for name, sec in ort.phases.items())
@@ -539,6 +552,32 @@ def format_table(eager: RunResult, ort: RunResult) -> str:
             "peak minus RSS before step 1",
         ),
     ]
+    if recompute is not None:
+        label = TITLES["recompute"]
+        rows += [
+            (
+                f"{label}: median step time",
+                "",
+                _fmt_s(recompute.median_step),
+                f"{recompute.median_step / ort.median_step:.2f}x ORTModule",
+            ),
+            (
+                f"{label}: RSS growth during training",
+                "",
+                f"{recompute.peak_rss_mib - recompute.rss_before_mib:.0f} MiB",
+                "memory-vs-time trade-off (ORTMODULE_MEMORY_OPT_LEVEL=1)",
+            ),
+            (
+                f"{label}: largest loss difference",
+                "",
+                f"{max(loss_differences(eager, recompute)):.2e}",
+                "vs eager",
+            ),
+        ]
+        if recompute.cuda_peak_mib is not None:
+            rows.append(
+                (f"{label}: peak CUDA memory", "", f"{recompute.cuda_peak_mib:.0f} MiB", "")
+            )
     if eager.cuda_peak_mib is not None and ort.cuda_peak_mib is not None:
         rows.append(
             (
@@ -557,6 +596,33 @@ def format_table(eager: RunResult, ort: RunResult) -> str:
         if r is header:
             lines.append("-" * len(lines[0]))
     return "\n".join(lines)
+
+
+#: the options that decide ORTModule's speed, reported with every speed figure
+SPEED_OPTIONS = ("ORTMODULE_FUSED_ATTENTION", "ORTMODULE_KERNEL_CHOICE")
+
+
+def speed_summary(
+    eager: RunResult, ort: RunResult, threads: int, loads: tuple[float, float]
+) -> str:
+    """One honest sentence on speed: the ratio, and the settings and load that produced it."""
+    from .options import VARIABLES
+
+    ratio = ort.median_step / eager.median_step
+    verdict = (
+        f"{1 / ratio:.2f}x as fast as eager" if ratio < 1 else f"{ratio:.2f}x eager's step time"
+    )
+    defaults = {var.name: var.default for var in VARIABLES}
+    settings = ", ".join(
+        f"{name}={os.environ.get(name) or defaults.get(name)}" for name in SPEED_OPTIONS
+    )
+    return (
+        f"Speed: ORTModule ran {verdict} (median step {_fmt_s(ort.median_step)} vs "
+        f"{_fmt_s(eager.median_step)}), with {threads or torch.get_num_threads()} intra-op "
+        f"threads each, {settings}; load average {loads[0]:.1f} before and {loads[1]:.1f} after "
+        f"on {os.cpu_count()} CPUs. The two runs were sequential processes, so a busy machine "
+        "skews the ratio; `python -m benchmarks.worker ratio --model gpt` interleaves them."
+    )
 
 
 def plot_losses(eager: RunResult, ort: RunResult, path: Path) -> Path | None:
@@ -581,6 +647,31 @@ def plot_losses(eager: RunResult, ort: RunResult, path: Path) -> Path | None:
     bottom.set_ylabel("|loss difference|")
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_tradeoff(results: dict[str, RunResult], path: Path) -> Path | None:
+    """Memory (RSS growth) against median step time, one point per run; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, r in results.items():
+        x, y = r.median_step * 1e3, r.peak_rss_mib - r.rss_before_mib
+        ax.scatter([x], [y], s=60)
+        ax.annotate(TITLES.get(mode, mode), (x, y), textcoords="offset points", xytext=(6, 4))
+    ax.set_xlabel("median step time (ms)")
+    ax.set_ylabel("RSS growth during training (MiB)")
+    ax.set_title("Memory vs time")
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -659,12 +750,28 @@ def run_demo(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
             return 1
     eager, ort = results["eager"], results["ortmodule"]
     diffs = loss_differences(eager, ort)
+    if "recompute" in results:  # recompute must not change the losses either
+        diffs += loss_differences(eager, results["recompute"])
     worst = max(diffs)
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
     say()
-    say(format_table(eager, ort))
+    say(format_table(eager, ort, results.get("recompute")))
     say()
-    matched = worst <= LOSS_TOLERANCE and all(map(math.isfinite, ort.losses))
+    if ort.engine_ran:
+        say(
+            "ORTModule ran every step in ONNX Runtime (ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE: "
+            "a fallback to PyTorch would have stopped the run)."
+        )
+    else:
+        say("ORTModule did NOT run in ONNX Runtime: the comparison below is not meaningful.")
+    say(speed_summary(eager, ort, config.threads, (load, load_after)))
+    say()
+    matched = (
+        all(r.engine_ran for mode, r in results.items() if mode != "eager")
+        and worst <= LOSS_TOLERANCE
+        and all(math.isfinite(loss) for r in results.values() for loss in r.losses)
+    )
     if matched:
         say(
             f"The losses match: the largest per-step difference is {worst:.2e} (tolerance {LOSS_TOLERANCE:g})."
@@ -679,6 +786,9 @@ def run_demo(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         say(f"Loss curves: {plot}")
     else:
         say("Loss curves: not drawn, matplotlib is not installed (pip install 'ortmodule[demo]').")
+    tradeoff = plot_tradeoff(results, out / "memory_vs_time.png")
+    if tradeoff is not None:
+        say(f"Memory vs time: {tradeoff}")
     summary = {
         "config": asdict(config),
         "runs": {mode: asdict(r) for mode, r in results.items()},

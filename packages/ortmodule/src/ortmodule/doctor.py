@@ -116,7 +116,7 @@ def _engine(report: Report) -> dict[str, Any]:
     try:
         # held back: importing the engine can print (some wheels pull in DeepSpeed, which logs)
         with suppress_output(LogLevel.WARNING):
-            from ortmodule_exporter.engine import import_onnxruntime
+            from ortmodule_exporter.engine_binding import import_onnxruntime
 
             onnxruntime = import_onnxruntime()
             from onnxruntime.capi import _pybind_state
@@ -173,6 +173,57 @@ def _devices(report: Report, engine: Mapping[str, Any]) -> None:
         )
 
 
+def _kernel_choice(report: Report) -> None:
+    """Re-measure, on this machine, what ORTMODULE_KERNEL_CHOICE=AUTO decides at export."""
+    lines = report.section("Kernel choice (ORTMODULE_KERNEL_CHOICE=AUTO, measured now)")
+    from ortmodule_exporter.kernel_choice import CALIBRATION_NUMEL, measure_gelu
+
+    for numel in (1 << 14, CALIBRATION_NUMEL):
+        try:
+            engine_us, torch_us = measure_gelu(numel)
+        except Exception as err:  # an inference-only engine has no GeluGrad: AUTO keeps its own
+            lines.append(
+                f"GELU could not be timed ({type(err).__name__}); the engine's kernel is used"
+            )
+            return
+        route = "PyTorch (ATen nodes)" if torch_us < engine_us else "the engine"
+        lines.append(
+            f"GELU forward+backward, {numel} float32 elements: engine {engine_us:.0f} us, "
+            f"PyTorch {torch_us:.0f} us with its ATen nodes -> {route}"
+        )
+
+
+def _components(report: Report) -> None:
+    """Each component: its version, and whether it can work here (its own check says why not)."""
+    from ortmodule_exporter.components import component_failures, load_components
+
+    from .bundle import BUNDLED, status
+
+    lines = report.section("Components")
+    plugged = load_components()
+    for bundled in BUNDLED:
+        version, why = status(bundled)
+        if why is None and bundled.dist in plugged:
+            why = plugged[bundled.dist].problem()
+        state = "usable here" if why is None else f"not usable here: {why}"
+        lines.append(f"{bundled.dist} {version or '-'}: {state} ({bundled.summary})")
+        if version is None:
+            report.problem(f"{bundled.dist} is not installed", bundled.install)
+    known = {b.dist for b in BUNDLED}
+    for name, component in sorted(plugged.items()):
+        if name in known:
+            continue
+        why = component.problem()
+        state = "usable here" if why is None else f"not usable here: {why}"
+        lines.append(f"{name} {component.version}: {state} ({component.summary})")
+    for entry, error in sorted(component_failures().items()):
+        lines.append(f"entry point {entry}: FAILED TO LOAD: {error}")
+        report.problem(
+            f"component entry point {entry} failed to load: {error}",
+            "reinstall the component at the version of ortmodule, or uninstall it",
+        )
+
+
 def _optional(report: Report) -> dict[str, bool]:
     lines = report.section("Optional components")
     present = {}
@@ -188,10 +239,12 @@ def _optional(report: Report) -> dict[str, bool]:
 
 def _settings(report: Report, environ: Mapping[str, str], present: Mapping[str, bool]) -> None:
     from .options import (
+        NEEDS_COMPONENT,
         VARIABLES,
         InvalidOptionError,
         RuntimeOptions,
         format_value,
+        inactive_variables,
         unknown_variables,
     )
 
@@ -228,14 +281,23 @@ def _settings(report: Report, environ: Mapping[str, str], present: Mapping[str, 
                 RuntimeOptions.resolve(environ=environ)
             except InvalidOptionError as err:
                 report.problem(str(err), "change the variables as the message says")
-    _needs = (
-        ("use_triton", "triton", "pip install triton (needs a CUDA device)"),
-        ("use_flash_attention", "triton", "pip install triton (needs a CUDA device)"),
-        ("enable_zero_stage3", "deepspeed", "pip install deepspeed"),
-    )
-    for option, component, fix in _needs:
-        if values.get(option) and not present.get(component):
-            report.problem(f"ORTMODULE_{option.upper()}=1 but {component} is not installed", fix)
+    if all(var.field in values for var in VARIABLES):
+        # the same check ORTModule logs at wrap time: a set variable nothing installed acts on
+        from ortmodule_exporter.components import handled_options, load_components
+
+        load_components()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                options = RuntimeOptions.resolve(environ=environ)
+            except InvalidOptionError:
+                return
+        for name, message in inactive_variables(options, handled_options()):
+            package = NEEDS_COMPONENT.get(name)
+            report.problem(
+                message,
+                f"pip install {package}" if package else f"unset {name}; it does nothing here",
+            )
 
 
 def collect(environ: Mapping[str, str] = os.environ) -> Report:
@@ -257,6 +319,9 @@ def collect(environ: Mapping[str, str] = os.environ) -> Report:
     guarded("ortmodule packages", lambda: _ortmodule_packages(report))
     engine = guarded("the engine", lambda: _engine(report)) or engine
     guarded("devices", lambda: _devices(report, engine))
+    guarded("components", lambda: _components(report))
+    if engine.get("build"):
+        guarded("kernel choice", lambda: _kernel_choice(report))
     present = guarded("optional components", lambda: _optional(report)) or present
     guarded("settings", lambda: _settings(report, environ, present))
     return report

@@ -9,21 +9,33 @@ gradient back to autograd so ``param.grad`` accumulates exactly as in eager.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import onnx
 import torch
 
 from ortmodule_exporter import (
     ExportCache,
+    ExportConfig,
     GraphKey,
     GraphTransitionManager,
     SaveOptions,
     export,
     parameter_signature,
     run_post_export_passes,
+)
+from ortmodule_exporter.components import (
+    SessionContext,
+    SessionInfo,
+    StepContext,
+    has_session_contributors,
+    session_contribution,
+    step_hooks,
 )
 from ortmodule_exporter.engine import (
     BuiltGraph,
@@ -110,6 +122,22 @@ class CompiledGraph:
     #: for each feed position: index into the backward outputs, or -1 for no gradient
     grad_index: list[int] = field(default_factory=list)
     _reached: dict[frozenset[int], frozenset[str]] = field(default_factory=dict)
+    _returned: dict[frozenset[int], list[int]] = field(default_factory=dict)
+
+    def returned_grads(self, used: frozenset[int]) -> list[int]:
+        """Per feed, the backward output handed to autograd, or -1 for None (memoised).
+
+        Like eager, an input that reaches no output with a gradient gets None, not zeros.
+        """
+        found = self._returned.get(used)
+        if found is None:
+            reached = self.reached_by(used)
+            found = [
+                j if j >= 0 and name in reached else -1
+                for j, name in zip(self.grad_index, self.built.feed_names, strict=True)
+            ]
+            self._returned[used] = found
+        return found
 
     def reached_by(self, outputs: frozenset[int]) -> frozenset[str]:
         """Graph inputs that any of ``outputs`` depends on (memoised per set of outputs)."""
@@ -133,11 +161,14 @@ class _EngineFunction(torch.autograd.Function):
     """Forward half and backward half of the engine's gradient graph as one autograd node."""
 
     @staticmethod
-    def forward(ctx: Any, graph: CompiledGraph, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, graph: CompiledGraph, step: StepContext, *feeds: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         session = graph.session
         assert isinstance(session, TrainingSession)
         outputs, state = session.forward(feeds)
         ctx.graph = graph
+        ctx.step = step
         ctx.state = state
         ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
         ctx.set_materialize_grads(False)
@@ -170,16 +201,13 @@ class _EngineFunction(torch.autograd.Function):
                 grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device)
             )
         assert isinstance(graph.session, TrainingSession)
+        hooks = step_hooks()
+        for hook in hooks:
+            hook.pre_backward(ctx.step)
         grads = graph.session.backward(feeds, state)
-        # like eager, an input that reaches no output with a gradient gets None, not zeros
-        reached = graph.reached_by(used)
-        return (
-            None,
-            *(
-                grads[j] if j >= 0 and name in reached else None
-                for j, name in zip(graph.grad_index, graph.built.feed_names, strict=True)
-            ),
-        )
+        for hook in reversed(hooks):
+            hook.post_backward(ctx.step)
+        return (None, None, *[grads[j] if j >= 0 else None for j in graph.returned_grads(used)])
 
 
 @dataclass(frozen=True)
@@ -187,6 +215,8 @@ class RunnerConfig:
     """What the runner needs from the options (filled by ORTModule from RuntimeOptions)."""
 
     opset: int = 17
+    #: what changes the exported graph; None: the exporter's process-wide switches
+    export_config: ExportConfig | None = None
     static_shapes: bool = False
     deepcopy: bool = True
     cache_dir: str | None = None
@@ -199,8 +229,54 @@ class RunnerConfig:
     exporter_verbose: bool = False
     conv_algo_search: str = "HEURISTIC"
     use_memory_efficient_gradient: bool = False
+    #: ``ORTMODULE_*`` variable -> parsed value, for post-export passes and components
     pass_options: tuple[tuple[str, Any], ...] = ()
     transformer_options: tuple[tuple[str, Any], ...] = ()
+
+
+class _Binder:
+    """``bind_arguments`` for the usual signature (plain parameters, no ``*args``/``**kwargs``)
+    without ``inspect.Signature.bind`` on every step.
+
+    Gives the same ordered dict ``Signature.bind(...).arguments`` would: the arguments passed, in
+    the signature's order, defaults left out. Anything else (a missing or unknown argument, a
+    signature with variadic or keyword-only parameters) goes to ``bind_arguments``, which also
+    produces its errors.
+    """
+
+    __slots__ = ("module", "signature", "names", "required", "plain")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.signature = forward_signature(module)
+        params = list(self.signature.parameters.values()) if self.signature is not None else []
+        plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
+        self.plain = self.signature is not None and all(p.kind in plain for p in params)
+        self.names = tuple(p.name for p in params)
+        self.required = sum(p.default is inspect.Parameter.empty for p in params)
+        if self.plain and any(
+            p.default is inspect.Parameter.empty for p in params[self.required :]
+        ):
+            self.plain = False  # a required parameter after a defaulted one: leave it to inspect
+
+    def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        names = self.names
+        n = len(args)
+        if self.plain and n <= len(names):
+            if not kwargs:
+                if n >= self.required:
+                    return dict(zip(names, args, strict=False))  # fewer args than names
+            else:
+                bound = dict(zip(names, args, strict=False))
+                for name in names[n:]:
+                    if name in kwargs:
+                        bound[name] = kwargs[name]
+                # every keyword matched a parameter not given by position, none required missing
+                if len(bound) == n + len(kwargs) and all(
+                    name in bound for name in names[n : self.required]
+                ):
+                    return bound
+        return bind_arguments(self.module, args, kwargs, self.signature)
 
 
 class GraphRunner:
@@ -219,7 +295,8 @@ class GraphRunner:
         self.exports = 0
         self._quiet = quiet
         self.last_times: PhaseTimer | None = None
-        self._signature: Any = None
+        self._binder: _Binder | None = None
+        self.step = StepContext(module, dict(config.pass_options))
 
     # -- the key ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -246,9 +323,13 @@ class GraphRunner:
 
     # -- one call ----------------------------------------------------------------------------
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        if self._signature is None:
-            self._signature = forward_signature(self.module)
-        arguments = bind_arguments(self.module, args, kwargs, self._signature)
+        hooks = step_hooks()
+        for hook in hooks:
+            hook.pre_forward(self.step)
+        binder = self._binder
+        if binder is None:
+            binder = self._binder = _Binder(self.module)
+        arguments = binder(args, kwargs)
         try:
             flat, schema = flatten(
                 arguments, prefix="input", static_shapes=self.config.static_shapes
@@ -272,12 +353,14 @@ class GraphRunner:
             if u.count_index >= 0
         ]
         if training_graph:
-            outputs = _EngineFunction.apply(graph, *feeds)
+            outputs = _EngineFunction.apply(graph, self.step, *feeds)
         else:
             assert isinstance(graph.session, InferenceSession)
             outputs = graph.session.forward(feeds)
         if graph.buffer_updates:
             _apply_buffer_updates(graph.buffer_updates, outputs, old)
+        for hook in reversed(hooks):
+            hook.post_forward(self.step, outputs)
         return unflatten(list(outputs[: graph.output_count]), graph.built.exported.output_schema)
 
     def _check_inputs(self, flat: Sequence[torch.Tensor], device: torch.device) -> None:
@@ -300,6 +383,9 @@ class GraphRunner:
         for kind, where in graph.feeds:
             if kind == "input":
                 feeds.append(flat[where])
+            elif kind == "extra":
+                extra, device = where
+                feeds.append(extra.make(device))
             else:
                 owner, attr = where
                 feeds.append(getattr(owner, attr))
@@ -325,17 +411,22 @@ class GraphRunner:
                     f"parameter '{name}' has dtype {p.dtype}, which the engine cannot train on {device.type}; "
                     f"use one of {SUPPORTED_PARAM_DTYPES[device.type]}"
                 )
-        with times.phase("export"), self._silenced():
+        # each graph saves under its own version: a re-export keeps the earlier files
+        save = cfg.save.next_version(self.module.training) if cfg.save else None
+        with times.phase("export"), self._silenced(), contextlib.ExitStack() as around:
+            for hook in step_hooks():
+                around.enter_context(hook.exporting(self.step))
             exported = export(
                 self.module,
                 args,
                 kwargs,
                 training=self.module.training,
                 opset=cfg.opset,
+                config=cfg.export_config,
                 static_shapes=cfg.static_shapes,
                 deepcopy=cfg.deepcopy,
                 cache=self.cache,
-                save=cfg.save,
+                save=save,
                 verbose=cfg.exporter_verbose,
             )
             run_post_export_passes(exported, dict(cfg.pass_options))
@@ -361,6 +452,9 @@ class GraphRunner:
             for n in exported.user_input_names
             if flat[index_of[n]].requires_grad and flat[index_of[n]].is_floating_point()
         )
+        # inputs added by post-export passes (e.g. the gradient trigger of ortmodule-memory)
+        extra = dict(exported.extra_inputs)
+        input_grads += tuple(n for n, e in extra.items() if e.requires_grad)
         static = None
         if cfg.static_shapes:
             static = tuple(tuple(flat[index_of[n]].shape) for n in exported.user_input_names)
@@ -373,12 +467,25 @@ class GraphRunner:
             use_memory_efficient_gradient=cfg.use_memory_efficient_gradient,
             log_severity=cfg.engine_log_severity,
             static_input_shapes=static,
-            save=cfg.save,
+            save=save,
             transformer_options=cfg.transformer_options,
         )
         with times.phase("graph build"), self._silenced():
             built = build_graph(exported, graph_config)
 
+        hooks = step_hooks()
+        context = None
+        contribution = None
+        if hooks or has_session_contributors():
+            context = SessionContext(
+                model=onnx.load_from_string(built.model_bytes),
+                training=key.build_gradient,
+                device=device,
+                options=self.step.options,
+                input_shapes={name: tuple(flat[i].shape) for name, i in index_of.items()},
+                built=built,
+            )
+            contribution = session_contribution(context)
         session_config = SessionConfig(
             device=device,
             intra_op_threads=torch.get_num_threads(),
@@ -386,6 +493,9 @@ class GraphRunner:
             log_severity=cfg.engine_log_severity,
             conv_algo_search=cfg.conv_algo_search,
             external_allocator=_torch_allocator(device),
+            optimized_model_path=save.file_path("execution", exported.training) if save else None,
+            memory_efficient_order=bool(contribution and contribution.memory_efficient_order),
+            config_entries=tuple(contribution.config_entries.items()) if contribution else (),
         )
         with times.phase("session creation"), self._silenced():
             session: TrainingSession | InferenceSession = (
@@ -398,6 +508,8 @@ class GraphRunner:
         for name in built.feed_names:
             if name in index_of:
                 feeds.append(("input", index_of[name]))
+            elif name in extra:
+                feeds.append(("extra", (extra[name], device)))
             else:
                 feeds.append(("param", _owner(self.module, name)))
         output_names = list(built.user_output_names)
@@ -414,6 +526,10 @@ class GraphRunner:
         position = {name: j for j, name in enumerate(built.fetch_names)}
         grad_by_input = {target: position[fetch] for fetch, target in built.grad_of.items()}
         grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]
+        if context is not None:
+            info = SessionInfo(context=context, session=session, built=built)
+            for hook in hooks:
+                hook.on_session(self.step, info)
         self.last_times = times
         log_initialisation_summary(times, logger)
         return CompiledGraph(

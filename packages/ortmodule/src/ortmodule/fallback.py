@@ -36,6 +36,14 @@ def classify(err: BaseException) -> FallbackPolicy:
     return FallbackPolicy.FALLBACK_BAD_INITIALIZATION
 
 
+_RECOGNISED = (
+    FallbackPolicy.FALLBACK_UNSUPPORTED_DEVICE
+    | FallbackPolicy.FALLBACK_UNSUPPORTED_DATA
+    | FallbackPolicy.FALLBACK_UNSUPPORTED_TORCH_MODEL
+    | FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
+)
+
+
 class FallbackManager:
     """Decides, per call, whether PyTorch runs the module instead of the engine."""
 
@@ -48,13 +56,20 @@ class FallbackManager:
 
     @property
     def forced(self) -> bool:
-        return bool(
-            self.policy
-            & (
-                FallbackPolicy.FALLBACK_FORCE_TORCH_FORWARD
-                | FallbackPolicy.FALLBACK_FORCE_TORCH_BACKWARD
-            )
-        )
+        return bool(self.policy & FallbackPolicy.FALLBACK_FORCE_TORCH_FORWARD)
+
+    def covers(self, flag: FallbackPolicy) -> bool:
+        """Whether the policy lets a failure of kind ``flag`` fall back to PyTorch.
+
+        ``FALLBACK_FORCE_TORCH_BACKWARD`` is the original ORTModule's catch-all over the
+        failures ORTModule recognises (device, data, PyTorch model, ONNX model): it does not
+        move anything to PyTorch by itself; a model the engine runs stays in the engine.
+        """
+        if self.policy & FallbackPolicy.FALLBACK_DISABLE:
+            return False
+        if self.policy & FallbackPolicy.FALLBACK_FORCE_TORCH_BACKWARD and flag & _RECOGNISED:
+            return True
+        return bool(self.policy & flag)
 
     def use_torch(self) -> bool:
         if self.forced:
@@ -63,7 +78,7 @@ class FallbackManager:
 
     def handle(self, err: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         flag = classify(err)
-        if self.policy & FallbackPolicy.FALLBACK_DISABLE or not self.policy & flag:
+        if not self.covers(flag):
             raise err
         first = self.cause is None
         self.cause = err

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import IO
+from typing import IO, Any
 
 from .debug_options import LogLevel
 
@@ -201,7 +201,7 @@ def configure_logger(level: LogLevel, rank: int | None = None) -> logging.Logger
 
 def apply_engine_severity(level: LogLevel) -> None:
     """Set the engine's process-wide default logger (graph build uses it) to ``level``'s severity."""
-    from ortmodule_exporter.engine import import_onnxruntime
+    from ortmodule_exporter.engine_binding import import_onnxruntime
 
     onnxruntime = import_onnxruntime()
     onnxruntime.set_default_logger_severity(engine_severity(level))
@@ -226,9 +226,15 @@ def _flush_all() -> None:
             pass
 
 
-def _text_on(f: IO[bytes]) -> IO[str]:
-    # shares the file (and its offset) with fd 1/2, so Python and C writes keep their order
-    return open(f.fileno(), "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+def _passing_through(stream: Any, fd: int, saved: int) -> Any:
+    """What ``sys.stdout``/``sys.stderr`` is inside a region: ``stream`` itself unless it
+    writes to ``fd`` (then redirected), in which case a line-buffered writer on ``saved``."""
+    try:
+        if stream is None or stream.fileno() != fd:
+            return stream
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError
+        return stream
+    return open(saved, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
 
 
 def _read(f: IO[bytes]) -> str:
@@ -255,14 +261,17 @@ def _ignore_exporter_warnings() -> Iterator[None]:
 
 @contextmanager
 def suppress_output(level: LogLevel, rank: int | None = None) -> Iterator[None]:
-    """Hold back C/C++ and Python stdout/stderr and torch.onnx warnings at INFO and above.
+    """Hold back C/C++ stdout/stderr and torch.onnx warnings at INFO and above.
 
-    Wrap export, graph build and session creation in it. File descriptors 1 and 2 (and
-    ``sys.stdout``/``sys.stderr``) point at temporary files inside and are restored after. On success WARNING and above drop what was
+    Wrap export, graph build and session creation in it. File descriptors 1 and 2 point at
+    temporary files inside and are restored after; Python's ``sys.stdout``/``sys.stderr`` keep
+    reaching the user (a ``print`` in ``forward``, another thread's output), since the noise is
+    the engine's and the exporter's native logging. On success WARNING and above drop what was
     held back, INFO shows it on rank 0 without the known noise (:data:`NOISE`). If an exception
     escapes, everything held back is written out and attached to the exception as a note, so
     the error keeps its full message. DEVINFO and VERBOSE redirect nothing (pdb works). Regions
-    do not nest (an inner one does nothing) and the redirection is process-wide.
+    do not nest (an inner one does nothing) and the redirection is process-wide: native
+    (C-level) output of other threads during the region is held back too.
 
     >>> import os
     >>> with suppress_output(LogLevel.WARNING):
@@ -280,8 +289,13 @@ def suppress_output(level: LogLevel, rank: int | None = None) -> Iterator[None]:
             _flush_all()
             saved = (os.dup(1), os.dup(2))
             streams = (sys.stdout, sys.stderr)
-            # Python-level writers too, for when sys.stdout is not fd 1 (notebooks, pytest)
-            py_out, py_err = (_text_on(f) for f in (out_file, err_file))
+            # Only C/C++ output (the engine's and the exporter's native logs) is held back.
+            # Python writes are the user's (a print in forward, another thread's logging):
+            # a stream on fd 1/2 writes to the saved descriptor instead, others are untouched.
+            py_out, py_err = (
+                _passing_through(stream, fd, keep)
+                for stream, fd, keep in zip(streams, (1, 2), saved, strict=True)
+            )
             try:
                 os.dup2(out_file.fileno(), 1)
                 os.dup2(err_file.fileno(), 2)
@@ -300,8 +314,9 @@ def suppress_output(level: LogLevel, rank: int | None = None) -> Iterator[None]:
                 os.dup2(saved[1], 2)
                 os.close(saved[0])
                 os.close(saved[1])
-                py_out.close()
-                py_err.close()
+                for stream, original in zip((py_out, py_err), streams, strict=True):
+                    if stream is not original:
+                        stream.close()
                 out, err = _read(out_file), _read(err_file)
                 if failure is not None:
                     _emit_on_failure(failure, level, out, err)

@@ -9,7 +9,8 @@ Every ``ORTMODULE_*`` variable is declared once in :data:`VARIABLES` (name, type
 accepted values, the package that honours it, a one-line description, an example) and parsed
 here only; ``docs/options.md`` is generated from the same table and a test keeps the two equal.
 Variables for features that live in other packages (memory optimizer, Triton, tuning, ZeRO
-stage 3) are validated here and handed on as fields.
+stage 3) are validated here and handed on as fields; :func:`inactive_variables` names those set
+to a value that nothing installed acts on (the runtime logs one WARNING for each).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import enum
 import os
 import shlex
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -37,6 +38,7 @@ __all__ = [
     "RuntimeOptions",
     "SkipCheck",
     "format_value",
+    "inactive_variables",
     "unknown_variables",
     "variables_markdown",
 ]
@@ -330,6 +332,26 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Export scaled_dot_product_attention as an ATen op that PyTorch runs, not decomposed.",
     ),
     _switch(
+        "ORTMODULE_FUSED_ATTENTION",
+        True,
+        _EXPORTER,
+        "Run scaled_dot_product_attention with PyTorch's fused kernels, forward and backward "
+        "(as ORTMODULE_ATEN_SDPA_FALLBACK=1; a mask that needs a gradient stays decomposed); "
+        "0 lets the engine run attention as separate operators.",
+    ),
+    EnvVar(
+        "ORTMODULE_KERNEL_CHOICE",
+        "str",
+        "AUTO",
+        _choice("AUTO", "ENGINE", "TORCH"),
+        "AUTO, ENGINE or TORCH (any case)",
+        _EXPORTER,
+        "Per-operator kernel choice (GELU so far): AUTO times the engine's kernel against "
+        "PyTorch's (run as ATen nodes) once per process and size class and exports the faster; "
+        "ENGINE or TORCH force one.",
+        "ENGINE",
+    ),
+    _switch(
         "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT",
         True,
         _EXPORTER,
@@ -359,14 +381,14 @@ VARIABLES: tuple[EnvVar, ...] = (
     _switch(
         "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
         False,
-        _RUNTIME,
+        _MEMORY,
         "Hand each gradient to its parameter as soon as it is computed, freeing it early.",
     ),
     _switch(
         "ORTMODULE_ENABLE_ZERO_STAGE3",
         False,
-        _RUNTIME,
-        "Support DeepSpeed ZeRO stage 3 partitioned parameters.",
+        "ortmodule-zero",
+        "Gather DeepSpeed ZeRO stage 3 partitioned parameters for the engine, release them after.",
     ),
     EnvVar(
         "ORTMODULE_CONV_ALGO_SEARCH",
@@ -444,35 +466,62 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
 )
 
-# Parsed and validated today so a typo fails early, but the feature behind them is not built yet;
-# the documentation says so instead of claiming support.
-NOT_YET_HONOURED = frozenset(
+# Every variable is parsed and validated here, so a typo fails early; what acts on it depends on
+# what is installed. The runtime and the exporter act on the others themselves.
+#: variables that an installed component acts on: variable -> the distribution that does
+NEEDS_COMPONENT: Mapping[str, str] = MappingProxyType(
     {
-        "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER",
-        "ORTMODULE_PRINT_MEMORY_STATS",
-        "ORTMODULE_MEMORY_OPT_LEVEL",
-        "ORTMODULE_MEMORY_OPT_CONFIG",
-        "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
-        "ORTMODULE_ENABLE_ZERO_STAGE3",
-        "ORTMODULE_SKIPCHECK_POLICY",
-        "ORTMODULE_USE_TRITON",
-        "ORTMODULE_TRITON_CONFIG_FILE",
-        "ORTMODULE_TRITON_DEBUG",
-        "ORTMODULE_ENABLE_TUNING",
-        "ORTMODULE_MAX_TUNING_DURATION_MS",
-        "ORTMODULE_TUNING_RESULTS_PATH",
-        "ORTMODULE_USE_FLASH_ATTENTION",
+        **dict.fromkeys(
+            (
+                "ORTMODULE_PRINT_MEMORY_STATS",
+                "ORTMODULE_MEMORY_OPT_LEVEL",
+                "ORTMODULE_MEMORY_OPT_CONFIG",
+                "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
+            ),
+            _MEMORY,
+        ),
+        **dict.fromkeys(
+            (
+                "ORTMODULE_USE_TRITON",
+                "ORTMODULE_TRITON_CONFIG_FILE",
+                "ORTMODULE_TRITON_DEBUG",
+                "ORTMODULE_ENABLE_TUNING",
+                "ORTMODULE_MAX_TUNING_DURATION_MS",
+                "ORTMODULE_TUNING_RESULTS_PATH",
+                "ORTMODULE_USE_FLASH_ATTENTION",
+            ),
+            _TRITON,
+        ),
+        "ORTMODULE_ENABLE_ZERO_STAGE3": "ortmodule-zero",
+    }
+)
+#: variables nothing in this build acts on (unless a component declares it): variable -> why
+NO_EFFECT_IN_THIS_BUILD: Mapping[str, str] = MappingProxyType(
+    {
+        "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER": "embedding padding elimination needs the "
+        "engine's padding-elimination pass, which only its CUDA build has, and ORTModule does not "
+        "wire it yet",
+        "ORTMODULE_SKIPCHECK_POLICY": "ORTModule runs its per-call checks (device, gradient "
+        "build) on every call; skipping them is not built",
     }
 )
 VARIABLES = tuple(
-    replace(var, honoured_by=f"{var.honoured_by} (not built yet: parsed and validated only)")
-    if var.name in NOT_YET_HONOURED
+    replace(var, honoured_by=f"{NEEDS_COMPONENT[var.name]} when installed (else a warning)")
+    if var.name in NEEDS_COMPONENT
+    else replace(var, honoured_by="nothing in this build (a warning says so)")
+    if var.name in NO_EFFECT_IN_THIS_BUILD
     else var
     for var in VARIABLES
 )
 
 _BY_NAME: Mapping[str, EnvVar] = {var.name: var for var in VARIABLES}
 _DEBUG_FIELDS = ("log_level", "save_onnx", "onnx_prefix")
+#: DebugOptions fields that set an ORTMODULE_* variable's value when given (None: not given);
+#: validated by the variable's own parser, and the environment still wins
+_DEBUG_VARIABLES = {
+    "memory_opt_level": "ORTMODULE_MEMORY_OPT_LEVEL",
+    "memory_opt_config": "ORTMODULE_MEMORY_OPT_CONFIG",
+}
 
 DEFAULT, DEBUG_OPTIONS, ENVIRONMENT = "default", "DebugOptions", "environment"
 
@@ -536,6 +585,8 @@ class RuntimeOptions:
     cache_dir: str | None
     use_efficient_attention: bool
     aten_sdpa_fallback: bool
+    fused_attention: bool
+    kernel_choice: str
     deepcopy_before_model_export: bool
     memory_opt_level: int
     memory_opt_config: str | None
@@ -567,6 +618,17 @@ class RuntimeOptions:
         for name in _DEBUG_FIELDS:
             values[name] = getattr(base, name)
             sources[name] = DEBUG_OPTIONS if debug_options is not None else DEFAULT
+        for name, variable in _DEBUG_VARIABLES.items():
+            given = getattr(base, name)
+            if given is not None:
+                var = _BY_NAME[variable]
+                try:
+                    values[var.field] = var.parse(str(given))
+                except ValueError as err:
+                    raise InvalidOptionError(
+                        f"DebugOptions({name}={given!r}) is invalid ({err}); accepted: {var.accepted}"
+                    ) from None
+                sources[var.field] = DEBUG_OPTIONS
         for var in VARIABLES:
             text = environ.get(var.name, "")
             if text.strip():
@@ -599,6 +661,41 @@ class RuntimeOptions:
             (var.name, format_value(getattr(self, var.field)), self.source(var.field))
             for var in VARIABLES
         ]
+
+
+# -- variables that do nothing here ----------------------------------------------------------
+
+
+def inactive_variables(
+    options: RuntimeOptions, handled: Collection[str] = ()
+) -> list[tuple[str, str]]:
+    """``(variable, message)`` for each variable set to a non-default value that nothing acts on.
+
+    ``handled`` holds the variables that installed components honour
+    (``ortmodule_exporter.components.handled_options()``).
+
+    >>> options = RuntimeOptions.resolve(environ={"ORTMODULE_USE_TRITON": "1"})
+    >>> inactive_variables(options)[0][0]
+    'ORTMODULE_USE_TRITON'
+    >>> inactive_variables(options, handled={"ORTMODULE_USE_TRITON"})
+    []
+    """
+    found = []
+    for var in VARIABLES:
+        value = getattr(options, var.field)
+        if value == var.default or var.name in handled:
+            continue
+        if var.name in NEEDS_COMPONENT:
+            package = NEEDS_COMPONENT[var.name]
+            reason = f"no installed component honours it; install {package} (pip install {package})"
+        elif var.name in NO_EFFECT_IN_THIS_BUILD:
+            reason = NO_EFFECT_IN_THIS_BUILD[var.name]
+        elif var.name == "ORTMODULE_SAVE_ONNX_PATH" and not options.save_onnx:
+            reason = "models are saved only with DebugOptions(save_onnx=True, onnx_prefix=...)"
+        else:
+            continue
+        found.append((var.name, f"{var.name}={format_value(value)} has no effect: {reason}."))
+    return found
 
 
 # -- documentation ------------------------------------------------------------------------------

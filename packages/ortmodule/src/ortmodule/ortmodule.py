@@ -8,10 +8,13 @@ from typing import Any
 
 import torch
 
+from ortmodule_exporter.components import is_module_hook_handled, load_components
+
 from . import custom_autograd
 from .debug_options import DebugOptions
 from .execution import GraphRunner
 from .fallback import FallbackManager
+from .inactive_options import warn_inactive_options
 from .log import apply_engine_severity, configure_logger
 from .options import RuntimeOptions
 from .runner_config import runner_config
@@ -46,6 +49,9 @@ class ORTModule(torch.nn.Module):
     def _setup(self) -> None:
         options = RuntimeOptions.resolve(self._debug_options)
         configure_logger(options.log_level)
+        # installed components (memory, Triton, QLoRA, ZeRO-3) register their plug-ins once
+        load_components()
+        warn_inactive_options(options)  # after the components: they may honour some variables
         custom_autograd.configure(options)
         apply_engine_severity(options.log_level)
         object.__setattr__(self, "_options", options)
@@ -78,14 +84,16 @@ class ORTModule(torch.nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._warn_about_hooks()
         fallback: FallbackManager = self._fallback
         if fallback.use_torch():
             return self.module(*args, **kwargs)
         try:
-            return self._runner(args, kwargs)
+            outputs = self._runner(args, kwargs)
         except Exception as err:
             return fallback.handle(err, args, kwargs)
+        # after the runner: components mark the submodule hooks they stand in for on first use
+        self._warn_about_hooks()
+        return outputs
 
     def _warn_about_hooks(self) -> None:
         if self._warned_hooks:
@@ -94,10 +102,16 @@ class ORTModule(torch.nn.Module):
         hooked = [
             name or type(self.module).__name__
             for name, m in self.module.named_modules()
-            if m._forward_hooks
-            or m._forward_pre_hooks
-            or m._backward_hooks
-            or m._backward_pre_hooks
+            if any(
+                not is_module_hook_handled(fn)
+                for hooks in (
+                    m._forward_hooks,
+                    m._forward_pre_hooks,
+                    m._backward_hooks,
+                    m._backward_pre_hooks,
+                )
+                for fn in hooks.values()
+            )
         ]
         if hooked:
             warnings.warn(
@@ -140,6 +154,9 @@ class ORTModule(torch.nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _replicate_for_data_parallel(self) -> ORTModule:
+        raise TypeError(_DATA_PARALLEL_MESSAGE)
+
     def extra_repr(self) -> str:
         return "engine=onnxruntime-training"
 
@@ -161,6 +178,23 @@ class ORTModule(torch.nn.Module):
         memo[id(self)] = clone
         clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return clone
+
+
+_DATA_PARALLEL_MESSAGE = (
+    "torch.nn.DataParallel(ORTModule(model)) is not supported: DataParallel copies the module to "
+    "each GPU at every step, and the engine state ORTModule builds cannot be copied that way. Run "
+    "one process per device with torch.nn.parallel.DistributedDataParallel(ORTModule(model)) "
+    "(or DeepSpeed) instead."
+)
+
+
+def _refuse_data_parallel(parent: torch.nn.Module, name: str, child: Any) -> None:
+    # DataParallel on a CPU-only machine never replicates, so only its constructor can refuse
+    if isinstance(child, ORTModule) and isinstance(parent, torch.nn.DataParallel):
+        raise TypeError(_DATA_PARALLEL_MESSAGE)
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_refuse_data_parallel)
 
 
 def _check_wrappable(module: Any) -> None:

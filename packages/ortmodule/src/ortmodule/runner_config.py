@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-from ortmodule_exporter import SaveOptions
+from ortmodule_exporter import ExportConfig, SaveOptions
 
 from .execution import RunnerConfig
 from .log import engine_severity, exporter_verbose
-from .options import RuntimeOptions
+from .options import VARIABLES, RuntimeOptions
 
 
 def runner_config(options: RuntimeOptions) -> RunnerConfig:
@@ -17,6 +17,7 @@ def runner_config(options: RuntimeOptions) -> RunnerConfig:
         save = SaveOptions(path=options.save_onnx_path or os.getcwd(), prefix=options.onnx_prefix)
     return RunnerConfig(
         opset=options.onnx_opset_version,
+        export_config=export_config(options),
         deepcopy=options.deepcopy_before_model_export,
         cache_dir=options.cache_dir or None,
         save=save,
@@ -28,4 +29,22 @@ def runner_config(options: RuntimeOptions) -> RunnerConfig:
         engine_log_severity=engine_severity(options.log_level),
         exporter_verbose=exporter_verbose(options.log_level),
         conv_algo_search=options.conv_algo_search,
+        pass_options=component_options(options),
     )
+
+
+def export_config(options: RuntimeOptions) -> ExportConfig:
+    """The options that change the exported graph, carried to every export of this module."""
+    return ExportConfig(
+        opset=options.onnx_opset_version,
+        custom_autograd=options.enable_custom_autograd,
+        allow_autograd_checkpoint=options.allow_autograd_checkpoint,
+        aten_sdpa_fallback=options.aten_sdpa_fallback or options.fused_attention,
+        efficient_attention=options.use_efficient_attention,
+        kernel_choice=options.kernel_choice.lower(),
+    )
+
+
+def component_options(options: RuntimeOptions) -> tuple[tuple[str, object], ...]:
+    """Every ``ORTMODULE_*`` variable with its resolved value: what passes and components read."""
+    return tuple((var.name, getattr(options, var.field)) for var in VARIABLES)

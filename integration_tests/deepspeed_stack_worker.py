@@ -1,0 +1,152 @@
+"""One rank of the DeepSpeed stack test: ORTModule + FusedAdam + DeepSpeed ZeRO + FP16_Optimizer.
+
+Run by ``test_deepspeed_stack.py`` as ``python deepspeed_stack_worker.py RANK WORLD PORT OUT CASES``
+(CASES like ``1-fp32,3-fp16``). For each case it trains the same tiny model twice from the same
+weights on the same batches, once as the plain stack and once with the model wrapped in
+ORTModule, and writes the largest differences (and what it checked) to ``OUT`` as JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import sys
+from typing import Any
+
+os.environ["DS_ACCELERATOR"] = "cpu"  # chosen when deepspeed is first imported
+os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"  # a parity test must not fall back
+os.environ["ORTMODULE_ENABLE_ZERO_STAGE3"] = "1"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+STEPS = 10
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 2)
+    )
+
+
+def config(stage: int, fp16: bool) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        # tiny parameters would otherwise stay whole ("persistent") and never be gathered
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 4}
+    return cfg
+
+
+def train(deepspeed: Any, base: torch.nn.Module, stage: int, fp16: bool, wrap: bool) -> dict:
+    from ortmodule import FP16_Optimizer, FusedAdam, ORTModule
+
+    model = copy.deepcopy(base)
+    if wrap:
+        model = ORTModule(model)
+    optimizer = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=config(stage, fp16)
+    )
+    if stage < 3:  # FP16_Optimizer knows DeepSpeed's stage 1/2 optimizer, not stage 3's
+        optimizer = FP16_Optimizer(optimizer)
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    released = []
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(4, 8, generator=gen)
+        out = engine(x.half() if fp16 else x)
+        loss = out.float().pow(2).mean()
+        engine.backward(loss)
+        if stage == 3:
+            released.append(
+                all(p.ds_status.name == "NOT_AVAILABLE" for p in engine.module.parameters())
+            )
+        engine.step()
+        losses.append(float(loss.detach()))
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        values = [p.detach().float().clone() for p in params]
+    exports = engine.module._runner.exports if wrap else 0
+    return {"values": values, "losses": losses, "released": released, "exports": exports}
+
+
+def stage3_without_the_switch(deepspeed: Any) -> str:
+    """The error a stage-3 model gets from ORTModule when ORTMODULE_ENABLE_ZERO_STAGE3 is off."""
+    from ortmodule import FusedAdam, ORTModule
+
+    os.environ["ORTMODULE_ENABLE_ZERO_STAGE3"] = "0"
+    try:
+        model = ORTModule(tiny())
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=FusedAdam(model.parameters(), lr=1e-2),
+            config=config(3, False),
+        )
+        engine(torch.randn(4, 8))
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        os.environ["ORTMODULE_ENABLE_ZERO_STAGE3"] = "1"
+    return "no error"
+
+
+def main() -> None:
+    rank, world, port, out, cases = sys.argv[1:6]
+    os.environ.update(
+        RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+    )
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    # the shared-memory all-reduce op is JIT-compiled with the system compiler (slow, optional)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    # torch computes fp16 on any CPU; DeepSpeed asks oneDNN whether this one is fast at it
+    get_accelerator().is_fp16_supported = lambda: True
+    dist.init_process_group("gloo", rank=int(rank), world_size=int(world))
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    results: dict[str, Any] = {}
+    for case in cases.split(","):
+        if case == "3-off":
+            results[case] = stage3_without_the_switch(deepspeed)
+            continue
+        stage, dtype = int(case.split("-")[0]), case.split("-")[1]
+        base = tiny()
+        plain = train(deepspeed, base, stage, dtype == "fp16", wrap=False)
+        ours = train(deepspeed, base, stage, dtype == "fp16", wrap=True)
+        # fp32: rtol 1e-5 (atol 1e-7 for values at zero). fp16: the parameters are fp16, and
+        # the engine's CPU fp16 kernels round some sums differently from torch's (the first
+        # losses agree, later ones by ~3e-5 relative); Adam turns such a difference in a tiny
+        # gradient into up to a step of its own (lr 1e-2), so weights near zero may differ by a
+        # few fp16 steps: measured at most 2**-12 absolute after 10 steps; bound 5e-4.
+        rtol, atol = (1e-5, 1e-7) if dtype == "fp32" else (2.0**-9, 5e-4)
+        worst = max(
+            float(((a - b).abs() - rtol * a.abs() - atol).max())
+            for a, b in zip(plain["values"], ours["values"], strict=True)
+        )
+        diffs = zip(plain["values"], ours["values"], strict=True)
+        max_abs = max(float((a - b).abs().max()) for a, b in diffs)
+        results[case] = {
+            "excess": worst,
+            "max_abs": max_abs,
+            "rtol": rtol,
+            "losses": [plain["losses"], ours["losses"]],
+            "released": ours["released"],
+            "exports": ours["exports"],
+            "learned": ours["losses"][-1] < ours["losses"][0],
+        }
+    with open(out, "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

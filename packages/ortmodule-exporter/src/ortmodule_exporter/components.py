@@ -1,0 +1,383 @@
+"""Plug-in points for components: discovery, session configuration and runtime step hooks.
+
+A component (memory optimizer, Triton code generation, QLoRA, ZeRO-3, ...) is an installed
+distribution that announces itself through the entry-point group ``ortmodule.components``. The
+runtime calls :func:`load_components` once; each entry point names a :class:`Component` (or a
+function returning one), whose ``register()`` installs the component into the registries:
+
+* torch op -> ONNX symbolic: :func:`ortmodule_exporter.register_symbolic`;
+* ``autograd.Function`` class -> exporter: :func:`ortmodule_exporter.python_op.register_python_op_exporter`;
+* post-export graph passes: :func:`ortmodule_exporter.register_post_export_pass`;
+* engine session configuration: :func:`register_session_contributor` (this module);
+* runtime step hooks (pre/post forward and backward, session created): :func:`register_step_hook`.
+
+The runtime never imports a component by name: a new component is a new folder under
+``packages/`` whose ``pyproject.toml`` declares the entry point::
+
+    [project.entry-points."ortmodule.components"]
+    memory = "ortmodule_memory.component:COMPONENT"
+
+and whose module defines::
+
+    from ortmodule_exporter.components import Component
+
+    def _register() -> None:
+        register_session_contributor("memory", contribute)
+
+    COMPONENT = Component(
+        name="ortmodule-memory", version="0.1.0", register=_register,
+        options=("ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_MEMORY_OPT_CONFIG"),
+    )
+
+Everything a component receives from the runtime's options is a read-only mapping from the
+``ORTMODULE_*`` variable name to its parsed value (defaults, then ``DebugOptions``, then the
+environment), so a component never imports the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+import torch
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Component",
+    "ComponentError",
+    "SessionContext",
+    "SessionContribution",
+    "SessionInfo",
+    "StepContext",
+    "StepHook",
+    "component_failures",
+    "handled_options",
+    "has_session_contributors",
+    "is_module_hook_handled",
+    "load_components",
+    "loaded_components",
+    "mark_module_hook_handled",
+    "register_component",
+    "register_session_contributor",
+    "register_step_hook",
+    "session_contribution",
+    "step_hooks",
+    "unregister_component",
+    "unregister_session_contributor",
+    "unregister_step_hook",
+]
+
+logger = logging.getLogger("ortmodule.components")
+
+ENTRY_POINT_GROUP = "ortmodule.components"
+
+
+class ComponentError(RuntimeError):
+    """A component's entry point or contribution is malformed; the message names it."""
+
+
+@dataclass(frozen=True)
+class Component:
+    """One installed component, as its entry point announces it."""
+
+    #: distribution name, e.g. ``"ortmodule-memory"``
+    name: str
+    version: str
+    #: installs the component into the registries; called once per process
+    register: Callable[[], None]
+    #: the ``ORTMODULE_*`` variables the component honours
+    options: tuple[str, ...] = ()
+    #: ``None`` when the component can work on this machine, else the reason it cannot
+    check: Callable[[], str | None] | None = None
+    #: one line for ``ortmodule doctor``
+    summary: str = ""
+
+    def problem(self) -> str | None:
+        """Why the component cannot work here, or ``None``; a failing check is a problem too."""
+        if self.check is None:
+            return None
+        try:
+            return self.check()
+        except Exception as err:  # a broken check must not break the runtime
+            return f"its check failed: {type(err).__name__}: {err}"
+
+
+_LOCK = threading.RLock()
+_COMPONENTS: dict[str, Component] = {}
+_FAILURES: dict[str, str] = {}
+_DISCOVERED = [False]
+
+
+def register_component(component: Component) -> None:
+    """Install ``component`` now (its ``register()`` runs once); entry points call this for you."""
+    if not isinstance(component, Component):
+        raise ComponentError(
+            f"register_component expects an ortmodule_exporter.components.Component, "
+            f"got {type(component).__name__}"
+        )
+    with _LOCK:
+        if component.name in _COMPONENTS:
+            return
+        component.register()
+        _COMPONENTS[component.name] = component
+
+
+def unregister_component(name: str) -> None:
+    """Forget a component (its registrations stay; tests remove them through their registries)."""
+    with _LOCK:
+        _COMPONENTS.pop(name, None)
+        _FAILURES.pop(name, None)
+
+
+def _from_entry_point(ep: importlib.metadata.EntryPoint) -> Component:
+    obj = ep.load()
+    if callable(obj) and not isinstance(obj, Component):
+        obj = obj()
+    if not isinstance(obj, Component):
+        raise ComponentError(
+            f"entry point {ep.name} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} must name a "
+            f"Component or a function returning one, not {type(obj).__name__}"
+        )
+    return obj
+
+
+def load_components() -> dict[str, Component]:
+    """Discover and register every installed component once per process; returns them by name.
+
+    A component that fails to load is logged once at WARNING with its error and skipped, so a
+    broken optional component never stops training; :func:`component_failures` lists them.
+    """
+    with _LOCK:
+        if not _DISCOVERED[0]:
+            _DISCOVERED[0] = True
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                try:
+                    register_component(_from_entry_point(ep))
+                except Exception as err:
+                    _FAILURES[ep.name] = f"{type(err).__name__}: {err}"
+                    logger.warning(
+                        "component %s (%s) could not be loaded and is skipped: %s",
+                        ep.name,
+                        ep.value,
+                        _FAILURES[ep.name],
+                    )
+        return dict(_COMPONENTS)
+
+
+def loaded_components() -> dict[str, Component]:
+    with _LOCK:
+        return dict(_COMPONENTS)
+
+
+def component_failures() -> dict[str, str]:
+    """Entry-point name -> the error that stopped it loading."""
+    with _LOCK:
+        return dict(_FAILURES)
+
+
+def handled_options() -> frozenset[str]:
+    """The ``ORTMODULE_*`` variables that some loaded component honours."""
+    with _LOCK:
+        return frozenset(name for c in _COMPONENTS.values() for name in c.options)
+
+
+# -- engine session configuration --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """What a session contributor sees: the graph the engine is about to run, and the options."""
+
+    #: the model handed to the engine session (with gradient nodes when ``training``)
+    model: onnx.ModelProto
+    training: bool
+    device: torch.device
+    #: ``ORTMODULE_*`` variable -> parsed value
+    options: Mapping[str, Any]
+    #: graph input name -> concrete shape of the batch that triggered this build
+    input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: the engine's ``BuiltGraph`` (feed/fetch names), so a contributor can open a probe session
+    built: Any = None
+
+
+@dataclass(frozen=True)
+class SessionContribution:
+    """Session settings a contributor asks for; entries become ``add_session_config_entry`` calls."""
+
+    config_entries: Mapping[str, str] = field(default_factory=dict)
+    #: the engine's memory-efficient execution order (recompute needs it to pay off)
+    memory_efficient_order: bool = False
+
+
+SessionContributor = Callable[[SessionContext], SessionContribution | None]
+
+_CONTRIBUTORS: dict[str, tuple[int, SessionContributor]] = {}
+
+
+def register_session_contributor(name: str, fn: SessionContributor, order: int = 100) -> None:
+    """Let ``fn(context)`` add engine session settings to every session; lower ``order`` first.
+
+    >>> from ortmodule_exporter.components import SessionContribution
+    >>> register_session_contributor(
+    ...     "probe", lambda ctx: SessionContribution({"session.example": "1"}) if ctx.training else None
+    ... )
+    >>> unregister_session_contributor("probe")
+    """
+    if not callable(fn):
+        raise TypeError(f"register_session_contributor({name!r}, ...): fn must be callable")
+    with _LOCK:
+        _CONTRIBUTORS[name] = (order, fn)
+
+
+def unregister_session_contributor(name: str) -> None:
+    with _LOCK:
+        _CONTRIBUTORS.pop(name, None)
+
+
+def has_session_contributors() -> bool:
+    """Whether any contributor is registered (the runtime skips building a context otherwise)."""
+    return bool(_CONTRIBUTORS)
+
+
+def session_contribution(context: SessionContext) -> SessionContribution:
+    """Every contributor's settings merged; two contributors setting one key differently is an error."""
+    with _LOCK:
+        ordered = sorted(_CONTRIBUTORS.items(), key=lambda item: (item[1][0], item[0]))
+    entries: dict[str, str] = {}
+    owner: dict[str, str] = {}
+    efficient = False
+    for name, (_order, fn) in ordered:
+        got = fn(context)
+        if got is None:
+            continue
+        if not isinstance(got, SessionContribution):
+            raise ComponentError(
+                f"session contributor {name!r} returned {type(got).__name__}, "
+                "expected SessionContribution or None"
+            )
+        for key, value in got.config_entries.items():
+            if key in entries and entries[key] != value:
+                raise ComponentError(
+                    f"session config entry {key!r}: contributor {owner[key]!r} sets "
+                    f"{entries[key]!r} and {name!r} sets {value!r}; disable one of them"
+                )
+            entries[key] = str(value)
+            owner[key] = name
+        efficient = efficient or got.memory_efficient_order
+    return SessionContribution(entries, efficient)
+
+
+# -- runtime step hooks ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Passed to every step hook: the wrapped module and the options of its ORTModule."""
+
+    module: torch.nn.Module
+    options: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session the runtime just created: ``session`` is the exporter's Training/InferenceSession."""
+
+    context: SessionContext
+    session: Any
+    built: Any
+
+
+class StepHook:
+    """Base class of runtime step hooks; override the phases you need (each defaults to nothing).
+
+    The runtime calls, per ORTModule call: ``pre_forward`` before it reads parameters (so a
+    ZeRO-3 hook can gather them), ``post_forward`` after the engine's forward, and around the
+    engine's backward ``pre_backward``/``post_backward``. ``on_session`` runs after a new engine
+    session is created. ``exporting`` returns a context manager the runtime holds while it exports
+    (a copy of) the module, after ``pre_forward``: a component that put hooks on submodules (they
+    would run inside the trace) suspends them there.
+    """
+
+    def exporting(self, ctx: StepContext) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def on_session(self, ctx: StepContext, info: SessionInfo) -> None:
+        return None
+
+    def pre_forward(self, ctx: StepContext) -> None:
+        return None
+
+    def post_forward(self, ctx: StepContext, outputs: Any) -> None:
+        return None
+
+    def pre_backward(self, ctx: StepContext) -> None:
+        return None
+
+    def post_backward(self, ctx: StepContext) -> None:
+        return None
+
+
+_HOOKS: dict[str, tuple[int, StepHook]] = {}
+_HOOK_TUPLE: list[tuple[StepHook, ...]] = [()]
+
+
+def register_step_hook(name: str, hook: StepHook, order: int = 100) -> None:
+    """Call ``hook``'s phases on every ORTModule step; lower ``order`` runs first (reversed after).
+
+    >>> class Count(StepHook):
+    ...     calls = 0
+    ...     def pre_forward(self, ctx):
+    ...         Count.calls += 1
+    >>> register_step_hook("count", Count())
+    >>> unregister_step_hook("count")
+    """
+    if not isinstance(hook, StepHook):
+        raise TypeError(
+            f"register_step_hook({name!r}, ...): the hook must subclass "
+            f"ortmodule_exporter.components.StepHook, got {type(hook).__name__}"
+        )
+    with _LOCK:
+        _HOOKS[name] = (order, hook)
+        _HOOK_TUPLE[0] = tuple(h for _, (_o, h) in sorted(_HOOKS.items(), key=_hook_key))
+
+
+def unregister_step_hook(name: str) -> None:
+    with _LOCK:
+        _HOOKS.pop(name, None)
+        _HOOK_TUPLE[0] = tuple(h for _, (_o, h) in sorted(_HOOKS.items(), key=_hook_key))
+
+
+def _hook_key(item: tuple[str, tuple[int, StepHook]]) -> tuple[int, str]:
+    return item[1][0], item[0]
+
+
+def step_hooks() -> tuple[StepHook, ...]:
+    """The registered hooks in order; an empty tuple costs the hot path nothing."""
+    return _HOOK_TUPLE[0]
+
+
+# -- submodule hooks a component stands in for -------------------------------------------------
+
+_HANDLED_ATTR = "__ortmodule_handled_by__"
+
+
+def mark_module_hook_handled(fn: Callable[..., Any], component: str) -> None:
+    """Say that ``component`` does the work of the submodule hook ``fn`` at every step.
+
+    ORTModule warns that hooks on submodules run only during export; a hook marked here is left
+    out of that warning (ZeRO-3 marks DeepSpeed's fetch/release hooks it replaces).
+    """
+    try:
+        setattr(fn, _HANDLED_ATTR, component)
+    except (AttributeError, TypeError):  # a builtin or a bound method: leave the warning on
+        logger.debug("cannot mark hook %r as handled by %s", fn, component)
+
+
+def is_module_hook_handled(fn: Callable[..., Any]) -> bool:
+    return getattr(fn, _HANDLED_ATTR, None) is not None

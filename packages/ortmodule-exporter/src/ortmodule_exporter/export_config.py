@@ -1,0 +1,136 @@
+"""ExportConfig: every setting that changes what an export writes, in one frozen object.
+
+The runtime builds one from its options and passes it to :func:`ortmodule_exporter.export`;
+the export applies it for its own duration only (:meth:`ExportConfig.applied`) and hashes it
+into the export-cache key (:meth:`ExportConfig.fingerprint`), so a changed option, a newly
+registered symbolic or a new Function exporter can never return a graph exported without it.
+
+>>> config = ExportConfig(opset=17, custom_autograd=True, aten_sdpa_fallback=True)
+>>> len(config.fingerprint())
+64
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .symbolic_registry import registered_symbolics
+
+__all__ = ["DEFAULT_OPSET", "ExportConfig", "callable_source"]
+
+DEFAULT_OPSET = 17
+
+# One export at a time applies its switches: two threads exporting with different configs must
+# not see each other's (symbolic_registry's lock already serialises the export itself).
+_APPLY_LOCK = threading.RLock()
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """What the TorchScript export of one graph depends on besides the module and its inputs.
+
+    ``custom_autograd``: export ``torch.autograd.Function`` calls as PythonOp nodes the engine
+    calls back into (``ORTMODULE_ENABLE_CUSTOM_AUTOGRAD``); off inlines their forward.
+    ``allow_autograd_checkpoint``: let ``torch.utils.checkpoint`` regions through as PythonOp.
+    ``aten_sdpa_fallback`` / ``efficient_attention`` / ``aten_embedding``: route attention and
+    embeddings with ``padding_idx`` to PyTorch through ATen nodes (see ``aten_fallback``).
+    """
+
+    opset: int = DEFAULT_OPSET
+    custom_autograd: bool = False
+    allow_autograd_checkpoint: bool = False
+    aten_sdpa_fallback: bool = False
+    efficient_attention: bool = False
+    aten_embedding: bool = False
+    #: ``kernel_choice.MODES``: which operators run on PyTorch's kernels (``ORTMODULE_KERNEL_CHOICE``)
+    kernel_choice: str = "engine"
+
+    @classmethod
+    def from_switches(cls, opset: int = DEFAULT_OPSET) -> ExportConfig:
+        """The process-wide switches as they are now (``python_op.enable_custom_autograd``,
+        ``aten_fallback.configure_aten_routes``), for callers of ``export()`` that pass no
+        config. ORTModule always passes one built from its options."""
+        # python_op and aten_fallback import post_export, which imports export (this module's
+        # importer): imported when called, not at module level
+        from . import aten_fallback, kernel_choice, python_op
+
+        routes = aten_fallback.aten_routes()
+        return cls(
+            opset=opset,
+            custom_autograd=python_op.custom_autograd_enabled(),
+            allow_autograd_checkpoint=python_op.allow_autograd_checkpoint(),
+            aten_sdpa_fallback=routes.sdpa_fallback,
+            efficient_attention=routes.efficient_attention,
+            aten_embedding=routes.embedding,
+            kernel_choice=kernel_choice.current_mode(),
+        )
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Install this config's symbolics and switches for one export; restore them after."""
+        from . import aten_fallback, python_op
+
+        with _APPLY_LOCK:
+            before = ExportConfig.from_switches(self.opset)
+            self._install(python_op, aten_fallback)
+            try:
+                yield
+            finally:
+                before._install(python_op, aten_fallback)
+
+    def _install(self, python_op: Any, aten_fallback: Any) -> None:
+        python_op.enable_custom_autograd(self.custom_autograd, self.allow_autograd_checkpoint)
+        aten_fallback.configure_aten_routes(
+            sdpa_fallback=self.aten_sdpa_fallback,
+            efficient_attention=self.efficient_attention,
+            embedding=self.aten_embedding,
+        )
+        from . import kernel_choice
+
+        kernel_choice.configure_kernel_choice(self.kernel_choice)
+
+    def fingerprint(self) -> str:
+        """A SHA-256 of this config and of everything registered that the export consults
+        while it is applied: symbolics (by name, opset and source), Function exporters and
+        whether the ATen executor is installed (ATen fallback on or off)."""
+        from . import aten_executor, python_op
+
+        h = hashlib.sha256()
+        for item in dataclasses.fields(self):
+            h.update(f"{item.name}={getattr(self, item.name)!r}\n".encode())
+        h.update(f"aten_executor={aten_executor.installed()}\n".encode())
+        with self.applied():
+            symbolics = registered_symbolics()
+            for op in sorted(symbolics):
+                entry = symbolics[op]
+                h.update(f"symbolic {op} {entry.opset}\n".encode())
+                h.update(callable_source(entry.fn).encode())
+            for name, handler in sorted(python_op.python_op_exporters().items()):
+                h.update(f"function exporter {name}\n".encode())
+                h.update(callable_source(handler).encode())
+        return h.hexdigest()
+
+
+_SOURCES: dict[int, tuple[Callable[..., Any], str]] = {}
+
+
+def callable_source(fn: Callable[..., Any]) -> str:
+    """``fn``'s qualified name and source (its repr when it has none), cached per object."""
+    cached = _SOURCES.get(id(fn))
+    if cached is not None and cached[0] is fn:
+        return cached[1]
+    target = getattr(fn, "__wrapped__", fn)
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+    try:
+        text = name + "\n" + inspect.getsource(target)
+    except (OSError, TypeError):
+        text = name + "\n" + repr(target)
+    _SOURCES[id(fn)] = (fn, text)
+    return text

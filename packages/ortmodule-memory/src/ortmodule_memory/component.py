@@ -1,0 +1,48 @@
+"""The ``ortmodule.components`` entry point of ortmodule-memory."""
+
+from __future__ import annotations
+
+from ortmodule_exporter import register_post_export_pass
+from ortmodule_exporter.components import (
+    Component,
+    register_session_contributor,
+    register_step_hook,
+)
+
+from .dims import name_dims
+from .grad_management import GRAD_MGMT, ParamSource, pull_parameters
+from .inspector import MemoryHook
+from .recompute import contribute
+
+__all__ = ["COMPONENT", "OPTIONS"]
+
+#: the ``ORTMODULE_*`` variables this component acts on
+OPTIONS = (
+    "ORTMODULE_MEMORY_OPT_LEVEL",
+    "ORTMODULE_MEMORY_OPT_CONFIG",
+    "ORTMODULE_PRINT_MEMORY_STATS",
+    GRAD_MGMT,
+)
+
+#: after the runtime's own passes (BatchNorm 10, PythonOp preparation), before label sparsity
+NAME_DIMS_ORDER = 90
+#: after the BatchNorm statistics (10) and PythonOp shapes (20) passes
+GRAD_MGMT_ORDER = 50
+
+
+def _register() -> None:
+    register_post_export_pass("memory.name_dims", name_dims, order=NAME_DIMS_ORDER)
+    register_post_export_pass("memory.grad_management", pull_parameters, order=GRAD_MGMT_ORDER)
+    # first: the parameters' module must be known before the export a forward may trigger
+    register_step_hook("memory.param_source", ParamSource(), order=0)
+    register_session_contributor("memory", contribute)
+    register_step_hook("memory", MemoryHook())
+
+
+COMPONENT = Component(
+    name="ortmodule-memory",
+    version="0.1.0",
+    register=_register,
+    options=OPTIONS,
+    summary="recompute (ORTMODULE_MEMORY_OPT_LEVEL 0/1/2), opportunity table, memory statistics",
+)

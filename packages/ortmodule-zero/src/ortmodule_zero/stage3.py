@@ -1,0 +1,186 @@
+"""ZeRO stage 3 under ORTModule: gather DeepSpeed's partitioned parameters for the engine.
+
+DeepSpeed's stage 3 keeps each parameter as a shard and gathers it in forward pre-hooks on every
+submodule. ORTModule never calls the submodules (the engine runs one graph for the whole module),
+so those hooks do not fire, and the export would trace a deep copy that still carries them. This
+hook does their job at the granularity ORTModule has, the whole wrapped module:
+
+* ``pre_forward``: every partitioned parameter is gathered with DeepSpeed's own coalesced
+  all-gather (``param.all_gather``), before the runtime reads shapes (graph key, export) or hands
+  the tensors to the engine;
+* ``exporting``: DeepSpeed's submodule hooks are suspended while the module is copied and traced;
+* after the backward (a callback queued on autograd's engine in ``post_backward``, so it runs once
+  every gradient has been accumulated and handed to DeepSpeed's reduce hooks), or right after the
+  forward when no backward will follow (eval, ``no_grad``), the parameters gathered here are
+  partitioned again (``param.partition``).
+
+Why not release after the forward and gather again for the backward, as DeepSpeed does per
+submodule in eager: the engine keeps the tensors of its forward as inputs of its backward graph,
+so releasing them would free nothing, and gathering again would hold the weights twice. Autograd
+also needs each parameter at full size when it accumulates the gradient into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ortmodule_exporter.components import StepContext, StepHook, mark_module_hook_handled
+
+OPTION = "ORTMODULE_ENABLE_ZERO_STAGE3"
+COMPONENT_NAME = "ortmodule-zero"
+
+
+class ZeroStage3Error(RuntimeError):
+    """ZeRO stage 3 parameters reached ORTModule without the stage-3 support switched on."""
+
+
+def zero_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of ``module`` that DeepSpeed ZeRO stage 3 manages (``ds_status`` set)."""
+    return [p for p in module.parameters() if hasattr(p, "ds_status")]
+
+
+def _status(param: torch.nn.Parameter) -> str:
+    return str(param.ds_status.name)  # type: ignore[attr-defined]
+
+
+def _deepspeed_hook(fn: Any) -> bool:
+    return str(getattr(fn, "__module__", "") or "").startswith("deepspeed.")
+
+
+def _hook_dicts(module: torch.nn.Module) -> tuple[dict[int, Any], ...]:
+    return (module._forward_pre_hooks, module._forward_hooks)
+
+
+class ZeroStage3Hook(StepHook):
+    """Gathers partitioned parameters around each ORTModule step; see the module docstring."""
+
+    def __init__(self) -> None:
+        # module -> the parameters this hook gathered and has not released yet
+        self._held: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Parameter]] = (
+            weakref.WeakKeyDictionary()
+        )
+        # module -> forwards whose backward has not run yet
+        self._pending: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+        self._marked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+    def _enabled(self, ctx: StepContext, params: list[torch.nn.Parameter]) -> bool:
+        if not params:
+            return False
+        if not ctx.options.get(OPTION, False):
+            raise ZeroStage3Error(
+                f"{type(ctx.module).__name__} has {len(params)} DeepSpeed ZeRO stage 3 "
+                f"partitioned parameters; ORTModule gathers them for the engine only with "
+                f"{OPTION}=1. Set it in the environment (export {OPTION}=1) before the first "
+                "forward, or use ZeRO stage 1 or 2."
+            )
+        return True
+
+    def _mark_deepspeed_hooks(self, module: torch.nn.Module) -> None:
+        # the runtime's "submodule hooks only run at export" warning is not for these: this hook
+        # does their work at every step
+        if module in self._marked:
+            return
+        for sub in module.modules():
+            for hooks in _hook_dicts(sub):
+                for fn in hooks.values():
+                    if _deepspeed_hook(fn):
+                        mark_module_hook_handled(fn, COMPONENT_NAME)
+        self._marked.add(module)
+
+    def pre_forward(self, ctx: StepContext) -> None:
+        params = zero_parameters(ctx.module)
+        if not self._enabled(ctx, params):
+            return
+        self._mark_deepspeed_hooks(ctx.module)
+        missing = [p for p in params if _status(p) != "AVAILABLE"]
+        if missing:
+            # DeepSpeed's coalesced all-gather; it waits for any prefetch already in flight
+            missing[0].all_gather(param_list=missing)  # type: ignore[attr-defined]
+            held = self._held.setdefault(ctx.module, [])
+            seen = {id(p) for p in held}
+            held.extend(p for p in missing if id(p) not in seen)
+
+    def post_forward(self, ctx: StepContext, outputs: Any) -> None:
+        if ctx.module not in self._held:
+            return
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in outputs):
+            self._pending[ctx.module] = self._pending.get(ctx.module, 0) + 1
+        elif not self._pending.get(ctx.module):
+            self._release(ctx.module)
+
+    def post_backward(self, ctx: StepContext) -> None:
+        left = self._pending.get(ctx.module, 0) - 1
+        self._pending[ctx.module] = max(left, 0)
+        if left <= 0 and ctx.module in self._held:
+            module = ctx.module
+            # autograd accumulates the gradients this backward returns after it returns
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._release(module))
+
+    def _release(self, module: torch.nn.Module) -> None:
+        held = [p for p in self._held.pop(module, []) if _status(p) == "AVAILABLE"]
+        if held:
+            held[0].partition(param_list=held)  # type: ignore[attr-defined]
+
+    def exporting(self, ctx: StepContext) -> contextlib.AbstractContextManager[None]:
+        return _exporting(ctx.module)
+
+
+@contextlib.contextmanager
+def _exporting(module: torch.nn.Module) -> Iterator[None]:
+    with _suspended_deepspeed_hooks(module), _torch_linear():
+        yield
+
+
+@contextlib.contextmanager
+def _torch_linear() -> Iterator[None]:
+    """PyTorch's own ``torch.nn.functional.linear`` while the module is traced.
+
+    Stage 3 replaces it process-wide with DeepSpeed's memory-efficient autograd Function and
+    leaves it replaced (DeepSpeed: "This will persist unless manually reset"), so every later
+    export, of any model, would trace each linear layer as an opaque PythonOp instead of the
+    engine's own Gemm/MatMul. The engine gets the gathered weights itself, so the plain operator
+    is exact here; outside the export DeepSpeed's replacement stays as DeepSpeed left it.
+    """
+    functional = torch.nn.functional
+    current = functional.linear
+    original = None
+    if getattr(current, "__module__", "") == "deepspeed.runtime.zero.linear":
+        init = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+        holder = getattr(init, "InsertPostInitMethodToModuleSubClasses", None)
+        original = getattr(holder, "linear_bk", None)
+    if original is None:
+        yield
+        return
+    functional.linear = original
+    try:
+        yield
+    finally:
+        functional.linear = current
+
+
+@contextlib.contextmanager
+def _suspended_deepspeed_hooks(module: torch.nn.Module) -> Iterator[None]:
+    """DeepSpeed's hooks off every submodule while the export copies and traces the module.
+
+    In the copy the parameters are plain tensors without ZeRO state, which those hooks would try
+    to fetch; dictionaries are restored in their original order afterwards.
+    """
+    saved: list[tuple[dict[int, Any], dict[int, Any]]] = []
+    for sub in module.modules():
+        for hooks in _hook_dicts(sub):
+            if any(_deepspeed_hook(fn) for fn in hooks.values()):
+                saved.append((hooks, dict(hooks)))
+                for key in [k for k, fn in hooks.items() if _deepspeed_hook(fn)]:
+                    del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, original in saved:
+            hooks.clear()
+            hooks.update(original)
