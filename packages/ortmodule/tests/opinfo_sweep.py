@@ -24,6 +24,8 @@ from typing import Any
 
 os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
 os.environ.setdefault("ORTMODULE_LOG_LEVEL", "WARNING")
+# the engine's own kernels: a timed choice (AUTO) would make an op's route vary between runs
+os.environ["ORTMODULE_KERNEL_CHOICE"] = "ENGINE"
 
 import torch  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
