@@ -7,6 +7,7 @@
 ('weight', 'bias')
 """
 
+from . import output_ranks  # noqa: F401 - registers its post-export pass
 from .built_graph_passes import register_built_graph_pass, unregister_built_graph_pass
 from .errors import (
     EngineBuildError,

@@ -127,6 +127,7 @@ def _kind(jit_type: Any) -> tuple[str, bool]:
             "SymIntType": "int[]",
             "FloatType": "float[]",
             "BoolType": "bool[]",
+            "TensorType": "Tensor[]",
         }
         return names.get(element, "other"), optional
     names = {
@@ -137,6 +138,7 @@ def _kind(jit_type: Any) -> tuple[str, bool]:
         "BoolType": "bool",
         "NumberType": "Scalar",
         "ScalarTypeType": "ScalarType",
+        "StringType": "str",  # reaches the executor through a PythonOp (AtenOp) only
     }
     return names.get(kind, "other"), optional
 
@@ -196,7 +198,9 @@ def _scalar_type(code: int) -> torch.dtype:
     return _type_utils.JitScalarType(int(code)).dtype()
 
 
-def _read(arg: _Arg, value: torch.Tensor | None, as_bool: bool) -> Any:
+def _read(arg: _Arg, value: Any, as_bool: bool) -> Any:
+    if isinstance(value, (str, list)):
+        return value  # a string or a list of tensors, handed over by a PythonOp (AtenOp)
     if value is None:
         if arg.optional or arg.kind == "Tensor":
             return None

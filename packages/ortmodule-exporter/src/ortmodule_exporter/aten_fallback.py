@@ -22,8 +22,9 @@ Three routes lead there:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ __all__ = [
     "operator_export_type",
     "prepare_aten_nodes",
     "register_aten_route",
+    "untrainable_nodes",
+    "untrainable_ops_routed",
 ]
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -230,18 +233,26 @@ def _embedding(
 
 # -- operators routed whole ----------------------------------------------------------------------
 
-#: operators with no ONNX symbolic that we always route to ATen: antialiased resampling (plain
-#: bicubic and bilinear export to ONNX Resize, which the engine trains)
-DEFAULT_ROUTES = ("aten::_upsample_bicubic2d_aa", "aten::_upsample_bilinear2d_aa")
+#: operators we always route to ATen: antialiased resampling (no ONNX symbolic; plain bicubic
+#: and bilinear export to ONNX Resize, which the engine trains), and operators whose ONNX form
+#: the engine differentiates silently wrong: scatter_add (ScatterElements(reduction=add) gives
+#: ``self`` a gradient of 0 instead of 1 at the scattered positions), native_layer_norm (the
+#: LayerNormalization gradient ignores gradients reaching its mean and rstd outputs)
+DEFAULT_ROUTES = (
+    "aten::_upsample_bicubic2d_aa",
+    "aten::_upsample_bilinear2d_aa",
+    "aten::scatter_add",
+    "aten::native_layer_norm",
+)
 
 
-def _route(op: str) -> Any:
+def _route(op: str, overload: str | None = None) -> Any:
     name = op.split("::", 1)[1]
 
     def symbolic(g: Any, *args: Any) -> Any:
         node = g.original_node
-        overload = _overload_for(name, node)
-        outs = _aten(g, name, args, overload=overload, outputs=node.outputsSize())
+        chosen = _aten_overload(node) if overload is None else overload
+        outs = _aten(g, name, args, overload=chosen, outputs=node.outputsSize())
         values = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         for value, original in zip(values, node.outputs(), strict=True):
             rank = original.type().dim() if hasattr(original.type(), "dim") else None
@@ -270,6 +281,229 @@ def register_aten_route(op: str) -> None:
     if not op.startswith("aten::"):
         raise ValueError(f"register_aten_route takes an aten:: operator, got {op!r}")
     register_symbolic(op, _route(op), 9)
+
+
+# -- operators whose ONNX form the engine cannot differentiate ----------------------------------
+
+#: value types that carry a gradient
+_FLOAT_SCALARS = frozenset({"Float", "Double", "Half", "BFloat16"})
+
+
+def _is_float(value: Any) -> bool:
+    """A float tensor, or a list built from one (``torch.hstack([x, y])``)."""
+    try:
+        if value.type().scalarType() in _FLOAT_SCALARS:
+            return True
+    except (AttributeError, RuntimeError):
+        pass
+    producer = value.node()
+    return producer.kind() in ("onnx::SequenceConstruct", "prim::ListConstruct") and any(
+        _is_float(v) for v in producer.inputs()
+    )
+
+
+def untrainable_nodes(inputs: Sequence[Any], nodes: Sequence[Any]) -> list[str]:
+    """ONNX op types among ``nodes`` (what one symbolic emitted, in order) that sit on a float
+    path from ``inputs`` and that the engine cannot train: no gradient builder (asked of the
+    engine itself), an axis into a 0-d tensor, or a MatMul by a vector."""
+    from .gradient_registry import engine_has_gradient
+
+    derived = {v.unique() for v in inputs if v is not None and _is_float(v)}
+    found: list[str] = []
+    for node in nodes:
+        if not any(i.unique() in derived for i in node.inputs()):
+            continue
+        kind = node.kind()
+        op_type = kind.split("::", 1)[1]
+        if kind.startswith("onnx::") and not engine_has_gradient(op_type):
+            found.append(op_type)
+        elif op_type in _AXIS_OPS and _rank(next(iter(node.inputs()), None)) == 0:
+            found.append(f"{op_type} on a 0-d tensor")
+        elif op_type == "MatMul" and _rank(list(node.inputs())[-1]) == 1:
+            # the engine's MatMul gradient (FusedMatMul, Reshape) fails when the right operand
+            # is a vector (1-D @ 1-D, matrix @ vector); vector @ matrix trains
+            found.append("MatMul by a vector")
+        derived.update(o.unique() for o in node.outputs() if _maybe_float(o))
+    return found
+
+
+def _maybe_float(value: Any) -> bool:
+    """Float, or of a type the exporter has not inferred (a path is kept until proven int)."""
+    try:
+        scalar = value.type().scalarType()
+    except (AttributeError, RuntimeError):
+        return True
+    return scalar is None or scalar in _FLOAT_SCALARS
+
+
+#: ONNX operators whose axis must index a dimension: PyTorch accepts dim=0 (or -1) on a 0-d
+#: tensor, the engine's shape inference rejects it
+_AXIS_OPS = frozenset(
+    {
+        "Softmax",
+        "LogSoftmax",
+        "Hardmax",
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceProd",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSumExp",
+        "ReduceSumSquare",
+        "TopK",
+        "Gather",
+        "GatherElements",
+        "GatherND",
+        "ArgMax",
+        "ArgMin",
+        "CumSum",
+        "Concat",
+        "Split",
+        "ScatterElements",
+    }
+)
+
+
+def _rank(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        rank = value.type().dim()
+    except (AttributeError, RuntimeError):
+        return None
+    return int(rank) if rank is not None else None
+
+
+def _aten_overload(node: Any) -> str:
+    """The overload a traced node calls, from its schema (index_fill.int_Tensor and
+    index_fill.int_Scalar take as many arguments); by argument count when it has none."""
+    try:
+        schema = node.schema()
+    except RuntimeError:
+        schema = "(no schema)"
+    if schema == "(no schema)":
+        return _overload_for(node.kind().split("::", 1)[1].rstrip("_"), node)
+    if not schema.startswith("aten::"):
+        return ""
+    return str(torch._C.parse_schema(schema).overload_name)
+
+
+def _runnable_by_executor(name: str, overload: str, node: Any) -> bool:
+    try:
+        operator = aten_executor.aten_operator(name, overload, node.inputsSize())
+    except aten_executor.UnsupportedAtenOperatorError:
+        return False
+    if len(operator.args) != node.inputsSize():
+        return False
+    # tensor lists reach it through a PythonOp (prepare_aten_nodes); other kinds cannot
+    return not any(a.kind == "other" for a in operator.args) and all(
+        r == "Tensor" for r in operator.returns
+    )
+
+
+def _key(node: Any) -> tuple[int, ...]:
+    """A node's identity (pybind hands out a new wrapper object at every access)."""
+    return tuple(o.unique() for o in node.outputs())
+
+
+def _inner_nodes(node: Any) -> list[Any]:
+    found = []
+    for block in node.blocks():
+        for inner in block.nodes():
+            found.append(inner)
+            found.extend(_inner_nodes(inner))
+    return found
+
+
+def _route_untrainable(original: Any) -> Any:
+    """Wrap torch's per-node symbolic dispatch: when the ONNX nodes a symbolic emitted hold one
+    the engine cannot differentiate (CumSum, Floor, ReduceMax, ...) on a float path of a training
+    export, replace them with one ATen node, which PyTorch runs and differentiates."""
+
+    def run(
+        graph: Any,
+        block: Any,
+        node: Any,
+        inputs: Any,
+        env: Any,
+        values_in_env: Any,
+        new_nodes: list[Any],
+        operator_export_type: Any = torch.onnx.OperatorExportTypes.ONNX,
+    ) -> Any:
+        mark = len(new_nodes)
+        result = original(
+            graph, block, node, inputs, env, values_in_env, new_nodes, operator_export_type
+        )
+        kind = node.kind()
+        if (
+            operator_export_type != torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK
+            or not kind.startswith("aten::")
+            or result is None
+            or any(n.kind().startswith(("aten::", f"{ATEN_DOMAIN}::")) for n in new_nodes[mark:])
+        ):
+            return result
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+
+        bad = untrainable_nodes(list(inputs), new_nodes[mark:])
+        if any(list(n.blocks()) for n in new_nodes[mark:]) and any(
+            i is not None and _is_float(i) for i in inputs
+        ):
+            # the engine's gradient builder aborts the process on some If/Loop subgraphs
+            # (diagonal, hstack): control flow over a float input is never handed to it
+            bad.append("control flow")
+        if GLOBALS.training_mode != torch.onnx.TrainingMode.TRAINING:
+            # an inference graph needs no gradient, only shapes the engine accepts
+            bad = [b for b in bad if b.endswith("0-d tensor")]
+        if not bad:
+            return result
+        name = kind.split("::", 1)[1].rstrip("_")
+        overload = _aten_overload(node)
+        outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+        if (
+            len(outputs) != node.outputsSize()
+            or not _runnable_by_executor(name, overload, node)
+            or any(i is None for i in inputs)
+        ):
+            return result
+        # nodes inside If/Loop bodies go with their owner; the rest are destroyed users first
+        nested = {_key(inner) for n in new_nodes[mark:] for inner in _inner_nodes(n)}
+        for created in reversed(new_nodes[mark:]):
+            if _key(created) not in nested:
+                created.destroy()
+        del new_nodes[mark:]
+        from torch.onnx._internal.torchscript_exporter import jit_utils
+        from torch.onnx._internal.torchscript_exporter import utils as export_utils
+
+        g = jit_utils.GraphContext(
+            graph=graph,
+            block=block,
+            opset=GLOBALS.export_onnx_opset_version,
+            original_node=node,
+            params_dict=export_utils._params_dict,
+            env=env,
+            values_in_env=values_in_env,
+            new_nodes=new_nodes,
+        )
+        logger.debug("aten::%s runs in PyTorch: the engine has no gradient for %s", name, bad)
+        return _route(f"aten::{name}", overload)(g, *inputs)
+
+    run.__wrapped__ = original  # type: ignore[attr-defined]
+    return run
+
+
+@contextlib.contextmanager
+def untrainable_ops_routed() -> Iterator[None]:
+    """For one export: operators whose ONNX form the engine cannot train become ATen nodes."""
+    from torch.onnx._internal.torchscript_exporter import utils as export_utils
+
+    original = export_utils._run_symbolic_function
+    export_utils._run_symbolic_function = _route_untrainable(original)
+    try:
+        yield
+    finally:
+        export_utils._run_symbolic_function = original
 
 
 # -- einsum ----------------------------------------------------------------------------------------
@@ -434,7 +668,7 @@ def _value_types(model: onnx.ModelProto) -> dict[str, int]:
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for a in node.attribute:
-                if a.name == "value":
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     types[node.output[0]] = a.t.data_type
     return types
 
@@ -473,7 +707,7 @@ def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for a in node.attribute:
-                if a.name == "value":
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     values[node.output[0]] = onnx.numpy_helper.to_array(a.t)
     return values
 
@@ -482,6 +716,8 @@ def _output_types(
     node: onnx.NodeProto,
     known: Mapping[str, tuple[int, list[int | None] | None]],
     constants: Mapping[str, np.ndarray],
+    strings: Mapping[str, str] | None = None,
+    sequences: Mapping[str, list[str]] | None = None,
 ) -> list[tuple[int, int | None]] | None:
     """(elem_type, rank) of each output of an ATen node, found by running its operator on
     PyTorch's meta device (no data, no compute); None when that is not possible."""
@@ -489,19 +725,35 @@ def _output_types(
 
     operator = attribute(node, "operator", "")
     overload = attribute(node, "overload_name", "") or ""
-    inputs: list[torch.Tensor | None] = []
-    for name in node.input:
-        if not name:
-            inputs.append(None)
-        elif name in constants:
-            inputs.append(torch.from_numpy(np.array(constants[name])))
-        elif name in known:
+    strings = strings or {}
+    sequences = sequences or {}
+
+    def meta(name: str) -> torch.Tensor | None:
+        if name in constants:
+            return torch.from_numpy(np.array(constants[name]))
+        if name in known:
             elem_type, dims = known[name]
             dtype = torch.from_numpy(np.zeros(0, dtype=tensor_dtype_to_np_dtype(elem_type))).dtype
             shape = [d if d else 2 for d in dims] if dims is not None else [2]
-            inputs.append(torch.empty(shape, dtype=dtype, device="meta"))
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return None
+
+    inputs: list[Any] = []
+    for name in node.input:
+        if not name:
+            inputs.append(None)
+        elif name in strings:
+            inputs.append(strings[name])
+        elif name in sequences:
+            members = [meta(m) for m in sequences[name]]
+            if any(m is None for m in members):
+                return None
+            inputs.append(members)
         else:
-            return None
+            value = meta(name)
+            if value is None:
+                return None
+            inputs.append(value)
     try:
         with torch.no_grad():
             results = aten_executor.execute(operator, overload, inputs)
@@ -544,11 +796,12 @@ def _type_aten_outputs(model: onnx.ModelProto) -> None:
     if not todo:
         return
     constants = _constant_values(graph)
+    strings, sequences = _string_constants(graph), _sequence_inputs(graph)
     known = _known(model)
     for node in todo:
         if any(name and name not in known and name not in constants for name in node.input):
             known = _known(model)
-        types = _output_types(node, known, constants)
+        types = _output_types(node, known, constants, strings, sequences)
         if types is None:
             logger.warning(
                 "could not type the outputs of ATen node %s; the engine may refuse it", node.name
@@ -566,6 +819,22 @@ def _type_aten_outputs(model: onnx.ModelProto) -> None:
                 vi.type.tensor_type.elem_type = types[list(node.output).index(vi.name)][0]
 
 
+def _grouped(inputs: list[Any], groups: str) -> list[Any]:
+    """Pack the tensors of list arguments back into lists: ``groups`` is ``"start:count,..."``
+    over ``inputs`` (a list argument reaches the PythonOp as its tensors, one input each)."""
+    if not groups:
+        return inputs
+    packed: list[Any] = []
+    position = 0
+    for group in groups.split(","):
+        start, count = (int(v) for v in group.split(":"))
+        packed.extend(inputs[position:start])
+        packed.append(list(inputs[start : start + count]))
+        position = start + count
+    packed.extend(inputs[position:])
+    return packed
+
+
 class AtenOp(torch.autograd.Function):
     """A PyTorch operator with no ONNX form, run by the engine as a PythonOp during training.
 
@@ -577,7 +846,8 @@ class AtenOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, spec: str, *inputs: Any) -> tuple[Any, ...]:
-        operator, _, overload = spec.partition("|")
+        operator, _, rest = spec.partition("|")
+        overload, _, groups = rest.partition("|")
         needs = tuple(getattr(ctx, "needs_input_grad", ()))[1:] or (False,) * len(inputs)
         leaves = list(inputs)
         with torch.enable_grad():
@@ -585,7 +855,7 @@ class AtenOp(torch.autograd.Function):
                 if needs[i] and isinstance(t, torch.Tensor) and t.is_floating_point():
                     leaves[i] = t.detach().requires_grad_(True)
             try:
-                outputs = aten_executor.execute(operator, overload, leaves)
+                outputs = aten_executor.execute(operator, overload, _grouped(leaves, groups))
             except Exception as err:
                 if hasattr(err, "add_note"):
                     err.add_note(f"raised by aten::{operator}.{overload or 'default'}")
@@ -615,8 +885,18 @@ class AtenOp(torch.autograd.Function):
                 allow_unused=True,
             )
             for i, g in zip(wanted, computed, strict=True):
-                gradients[i] = g
+                gradients[i] = _materialized(g)
         return (None, *gradients)
+
+
+def _materialized(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient the engine can read: autograd may return a ZeroTensor (no storage: sgn's
+    gradient) or an empty tensor with any strides, both of which crash a DLPack reader."""
+    if grad is None:
+        return None
+    if grad._is_zerotensor() or grad.numel() == 0:
+        return torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
+    return grad if grad.is_contiguous() else grad.contiguous()
 
 
 def _as_python_op(
@@ -624,32 +904,50 @@ def _as_python_op(
     types: Mapping[str, int],
     ranks: Mapping[str, int | None],
     training: bool,
+    strings: Mapping[str, str] | None = None,
+    sequences: Mapping[str, list[str]] | None = None,
 ) -> list[onnx.NodeProto]:
-    """``node`` (an ATen node) as a PythonOp running :class:`AtenOp`, plus casts of bool outputs."""
+    """``node`` (an ATen node) as a PythonOp running :class:`AtenOp`, plus casts of bool outputs.
+
+    ``strings``: inputs that are string constants (passed as Python strings); ``sequences``:
+    inputs that are ``SequenceConstruct`` outputs (passed as their tensors, packed back into a
+    list by :class:`AtenOp`)."""
+    strings = strings or {}
+    sequences = sequences or {}
     from . import python_op, python_op_runner
 
     python_op_runner.install()  # the node needs the PythonOp runners
     entry = python_op.REGISTRY.register(AtenOp)
     operator = attribute(node, "operator", "")
     overload = attribute(node, "overload_name", "") or ""
-    spec = f"{operator}|{overload}"
-    pointers = [python_op.REGISTRY.keep(spec)]
+    pointers: list[int] = []
     positions = [0]
     convention = "c"
     tensors, input_types, input_ranks = [], [], []
-    for position, name in enumerate(node.input, start=1):
-        if not name:
+    groups: list[str] = []
+    position = 1
+    for name in node.input:
+        if not name or name in strings:
+            # a missing optional argument, or a string (the engine has no string tensors)
             convention += "c"
-            pointers.append(python_op.REGISTRY.keep(None))
+            pointers.append(python_op.REGISTRY.keep(strings.get(name)))
             positions.append(position)
+            position += 1
             continue
-        convention += "d"
-        elem = types.get(name, onnx.TensorProto.FLOAT)
-        if elem == onnx.TensorProto.BOOL:
-            entry.bool_inputs.add(position)
-        tensors.append(name)
-        input_types.append(elem)
-        input_ranks.append(ranks.get(name) or 0)
+        members = sequences.get(name, [name])
+        if name in sequences:
+            groups.append(f"{position - 1}:{len(members)}")
+        for member in members:
+            convention += "d"
+            elem = types.get(member, onnx.TensorProto.FLOAT)
+            if elem == onnx.TensorProto.BOOL:
+                entry.bool_inputs.add(position)
+            tensors.append(member)
+            input_types.append(elem)
+            input_ranks.append(ranks.get(member) or 0)
+            position += 1
+    spec = f"{operator}|{overload}" + (f"|{','.join(groups)}" if groups else "")
+    pointers.insert(0, python_op.REGISTRY.keep(spec))
     tag = node.name or f"aten_{operator}_{id(node)}"
     outputs: list[str] = [f"{tag}_ctx"]
     output_types: list[int] = []
@@ -679,6 +977,31 @@ def _as_python_op(
         comment=f"aten::{operator}.{overload or 'default'}",
     )
     return [op, *casts]
+
+
+def _string_constants(graph: onnx.GraphProto) -> dict[str, str]:
+    """Constant values that are one string (an ATen node's ``reduce="amax"`` and the like)."""
+    found = {}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.STRING:  # torch writes value= as a string
+                    found[node.output[0]] = a.s.decode()
+                elif a.name == "value" and a.t.data_type == onnx.TensorProto.STRING:
+                    values = list(a.t.string_data)
+                    if len(values) == 1:
+                        found[node.output[0]] = values[0].decode()
+    return found
+
+
+def _sequence_inputs(graph: onnx.GraphProto) -> dict[str, list[str]]:
+    """``SequenceConstruct`` outputs read by ATen nodes -> the tensors they hold."""
+    read = {name for n in graph.node if n.domain == ATEN_DOMAIN for name in n.input}
+    return {
+        n.output[0]: list(n.input)
+        for n in graph.node
+        if n.op_type == "SequenceConstruct" and n.output[0] in read
+    }
 
 
 def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
@@ -711,6 +1034,7 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
     ranks = {name: (len(dims) if dims is not None else None) for name, (_t, dims) in known.items()}
     count = 0
     nodes: list[onnx.NodeProto] = []
+    strings, sequences = _string_constants(graph), _sequence_inputs(graph)
     for node in graph.node:
         if node.domain != ATEN_DOMAIN:
             nodes.append(node)
@@ -720,15 +1044,15 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
         overload = attribute(node, "overload_name", "") or ""
         internal = operator.startswith("_ortmodule_") and operator != EINSUM
         float_out = any(name and types.get(name) in _FLOATS for name in node.output)
-        float_in = any(name and types.get(name) in _FLOATS for name in node.input)
-        if (
-            training
-            and not internal
-            and float_out
-            and float_in
-            and not has_gradient(operator, overload)
+        elements = [m for name in node.input for m in sequences.get(name, [name])]
+        float_in = any(name and types.get(name) in _FLOATS for name in elements)
+        # the engine's ATen kernel passes tensors only: strings and lists go through a PythonOp
+        untensored = any(name in strings or name in sequences for name in node.input)
+        if not internal and (
+            untensored
+            or (training and float_out and float_in and not has_gradient(operator, overload))
         ):
-            nodes.extend(_as_python_op(node, types, ranks, training))
+            nodes.extend(_as_python_op(node, types, ranks, training, strings, sequences))
             continue
         bools = {
             i
@@ -743,6 +1067,14 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
                 raw = f"{name}__uint8"
                 node.output[slot] = raw
                 nodes.append(onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL))
+    used = {name for n in nodes for name in n.input} | {o.name for o in graph.output}
+    # lists and strings now reach the PythonOps directly; the engine has no use for them
+    nodes = [
+        n
+        for n in nodes
+        if not (n.op_type == "SequenceConstruct" or n.output[0] in strings)
+        or any(o in used for o in n.output)
+    ]
     del graph.node[:]
     graph.node.extend(nodes)
     from .python_op import PYTHON_OP_DOMAIN

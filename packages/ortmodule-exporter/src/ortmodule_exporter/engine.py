@@ -258,11 +258,19 @@ def _ort_device(device: torch.device) -> Any:
     return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
 
-def _push(vec: Any, tensor: torch.Tensor) -> None:
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the engine's DLPack import takes it: no autograd, row-major strides."""
     if tensor.requires_grad:  # DLPack refuses tensors that require grad
         tensor = tensor.detach()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
+    if tensor.numel() == 0:
+        # an empty tensor counts as contiguous for torch whatever its strides (the gradient of
+        # an empty output is expanded, strides 0), and the engine rejects such strides
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _push(vec: Any, tensor: torch.Tensor) -> None:
+    tensor = _dense(tensor)
     if tensor.dtype == torch.bool:
         # DLPack has no bool in torch's exporter; the engine re-labels the uint8 buffer
         vec.push_back(to_dlpack(tensor.view(torch.uint8)), True)
@@ -339,9 +347,7 @@ class InferenceSession:
         C = _C()
         binding = self._session.io_binding()._iobinding
         for name, tensor in zip(self.built.feed_names, feeds, strict=True):
-            tensor = tensor.detach()
-            if not tensor.is_contiguous():
-                tensor = tensor.contiguous()
+            tensor = _dense(tensor)
             is_bool = tensor.dtype == torch.bool
             value = C.OrtValue.from_dlpack(
                 to_dlpack(tensor.view(torch.uint8) if is_bool else tensor), is_bool

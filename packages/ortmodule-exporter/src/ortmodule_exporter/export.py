@@ -427,6 +427,7 @@ def _export(
         with (
             _preserved_state(target),
             symbolics_applied(opset),
+            aten_fallback.untrainable_ops_routed(),
             python_op.exporting_copy_of(module, target),
             warnings.catch_warnings(),
         ):

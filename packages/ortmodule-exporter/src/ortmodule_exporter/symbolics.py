@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper as sh
 
+from . import aten_executor
 from .symbolic_registry import register_symbolic
 
 Value = Any  # torch._C.Value; the exporter's graph values are untyped in Python
@@ -462,6 +463,10 @@ def _max_min(largest: bool) -> Any:
         keep = bool(sh._get_const(keepdim, "i", "keepdim"))
         if _rank(x, name) == 0:
             return x, _const(g, 0, torch.int64)
+        if _scalar_type(x) in ("Half", "BFloat16") and _on_cpu(x) and aten_executor.installed():
+            # the CPU engine's TopK has no bfloat16 kernel and runs float16 through float32
+            # casts (the values came back float32): PyTorch's own max/min runs instead
+            return _aten_max_min(g, x, dim_or_other, keepdim, largest, _rank(x, name) - (not keep))
         values, indices = g.op(
             "TopK", x, _ints(g, [1]), axis_i=dim, largest_i=int(largest), sorted_i=1, outputs=2
         )
@@ -470,6 +475,29 @@ def _max_min(largest: bool) -> Any:
         return values, indices
 
     return symbolic
+
+
+def _on_cpu(v: Value) -> bool:
+    jit_type: Any = v.type()
+    device = jit_type.device() if hasattr(jit_type, "device") else None
+    return device is None or device.type == "cpu"
+
+
+def _aten_max_min(
+    g: Any, x: Value, dim: Value, keepdim: Value, largest: bool, out_rank: int
+) -> tuple[Value, Value]:
+    values, indices = g.op(
+        f"{aten_executor.ATEN_DOMAIN}::ATen",
+        x,
+        dim,
+        keepdim,
+        operator_s="max" if largest else "min",
+        overload_name_s="dim",
+        outputs=2,
+    )
+    values.setType(x.type().with_sizes([None] * out_rank))
+    indices.setType(x.type().with_dtype(torch.int64).with_sizes([None] * out_rank))
+    return values, indices
 
 
 def _amax_amin(largest: bool) -> Any:
