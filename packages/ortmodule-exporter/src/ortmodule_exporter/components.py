@@ -50,6 +50,8 @@ import torch
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Component",
+    "attribute_changes_graph",
+    "register_untracked_attributes",
     "ComponentError",
     "SessionContext",
     "SessionContribution",
@@ -185,6 +187,32 @@ def handled_options() -> frozenset[str]:
     """The ``ORTMODULE_*`` variables that some loaded component honours."""
     with _LOCK:
         return frozenset(name for c in _COMPONENTS.values() for name in c.options)
+
+
+# -- attributes that never change the exported graph -------------------------------------------
+
+_UNTRACKED_PREFIXES: set[str] = set()
+
+
+def register_untracked_attributes(*prefixes: str) -> None:
+    """Attribute names starting with one of ``prefixes`` never cause a re-export.
+
+    ORTModule forwards attribute writes to the wrapped module and re-exports when a written
+    value changes, since a flag the forward reads changes the graph. A component whose library
+    keeps its own bookkeeping on the module (DeepSpeed's ``ds_*`` counters, written every step)
+    declares those names here.
+
+    >>> register_untracked_attributes("mylib_")
+    >>> attribute_changes_graph("mylib_counter")
+    False
+    """
+    with _LOCK:
+        _UNTRACKED_PREFIXES.update(prefixes)
+
+
+def attribute_changes_graph(name: str) -> bool:
+    """Whether a write of attribute ``name`` on the wrapped module may change the exported graph."""
+    return not any(name.startswith(prefix) for prefix in _UNTRACKED_PREFIXES)
 
 
 # -- engine session configuration --------------------------------------------------------------

@@ -337,7 +337,9 @@ VARIABLES: tuple[EnvVar, ...] = (
         _EXPORTER,
         "Run scaled_dot_product_attention with PyTorch's fused kernels, forward and backward "
         "(as ORTMODULE_ATEN_SDPA_FALLBACK=1; a mask that needs a gradient stays decomposed); "
-        "0 lets the engine run attention as separate operators.",
+        "0 lets the engine run attention as separate operators. Left at its default, it is off "
+        "while recompute (ORTMODULE_MEMORY_OPT_LEVEL/CONFIG) or ORTMODULE_USE_TRITON is on: "
+        "both need the engine's own nodes.",
     ),
     EnvVar(
         "ORTMODULE_KERNEL_CHOICE",
@@ -348,7 +350,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         _EXPORTER,
         "Per-operator kernel choice (GELU so far): AUTO times the engine's kernel against "
         "PyTorch's (run as ATen nodes) once per process and size class and exports the faster; "
-        "ENGINE or TORCH force one.",
+        "ENGINE or TORCH force one. Left at its default, it is ENGINE while recompute or "
+        "ORTMODULE_USE_TRITON is on (the engine recomputes and fuses only its own nodes).",
         "ENGINE",
     ),
     _switch(

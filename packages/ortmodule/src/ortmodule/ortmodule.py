@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
-from ortmodule_exporter.components import is_module_hook_handled, load_components
+from ortmodule_exporter.components import (
+    attribute_changes_graph,
+    is_module_hook_handled,
+    load_components,
+)
 
 from . import custom_autograd, integrations
 from .debug_options import DebugOptions
@@ -168,6 +172,8 @@ class ORTModule(torch.nn.Module):
         # value finds its graph again. Unhashable values (modules, tensors) count by identity.
         # Called before the write: the first write of a name remembers the value it replaces,
         # so writing that value back gives the original key.
+        if not attribute_changes_graph(name):  # a component's bookkeeping (DeepSpeed's ds_*)
+            return
         written: dict[str, Hashable] = self.__dict__["_written"]
         first: dict[str, Hashable] = self.__dict__.setdefault("_first_values", {})
         if name not in first:

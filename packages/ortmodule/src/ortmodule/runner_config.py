@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from ortmodule_exporter import ExportConfig, SaveOptions
 
 from .execution import RunnerConfig
 from .log import engine_severity, exporter_verbose
-from .options import VARIABLES, RuntimeOptions
+from .options import DEFAULT, VARIABLES, RuntimeOptions
+
+logger = logging.getLogger("ortmodule")
 
 
 def runner_config(options: RuntimeOptions) -> RunnerConfig:
@@ -35,14 +38,36 @@ def runner_config(options: RuntimeOptions) -> RunnerConfig:
 
 def export_config(options: RuntimeOptions) -> ExportConfig:
     """The options that change the exported graph, carried to every export of this module."""
+    fused_attention, kernel_choice = options.fused_attention, options.kernel_choice.lower()
+    graph_rewriters = _graph_rewriters(options)
+    if graph_rewriters:
+        # Fused attention and PyTorch kernels become PythonOps, which the engine's memory
+        # optimizer cannot recompute (1.19.2 recomputes only its own nodes) and Triton's
+        # attention matcher cannot see; the defaults step aside, an explicit setting stays.
+        if options.source("fused_attention") == DEFAULT and fused_attention:
+            fused_attention = False
+            logger.info("%s: attention stays decomposed in the engine", graph_rewriters)
+        if options.source("kernel_choice") == DEFAULT and kernel_choice != "engine":
+            kernel_choice = "engine"
+            logger.info("%s: every operator stays on the engine's kernels", graph_rewriters)
     return ExportConfig(
         opset=options.onnx_opset_version,
         custom_autograd=options.enable_custom_autograd,
         allow_autograd_checkpoint=options.allow_autograd_checkpoint,
-        aten_sdpa_fallback=options.aten_sdpa_fallback or options.fused_attention,
+        aten_sdpa_fallback=options.aten_sdpa_fallback or fused_attention,
         efficient_attention=options.use_efficient_attention,
-        kernel_choice=options.kernel_choice.lower(),
+        kernel_choice=kernel_choice,
     )
+
+
+def _graph_rewriters(options: RuntimeOptions) -> str:
+    """Which options want the engine's own nodes in the graph ("" when none does)."""
+    wanted = []
+    if options.memory_opt_level > 0 or options.memory_opt_config:
+        wanted.append("recompute (ORTMODULE_MEMORY_OPT_LEVEL/CONFIG)")
+    if options.use_triton:  # Triton fuses the engine's own nodes (flash attention needs it too)
+        wanted.append("ORTMODULE_USE_TRITON")
+    return " and ".join(wanted)
 
 
 def component_options(options: RuntimeOptions) -> tuple[tuple[str, object], ...]:

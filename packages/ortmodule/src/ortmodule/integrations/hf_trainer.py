@@ -34,7 +34,7 @@ class ORTTrainer(Trainer):
     def _save(
         self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
     ) -> None:
-        wrapper = self.model
+        wrapper: Any = self.model  # type: ignore[has-type]  # transformers leaves it unannotated
         if not (isinstance(wrapper, ORTModule) and isinstance(wrapper.module, PreTrainedModel)):
             super()._save(output_dir, state_dict)
             return

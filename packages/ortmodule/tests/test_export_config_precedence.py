@@ -1,0 +1,39 @@
+"""Recompute and Triton want the engine's own nodes: the speed defaults step aside for them."""
+
+from __future__ import annotations
+
+import pytest
+
+from ortmodule.options import RuntimeOptions
+from ortmodule.runner_config import export_config
+
+
+def _config(**environ: str):  # type: ignore[no-untyped-def]
+    return export_config(RuntimeOptions.resolve(None, environ=environ))
+
+
+def test_defaults_fuse_attention_and_choose_kernels_by_measurement() -> None:
+    config = _config()
+    assert config.aten_sdpa_fallback and config.kernel_choice == "auto"
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"ORTMODULE_MEMORY_OPT_LEVEL": "1"},
+        {"ORTMODULE_MEMORY_OPT_LEVEL": "2"},
+        {"ORTMODULE_USE_TRITON": "1"},
+    ],
+)
+def test_recompute_and_triton_keep_the_engines_nodes(environ: dict[str, str]) -> None:
+    config = _config(**environ)
+    assert not config.aten_sdpa_fallback and config.kernel_choice == "engine"
+
+
+def test_an_explicit_setting_wins() -> None:
+    config = _config(
+        ORTMODULE_MEMORY_OPT_LEVEL="1",
+        ORTMODULE_FUSED_ATTENTION="1",
+        ORTMODULE_KERNEL_CHOICE="TORCH",
+    )
+    assert config.aten_sdpa_fallback and config.kernel_choice == "torch"
