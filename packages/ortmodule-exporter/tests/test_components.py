@@ -151,3 +151,12 @@ def test_marked_module_hooks_are_reported_handled() -> None:
     # builtins cannot carry the mark: they stay unhandled instead of failing
     components.mark_module_hook_handled(len, "zero")
     assert not components.is_module_hook_handled(len)
+
+
+def test_untracked_attribute_prefixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(components, "_UNTRACKED_PREFIXES", set())
+    assert components.attribute_changes_graph("ds_grads_remaining")
+    components.register_untracked_attributes("ds_", "pre_bwd_fn")
+    assert not components.attribute_changes_graph("ds_grads_remaining")
+    assert not components.attribute_changes_graph("pre_bwd_fn")
+    assert components.attribute_changes_graph("use_cache")

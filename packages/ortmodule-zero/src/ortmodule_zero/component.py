@@ -12,15 +12,29 @@ from ortmodule_exporter.components import (
 
 from .stage3 import COMPONENT_NAME, OPTION, ZeroStage3Hook
 
-__all__ = ["COMPONENT"]
+__all__ = ["COMPONENT", "DEEPSPEED_MODULE_ATTRIBUTES"]
+
+#: prefixes of the attributes DeepSpeed's ZeRO stage 3 writes on the modules it manages
+DEEPSPEED_MODULE_ATTRIBUTES = (
+    "ds_",
+    "_ds_",
+    "pre_bwd_fn",
+    "post_bwd_fn",
+    "applied_pre_backward_ref_cnt",
+    "_external_params",
+    "_original_parameters",
+    "all_parameters",
+    "wall_clock_breakdown",
+)
 
 
 def _register() -> None:
     # early, so parameters are gathered before any other hook looks at them
     register_step_hook("zero-stage3", ZeroStage3Hook(), order=10)
-    # DeepSpeed keeps per-step bookkeeping on the module (ds_grads_remaining, ds_id, ...): writes
-    # of those through the ORTModule wrapper must not count as a change of the model's flags
-    register_untracked_attributes("ds_", "_ds_")
+    # DeepSpeed keeps per-step bookkeeping on the module (ds_grads_remaining, its backward
+    # Functions, reference counts): writes of those through the ORTModule wrapper are no change
+    # of the model's flags (the names deepspeed/runtime/zero assigns on modules, 0.19)
+    register_untracked_attributes(*DEEPSPEED_MODULE_ATTRIBUTES)
 
 
 def _check() -> str | None:
