@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ddp_parity import assert_wrapped_ddp_matches_plain, free_port
 
 from ortmodule import ORTModule
 from ortmodule_testing.zoo import ZOO
 
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _train(rank: int, world: int, port: int, wrap: bool, out: str) -> None:
@@ -53,21 +46,12 @@ def _train(rank: int, world: int, port: int, wrap: bool, out: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_over_ortmodule_matches_ddp_over_the_plain_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    results = {}
-    for wrap in (False, True):
-        out = str(tmp_path / f"wrap{wrap}.pt")
-        mp.spawn(_train, args=(2, _free_port(), wrap, out), nprocs=2, join=True)
-        results[wrap] = torch.load(out)
-    assert list(results[True]) == list(results[False])
-    for name, ref in results[False].items():
-        torch.testing.assert_close(
-            results[True][name], ref, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
-        )
+    assert_wrapped_ddp_matches_plain(_train, tmp_path)
 
 
 def test_wrong_wrapping_order_is_explained() -> None:
     if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(torch.nn.Linear(2, 2)))

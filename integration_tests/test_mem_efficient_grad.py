@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ddp_parity import assert_wrapped_ddp_matches_plain
 
 from ortmodule import ORTModule
 from ortmodule_memory.grad_management import TRIGGER
@@ -70,12 +69,6 @@ def test_frozen_parameters_stay_inputs() -> None:
     assert frozen and frozen <= set(_built(wrapped).feed_names)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _train(rank: int, world: int, port: int, wrap: bool, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ["ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT"] = "1"
@@ -103,13 +96,4 @@ def _train(rank: int, world: int, port: int, wrap: bool, out: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_with_gloo_matches_eager_ddp(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    results = {}
-    for wrap in (False, True):
-        out = str(tmp_path / f"wrap{wrap}.pt")
-        mp.spawn(_train, args=(2, _free_port(), wrap, out), nprocs=2, join=True)
-        results[wrap] = torch.load(out)
-    assert list(results[True]) == list(results[False])
-    for name, ref in results[False].items():
-        torch.testing.assert_close(
-            results[True][name], ref, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
-        )
+    assert_wrapped_ddp_matches_plain(_train, tmp_path)

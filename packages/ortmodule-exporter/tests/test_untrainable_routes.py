@@ -8,33 +8,19 @@ real engine and matches eager (fp32 rtol 1e-4, atol 1e-5).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_engine_matches_eager
-from test_aten_fallback import Head, _aten_ops, _x
 
-from ortmodule_exporter import aten_executor, aten_fallback, custom_gradients, export
+# _aten: the same ORTModule-like ATen export setup (autouse) as the ATen fallback tests
+from test_aten_fallback import Head, _aten, _aten_ops, _x  # noqa: F401
+
+from ortmodule_exporter import export
 from ortmodule_exporter.gradient_registry import engine_has_gradient, probed
-
-
-@pytest.fixture(autouse=True)
-def _aten(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    aten_executor.install()
-    custom_gradients.install_gradients()
-    aten_fallback.configure_aten_routes()
-    original = torch.onnx.export
-
-    def export_like_ortmodule(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("operator_export_type", aten_fallback.operator_export_type())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(torch.onnx, "export", export_like_ortmodule)
-    yield
 
 
 def test_the_engine_is_asked_which_operators_have_gradients() -> None:
