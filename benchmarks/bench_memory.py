@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_memory                  # GPT benchmark size, batch 8
     python -m benchmarks.bench_memory --batch 16 --steps 6
+    python -m benchmarks.bench_memory --model llama    # the tiny HF Llama of the benchmark suite
 
 Each configuration runs in a fresh process. After the warm-up steps (export, graph build and
 session creation are done, the optimizer state exists) the process's resident-set high-water
@@ -56,22 +57,40 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _worker(mode: str, batch: int, warmup: int, steps: int, threads: int) -> dict[str, Any]:
-    import torch
+def _model(name: str, batch: int, checkpointed: bool) -> tuple[Any, Any, Any]:
+    """(model, make_batch(step) -> (args, kwargs), loss_of(output)) for ``name``."""
     import torch.utils.checkpoint
+
+    if name == "llama":
+        from benchmarks.models import WORKLOADS
+
+        workload = WORKLOADS["llama"]
+        model = workload.build(full=False)
+        if checkpointed:  # Hugging Face's own per-layer activation checkpointing
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        return model, lambda step: workload.make_batch(step, False), lambda out: out.loss
 
     from ortmodule_testing.zoo import gpt_benchmark
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
     make_model, make_batch = gpt_benchmark(batch=batch)
     model = make_model()
-    if mode == "eager_ckpt":
+    if checkpointed:
         for block in model.blocks:
             forward = block.forward
             block.forward = lambda x, f=forward: torch.utils.checkpoint.checkpoint(
                 f, x, use_reentrant=False
             )
+    return model, make_batch, lambda out: out[0]
+
+
+def _worker(
+    mode: str, batch: int, warmup: int, steps: int, threads: int, name: str = "gpt"
+) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model, make_batch, loss_of = _model(name, batch, checkpointed=mode == "eager_ckpt")
     if mode == "ort":
         from ortmodule import ORTModule
         from ortmodule_exporter.engine import import_onnxruntime
@@ -98,7 +117,7 @@ def _worker(mode: str, batch: int, warmup: int, steps: int, threads: int) -> dic
             baseline = _status_kib("VmRSS")
         args, kwargs = make_batch(step)
         start = time.perf_counter()
-        loss, _ = model(*args, **kwargs)
+        loss = loss_of(model(*args, **kwargs))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -120,14 +139,16 @@ def _worker(mode: str, batch: int, warmup: int, steps: int, threads: int) -> dic
     return report
 
 
-def measure(batch: int = 8, warmup: int = 2, steps: int = 5, threads: int = 2) -> dict[str, Any]:
+def measure(
+    batch: int = 8, warmup: int = 2, steps: int = 5, threads: int = 2, model: str = "gpt"
+) -> dict[str, Any]:
     """Run every configuration in its own process; configuration name -> its figures."""
     results = {}
     for name, (mode, env) in CONFIGS.items():
         cmd = [
             sys.executable, "-m", "benchmarks.bench_memory", "--worker", mode,
             "--batch", str(batch), "--warmup", str(warmup), "--steps", str(steps),
-            "--threads", str(threads),
+            "--threads", str(threads), "--model", model,
         ]  # fmt: skip
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("ORTMODULE_")}
         child_env.update(
@@ -157,12 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.worker:
-        print(json.dumps(_worker(ns.worker, ns.batch, ns.warmup, ns.steps, ns.threads)))
+        print(json.dumps(_worker(ns.worker, ns.batch, ns.warmup, ns.steps, ns.threads, ns.model)))
         return 0
-    results = measure(ns.batch, ns.warmup, ns.steps, ns.threads)
+    results = measure(ns.batch, ns.warmup, ns.steps, ns.threads, ns.model)
     for name, r in results.items():
         print(f"{name}: {r}", file=sys.stderr)
     print(_table(results, ns))
@@ -170,8 +192,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(results: dict[str, dict[str, Any]], ns: argparse.Namespace) -> str:
+    described = {
+        "gpt": f"GPT decoder (vocab 1024, d 256, 4 layers, seq 128), batch {ns.batch}",
+        "llama": "tiny HF LlamaForCausalLM (vocab 1024, hidden 256, 4 layers, seq 128), batch 8",
+    }
     rows = [
-        f"GPT decoder (vocab 1024, d 256, 4 layers, seq 128), batch {ns.batch}, "
+        f"{described[ns.model]}, "
         f"{ns.threads} threads, median of {ns.steps} steps after {ns.warmup} warm-up steps",
         "",
         "| configuration | peak above baseline (MiB) | vs reference | step (ms) | vs reference "

@@ -94,3 +94,12 @@ def test_defaults_and_core_variables_are_quiet() -> None:
     expected = (set(NEEDS_COMPONENT) | set(NO_EFFECT_IN_THIS_BUILD)) & set(environ)
     assert named == expected
     assert inactive_variables(RuntimeOptions.defaults()) == []
+
+
+def test_conv_algo_search_warns_on_the_cpu_engine_only() -> None:
+    from ortmodule.options import RuntimeOptions, inactive_variables
+
+    options = RuntimeOptions.resolve(environ={"ORTMODULE_CONV_ALGO_SEARCH": "EXHAUSTIVE"})
+    ((name, message),) = inactive_variables(options, cuda_engine=False)
+    assert name == "ORTMODULE_CONV_ALGO_SEARCH" and "CPU build" in message
+    assert inactive_variables(options, cuda_engine=True) == []

@@ -285,6 +285,8 @@ def _settings(report: Report, environ: Mapping[str, str], present: Mapping[str, 
         # the same check ORTModule logs at wrap time: a set variable nothing installed acts on
         from ortmodule_exporter.components import handled_options, load_components
 
+        from .inactive_options import cuda_engine
+
         load_components()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -292,7 +294,7 @@ def _settings(report: Report, environ: Mapping[str, str], present: Mapping[str, 
                 options = RuntimeOptions.resolve(environ=environ)
             except InvalidOptionError:
                 return
-        for name, message in inactive_variables(options, handled_options()):
+        for name, message in inactive_variables(options, handled_options(), cuda_engine()):
             package = NEEDS_COMPONENT.get(name)
             report.problem(
                 message,

@@ -16,10 +16,11 @@ import logging
 import threading
 
 from ortmodule_exporter.components import handled_options
+from ortmodule_exporter.engine_binding import import_onnxruntime
 
 from .options import RuntimeOptions, inactive_variables
 
-__all__ = ["warn_inactive_options"]
+__all__ = ["cuda_engine", "warn_inactive_options"]
 
 logger = logging.getLogger("ortmodule")
 
@@ -27,11 +28,20 @@ _WARNED: set[str] = set()
 _LOCK = threading.Lock()
 
 
+def cuda_engine() -> bool:
+    """Whether the installed engine has the CUDA execution provider (False when none is installed)."""
+    try:
+        providers = import_onnxruntime().get_available_providers()
+    except ImportError:
+        return False
+    return "CUDAExecutionProvider" in providers
+
+
 def warn_inactive_options(options: RuntimeOptions) -> list[str]:
     """Log a WARNING, once per process and variable, for each variable that does nothing here;
     returns the messages logged by this call."""
     logged = []
-    for name, message in inactive_variables(options, handled_options()):
+    for name, message in inactive_variables(options, handled_options(), cuda_engine()):
         with _LOCK:
             if name in _WARNED:
                 continue

@@ -670,12 +670,13 @@ class RuntimeOptions:
 
 
 def inactive_variables(
-    options: RuntimeOptions, handled: Collection[str] = ()
+    options: RuntimeOptions, handled: Collection[str] = (), cuda_engine: bool = True
 ) -> list[tuple[str, str]]:
     """``(variable, message)`` for each variable set to a non-default value that nothing acts on.
 
     ``handled`` holds the variables that installed components honour
-    (``ortmodule_exporter.components.handled_options()``).
+    (``ortmodule_exporter.components.handled_options()``); ``cuda_engine`` says whether the
+    installed engine has the CUDA execution provider.
 
     >>> options = RuntimeOptions.resolve(environ={"ORTMODULE_USE_TRITON": "1"})
     >>> inactive_variables(options)[0][0]
@@ -693,6 +694,11 @@ def inactive_variables(
             reason = f"no installed component honours it; install {package} (pip install {package})"
         elif var.name in NO_EFFECT_IN_THIS_BUILD:
             reason = NO_EFFECT_IN_THIS_BUILD[var.name]
+        elif var.name == "ORTMODULE_CONV_ALGO_SEARCH" and not cuda_engine:
+            reason = (
+                "it chooses cuDNN convolution algorithms of the CUDA engine, and the installed "
+                "engine is the CPU build (onnxruntime-training-cpu)"
+            )
         elif var.name == "ORTMODULE_SAVE_ONNX_PATH" and not options.save_onnx:
             reason = "models are saved only with DebugOptions(save_onnx=True, onnx_prefix=...)"
         else:
