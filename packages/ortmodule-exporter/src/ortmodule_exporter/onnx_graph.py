@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 
 # ONNX Runtime 1.19 reads models up to IR version 10; onnx >= 1.17 writes newer by default.
 MAX_IR_VERSION = 10
@@ -126,3 +128,16 @@ def node_location(message: str) -> str:
         return ""
     path = m.group(1).strip("/").replace("/", ".")
     return f" at operator {m.group(2)} in {path or 'the module itself'}"
+
+
+def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """Value name -> array for every initializer and ``Constant`` node output of ``graph``."""
+    found = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.name == "value":
+                    found[node.output[0]] = onnx.numpy_helper.to_array(a.t)
+                elif a.name in ("value_float", "value_int"):
+                    found[node.output[0]] = np.array(onnx.helper.get_attribute_value(a))
+    return found

@@ -23,11 +23,12 @@ import onnx.numpy_helper
 import torch
 
 from ortmodule_exporter import python_op_runner
+from ortmodule_exporter.onnx_graph import constant_values
 from ortmodule_exporter.python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 
 from .flash_attention import FlashAttentionFunction
 from .flash_attention import _forward as flash_forward
-from .partition import _constants, _types, topological_sort
+from .partition import _types, topological_sort
 
 __all__ = ["AttentionMatch", "FlashAttentionOp", "find_attention", "fuse_attention"]
 
@@ -80,7 +81,7 @@ def find_attention(model: onnx.ModelProto) -> list[AttentionMatch]:
     producer = {o: k for k, n in enumerate(graph.node) for o in n.output}
     consumers = _consumers(graph)
     outputs = {o.name for o in graph.output}
-    consts = _constants(model)
+    consts = constant_values(model.graph)
     types = _types(model)
 
     def node(name: str) -> tuple[int, onnx.NodeProto] | None:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-import onnx.numpy_helper
+
+from ortmodule_exporter.onnx_graph import constant_values
 
 from .emitter import FLOAT_TYPES, Emitter, Val, triton_type
 from .errors import TritonCodegenError
@@ -99,20 +100,6 @@ def _rank(vi: onnx.ValueInfoProto, what: str) -> int:
     return len(t.shape.dim)
 
 
-def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    found = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            for a in node.attribute:
-                if a.name == "value":
-                    found[node.output[0]] = onnx.numpy_helper.to_array(a.t)
-                elif a.name in ("value_float", "value_int"):
-                    found[node.output[0]] = np.array(onnx.helper.get_attribute_value(a))
-                elif a.name in ("value_floats", "value_ints"):
-                    found[node.output[0]] = np.array(onnx.helper.get_attribute_value(a))
-    return found
-
-
 def _np_onnx_type(arr: np.ndarray) -> int:
     return int(onnx.helper.np_dtype_to_tensor_dtype(arr.dtype))
 
@@ -138,7 +125,7 @@ def generate(model: onnx.ModelProto, name: str | None = None) -> KernelPlan:
     """The kernel for ``model``'s graph (its inputs and outputs, in order)."""
     graph = model.graph
     opset = model_opset(model)
-    consts = _constants(model)
+    consts = constant_values(model.graph)
     init_names = {i.name for i in graph.initializer}
     inputs = tuple(
         TensorSpec(vi.name, vi.type.tensor_type.elem_type, _rank(vi, "input"))

@@ -21,6 +21,8 @@ import onnx.defs
 import onnx.numpy_helper
 import onnx.shape_inference
 
+from ortmodule_exporter.onnx_graph import constant_values
+
 from .codegen import META_INPUTS, generate
 from .errors import TritonCodegenError
 from .fusion_config import FusionConfig, OpRule, since_version
@@ -63,16 +65,6 @@ def _types(model: onnx.ModelProto) -> dict[str, TypeInfo]:
         found[vi.name] = (t.elem_type, dims)
     for init in g.initializer:
         found[init.name] = (init.data_type, list(init.dims))
-    return found
-
-
-def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    found = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            for a in node.attribute:
-                if a.name == "value":
-                    found[node.output[0]] = onnx.numpy_helper.to_array(a.t)
     return found
 
 
@@ -250,7 +242,7 @@ def find_subgraphs(
     """
     graph = model.graph
     types = _types(model)
-    consts = _constants(model)
+    consts = constant_values(model.graph)
     opsets = {
         ("" if o.domain == "ai.onnx" else o.domain): int(o.version) for o in model.opset_import
     }
