@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
@@ -625,14 +625,30 @@ def speed_summary(
     )
 
 
-def plot_losses(eager: RunResult, ort: RunResult, path: Path) -> Path | None:
-    """Write the two loss curves (and their difference) to ``path``; None without matplotlib."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or None when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_losses(eager: RunResult, ort: RunResult, path: Path) -> Path | None:
+    """Write the two loss curves (and their difference) to ``path``; None without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
         return None
     steps = range(1, len(eager.losses) + 1)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
@@ -647,21 +663,13 @@ def plot_losses(eager: RunResult, ort: RunResult, path: Path) -> Path | None:
     bottom.set_ylabel("|loss difference|")
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_tradeoff(results: dict[str, RunResult], path: Path) -> Path | None:
     """Memory (RSS growth) against median step time, one point per run; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, r in results.items():
@@ -672,11 +680,7 @@ def plot_tradeoff(results: dict[str, RunResult], path: Path) -> Path | None:
     ax.set_ylabel("RSS growth during training (MiB)")
     ax.set_title("Memory vs time")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _versions() -> str:
