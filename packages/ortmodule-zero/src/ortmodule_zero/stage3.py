@@ -68,6 +68,25 @@ class ZeroStage3Hook(StepHook):
         # module -> forwards whose backward has not run yet
         self._pending: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self._marked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        # module -> its ZeRO parameters (the same Parameter objects for the module's lifetime)
+        self._params: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Parameter]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _zero_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """``zero_parameters(module)`` without walking every parameter at every step.
+
+        This hook runs on every ORTModule step, DeepSpeed or not. Stage 3 converts every
+        parameter of the module it manages, so a first parameter without ``ds_status`` means
+        none (checked again next step: ``deepspeed.initialize`` may come after a first forward).
+        """
+        found = self._params.get(module)
+        if found is None:
+            first = next(module.parameters(), None)
+            if first is None or not hasattr(first, "ds_status"):
+                return []
+            found = self._params[module] = zero_parameters(module)
+        return found
 
     def _enabled(self, ctx: StepContext, params: list[torch.nn.Parameter]) -> bool:
         if not params:
@@ -94,7 +113,7 @@ class ZeroStage3Hook(StepHook):
         self._marked.add(module)
 
     def pre_forward(self, ctx: StepContext) -> None:
-        params = zero_parameters(ctx.module)
+        params = self._zero_parameters(ctx.module)
         if not self._enabled(ctx, params):
             return
         self._mark_deepspeed_hooks(ctx.module)
