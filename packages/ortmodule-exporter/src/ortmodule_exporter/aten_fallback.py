@@ -37,7 +37,7 @@ from torch.onnx import symbolic_helper as sh
 from . import aten_executor
 from .aten_executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from .custom_gradients import has_gradient
-from .onnx_graph import attribute, constant_values
+from .onnx_graph import attribute
 from .post_export import register_post_export_pass
 from .symbolic_registry import register_symbolic, unregister_symbolic
 
@@ -702,6 +702,16 @@ def _known(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None] | No
     return known
 
 
+def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    values = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                    values[node.output[0]] = onnx.numpy_helper.to_array(a.t)
+    return values
+
+
 def _output_types(
     node: onnx.NodeProto,
     known: Mapping[str, tuple[int, list[int | None] | None]],
@@ -785,7 +795,7 @@ def _type_aten_outputs(model: onnx.ModelProto) -> None:
     ]
     if not todo:
         return
-    constants = constant_values(graph)
+    constants = _constant_values(graph)
     strings, sequences = _string_constants(graph), _sequence_inputs(graph)
     known = _known(model)
     for node in todo:
