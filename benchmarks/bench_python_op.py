@@ -105,9 +105,9 @@ def _step_time(
 def run(quick: bool = True) -> dict[str, dict[str, float]]:
     """Microseconds per op: ``{mode: {route: us}}`` for modes forward and forward+backward."""
     os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
-    from ortmodule_exporter import aten_fallback
+    from ortmodule_exporter.aten import routes as aten_routes
 
-    aten_fallback.register_aten_route("aten::sub")
+    aten_routes.register_aten_route("aten::sub")
     repeat = 200 if quick else 2000
     routes = {
         "native ONNX op": (_native, True),

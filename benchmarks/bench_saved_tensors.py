@@ -47,7 +47,7 @@ class _Net(torch.nn.Module):
 
 def _median_step(protect: bool, repeat: int) -> tuple[float, int]:
     from ortmodule import ORTModule
-    from ortmodule_exporter import python_op_runner
+    from ortmodule_exporter.python_op import runner as python_op_runner
 
     real = python_op_runner._kept_storages
     if not protect:

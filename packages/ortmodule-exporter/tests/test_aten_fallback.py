@@ -17,14 +17,11 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_engine_matches_eager, run_engine
 
-from ortmodule_exporter import (
-    aten_executor,
-    aten_fallback,
-    custom_gradients,
-    export,
-    run_post_export_passes,
-)
-from ortmodule_exporter.aten_executor import UnsupportedAtenOperatorError
+from ortmodule_exporter import export, run_post_export_passes
+from ortmodule_exporter.aten import executor as aten_executor
+from ortmodule_exporter.aten import gradients as custom_gradients
+from ortmodule_exporter.aten import routes as aten_routes
+from ortmodule_exporter.aten.executor import UnsupportedAtenOperatorError
 from ortmodule_exporter.callback_errors import user_errors
 from ortmodule_exporter.engine import (
     GraphConfig,
@@ -39,18 +36,18 @@ from ortmodule_exporter.engine import (
 def _aten(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     aten_executor.install()
     custom_gradients.install_gradients()
-    aten_fallback.configure_aten_routes()
-    # What export.py passes to torch.onnx.export once the ATen executor is wired in: an
+    aten_routes.configure_aten_routes()
+    # What export/exporter.py passes to torch.onnx.export once the ATen executor is wired in: an
     # operator without an ONNX symbolic becomes an ATen node instead of failing the export.
     original = torch.onnx.export
 
     def export_like_ortmodule(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("operator_export_type", aten_fallback.operator_export_type())
+        kwargs.setdefault("operator_export_type", aten_routes.operator_export_type())
         return original(*args, **kwargs)
 
     monkeypatch.setattr(torch.onnx, "export", export_like_ortmodule)
     yield
-    aten_fallback.configure_aten_routes()
+    aten_routes.configure_aten_routes()
 
 
 def _aten_ops(model: onnx.ModelProto) -> list[str]:
@@ -60,7 +57,7 @@ def _aten_ops(model: onnx.ModelProto) -> list[str]:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.domain == "org.pytorch.aten":
             ops.append(attrs.get("operator", node.op_type.encode()).decode())
-        elif node.op_type == "PythonOp" and attrs["func_name"].endswith(b"aten_fallback.AtenOp"):
+        elif node.op_type == "PythonOp" and attrs["func_name"].endswith(b"aten.aten_op.AtenOp"):
             ops.append(attrs["comment"].decode().removeprefix("aten::").split(".")[0])
     return ops
 
@@ -142,14 +139,14 @@ def test_einsum_in_float64_runs_in_pytorch() -> None:
             return torch.einsum("bij,bjk->bik", self.a * x, self.b * x)
 
     run = assert_engine_matches_eager(Model(), (torch.tensor(1.5, dtype=torch.float64),))
-    assert aten_fallback.EINSUM in _aten_ops(run.built.exported.model)
+    assert aten_routes.EINSUM in _aten_ops(run.built.exported.model)
 
 
 # -- explicit routes with their backward operator ---------------------------------------------
 
 
 def test_embedding_with_padding_idx_through_aten() -> None:
-    aten_fallback.configure_aten_routes(embedding=True)
+    aten_routes.configure_aten_routes(embedding=True)
 
     class Model(torch.nn.Module):
         def __init__(self, by_freq: bool) -> None:
@@ -170,7 +167,7 @@ def test_embedding_with_padding_idx_through_aten() -> None:
 
 @pytest.mark.parametrize("mask", ["none", "bool", "float", "causal"])
 def test_sdpa_fallback_matches_eager(mask: str) -> None:
-    aten_fallback.configure_aten_routes(sdpa_fallback=True)
+    aten_routes.configure_aten_routes(sdpa_fallback=True)
 
     class Attention(torch.nn.Module):
         def __init__(self) -> None:
@@ -197,7 +194,7 @@ def test_sdpa_fallback_matches_eager(mask: str) -> None:
 
 
 def test_sdpa_with_dropout_keeps_the_onnx_export() -> None:
-    aten_fallback.configure_aten_routes(sdpa_fallback=True)
+    aten_routes.configure_aten_routes(sdpa_fallback=True)
 
     def fn(h: torch.Tensor) -> torch.Tensor:
         q = h.view(1, 1, -1, 4)
@@ -208,7 +205,7 @@ def test_sdpa_with_dropout_keeps_the_onnx_export() -> None:
 
 
 def test_efficient_attention_fuses_the_unfused_pattern() -> None:
-    aten_fallback.configure_aten_routes(efficient_attention=True)
+    aten_routes.configure_aten_routes(efficient_attention=True)
 
     class Attention(torch.nn.Module):
         def __init__(self) -> None:
@@ -273,7 +270,7 @@ def test_an_operator_error_reaches_the_caller(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_an_error_inside_the_executor_reaches_the_caller() -> None:
-    aten_fallback.configure_aten_routes(embedding=True)
+    aten_routes.configure_aten_routes(embedding=True)
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:

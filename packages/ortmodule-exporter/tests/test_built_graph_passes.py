@@ -6,11 +6,11 @@ import onnx
 import torch
 
 from ortmodule_exporter import export
-from ortmodule_exporter.built_graph_passes import (
+from ortmodule_exporter.engine import GraphConfig, SessionConfig, TrainingSession, build_graph
+from ortmodule_exporter.passes.built_graph import (
     register_built_graph_pass,
     unregister_built_graph_pass,
 )
-from ortmodule_exporter.engine import GraphConfig, SessionConfig, TrainingSession, build_graph
 
 
 def _double_gradients(model: onnx.ModelProto, config: GraphConfig) -> bool:

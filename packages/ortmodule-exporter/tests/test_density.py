@@ -20,7 +20,7 @@ from ortmodule_exporter import (
     register_post_export_pass,
     unregister_post_export_pass,
 )
-from ortmodule_exporter.density import (
+from ortmodule_exporter.passes.density import (
     ENGINE_FLAG,
     PRINT_ONLY,
     DensityFlag,

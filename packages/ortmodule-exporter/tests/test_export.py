@@ -22,7 +22,7 @@ from ortmodule_exporter import export as export_fn
 from ortmodule_exporter.engine import GraphConfig, build_graph
 from ortmodule_testing.zoo import ZOO
 
-export_module = __import__("ortmodule_exporter.export", fromlist=["export"])
+export_module = __import__("ortmodule_exporter.export.exporter", fromlist=["export"])
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -164,10 +164,10 @@ def test_export_failure_names_module_and_op_and_chains_the_cause(
 ) -> None:
     # with the ATen executor installed, torch turns a failing symbolic into an ATen node; the
     # error path is what remains when that route is off
-    from ortmodule_exporter import aten_fallback
+    from ortmodule_exporter.aten import routes as aten_routes
 
     monkeypatch.setattr(
-        aten_fallback, "operator_export_type", lambda: torch.onnx.OperatorExportTypes.ONNX
+        aten_routes, "operator_export_type", lambda: torch.onnx.OperatorExportTypes.ONNX
     )
     op = "aten::special_chebyshev_polynomial_t"
 

@@ -276,7 +276,7 @@ def test_registered_symbolic_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_changed_versions_miss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, package: str
 ) -> None:
-    from ortmodule_exporter import export_cache
+    from ortmodule_exporter.export import cache as export_cache
 
     calls = _count_exports(monkeypatch)
     cache = ExportCache(str(tmp_path))

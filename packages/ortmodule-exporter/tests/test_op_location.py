@@ -29,11 +29,11 @@ class _Net(torch.nn.Module):
 
 
 def test_export_error_names_the_submodule_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ortmodule_exporter import aten_fallback
+    from ortmodule_exporter.aten import routes as aten_routes
 
     # without the ATen route, torch raises for an operator whose symbolic fails
     monkeypatch.setattr(
-        aten_fallback, "operator_export_type", lambda: torch.onnx.OperatorExportTypes.ONNX
+        aten_routes, "operator_export_type", lambda: torch.onnx.OperatorExportTypes.ONNX
     )
 
     def refuse(g: object, *args: object) -> object:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import assert_engine_matches_eager, run_engine
 
-from ortmodule_exporter import ExportError, export, python_op, python_op_runner
+from ortmodule_exporter import ExportError, export, python_op
 from ortmodule_exporter.callback_errors import user_errors
 from ortmodule_exporter.python_op import (
     REGISTRY,
@@ -27,7 +27,12 @@ from ortmodule_exporter.python_op import (
     FunctionRegistry,
     RefusedPythonOpError,
     check_model,
+    checks,
+    registry,
+    shape_inference,
+    symbolic,
 )
+from ortmodule_exporter.python_op import runner as python_op_runner
 
 SEEN: dict[str, Any] = {}
 
@@ -36,7 +41,7 @@ SEEN: dict[str, Any] = {}
 def _custom_autograd(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     python_op_runner.install()
     python_op.enable_custom_autograd(True)
-    # What export.py passes to torch.onnx.export once custom autograd is wired in: the tracer
+    # What export/exporter.py passes to torch.onnx.export once custom autograd is wired in: the tracer
     # must not inline Functions that export as PythonOp (it cannot inline a Function with
     # non-tensor outputs, nor torch.utils.checkpoint).
     original = torch.onnx.export
@@ -467,11 +472,13 @@ def test_checkpoint_is_refused_with_guidance() -> None:
 
 
 def test_checkpoint_runs_when_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
-    export_module = sys.modules["ortmodule_exporter.export"]  # the package re-exports export()
+    export_module = sys.modules[
+        "ortmodule_exporter.export.exporter"
+    ]  # the package re-exports export()
     python_op.enable_custom_autograd(True, allow_checkpoint=True)
 
     # The checkpointed block is handed to the Function by reference; the export's deep copy
-    # must hand over the original so that its parameters train. export.py does that with
+    # must hand over the original so that its parameters train. export/exporter.py does that with
     # python_op.exporting_copy_of; emulated here around the copy.
     def copy_and_map(module: torch.nn.Module, enabled: bool = True) -> torch.nn.Module:
         clone = copy.deepcopy(module)
@@ -512,10 +519,10 @@ def test_exporting_copy_of_maps_modules_back() -> None:
     original = Wrap(TanhGelu.apply)
     clone = copy.deepcopy(original)
     with python_op.exporting_copy_of(original, clone):
-        assert python_op._original(clone.inp) is original.inp
-        bound = python_op._original(clone.inp.forward)
+        assert symbolic._original(clone.inp) is original.inp
+        bound = symbolic._original(clone.inp.forward)
         assert bound.__self__ is original.inp
-    assert python_op._original(clone.inp) is clone.inp
+    assert symbolic._original(clone.inp) is clone.inp
 
 
 # -- security ------------------------------------------------------------------------------------
@@ -556,7 +563,10 @@ def test_a_fresh_process_refuses_a_cached_model(monkeypatch: pytest.MonkeyPatch)
     model = _exported(TanhGelu.apply)
     buf = io.BytesIO()
     onnx.save_model(model, buf)
-    monkeypatch.setattr(python_op, "REGISTRY", FunctionRegistry())  # what a new process has
+    fresh = FunctionRegistry()  # what a new process has
+    # every module of python_op that reads the registry by name
+    for module in (python_op, registry, symbolic, checks, shape_inference):
+        monkeypatch.setattr(module, "REGISTRY", fresh)
     with pytest.raises(RefusedPythonOpError, match="did not export in this process"):
         check_model(onnx.load_from_string(buf.getvalue()))
     assert not python_op.model_is_runnable(model)

@@ -1,6 +1,6 @@
 """Operators whose ONNX form the engine cannot train are exported as ATen nodes automatically.
 
-The set comes from the engine's own gradient registry (``gradient_registry`` asks it once per
+The set comes from the engine's own gradient registry (``aten.engine_gradients`` asks it once per
 ONNX operator type), plus shapes its graph checks reject (an axis into a 0-d tensor) and
 control flow, on which its gradient builder aborts the process. Each case trains through the
 real engine and matches eager (fp32 rtol 1e-4, atol 1e-5).
@@ -20,7 +20,7 @@ from conftest import assert_engine_matches_eager
 from test_aten_fallback import Head, _aten, _aten_ops, _x  # noqa: F401
 
 from ortmodule_exporter import export
-from ortmodule_exporter.gradient_registry import engine_has_gradient, probed
+from ortmodule_exporter.aten.engine_gradients import engine_has_gradient, probed
 
 
 def test_the_engine_is_asked_which_operators_have_gradients() -> None:

@@ -10,7 +10,7 @@ pytest.importorskip("bitsandbytes")
 
 from ortmodule_exporter.components import register_component  # noqa: E402
 from ortmodule_exporter.python_op import enable_custom_autograd  # noqa: E402
-from ortmodule_exporter.python_op_runner import install as install_python_op_runners  # noqa: E402
+from ortmodule_exporter.python_op.runner import install as install_python_op_runners  # noqa: E402
 from ortmodule_qlora import COMPONENT, use_matmul_bnb4  # noqa: E402
 
 

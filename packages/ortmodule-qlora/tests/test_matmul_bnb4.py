@@ -48,7 +48,7 @@ def test_backward_rewrite_replaces_the_engines_cpu_gradient_node() -> None:
 
 def test_without_the_rewrite_the_engine_gradient_is_wrong() -> None:
     """Why the rewrite exists: the engine's own CPU backward gives a different input gradient."""
-    from ortmodule_exporter.built_graph_passes import unregister_built_graph_pass
+    from ortmodule_exporter.passes.built_graph import unregister_built_graph_pass
     from ortmodule_qlora.component import BACKWARD_PASS, register
 
     torch.manual_seed(2)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from ortmodule_exporter.components import handled_options, load_components
-from ortmodule_exporter.post_export import _PASSES
+from ortmodule_exporter.passes.registry import _PASSES
 from ortmodule_triton.graph_pass import PASS_NAME
 from ortmodule_triton.options import OPTION_NAMES
 

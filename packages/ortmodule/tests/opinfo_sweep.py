@@ -127,7 +127,7 @@ def _weighted_sum(outputs: list[torch.Tensor]) -> torch.Tensor | None:
 
 def _graph_routes(model: Any) -> set[str]:
     """How the built training graph runs: 'aten' when it holds a node PyTorch runs."""
-    from ortmodule_exporter.aten_executor import ATEN_DOMAIN
+    from ortmodule_exporter.aten.executor import ATEN_DOMAIN
 
     graph = model._runner.transitions.current(True, True)
     if graph is None:

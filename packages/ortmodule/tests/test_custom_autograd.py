@@ -18,9 +18,18 @@ import torch.nn.functional as F
 from ortmodule import ExportError, ORTModule
 from ortmodule.custom_autograd import configure
 from ortmodule.options import RuntimeOptions
-from ortmodule_exporter import aten_fallback, python_op, python_op_runner
+from ortmodule_exporter import python_op
+from ortmodule_exporter.aten import routes as aten_routes
 from ortmodule_exporter.callback_errors import user_errors
-from ortmodule_exporter.python_op import FunctionRegistry, RefusedPythonOpError
+from ortmodule_exporter.python_op import (
+    FunctionRegistry,
+    RefusedPythonOpError,
+    checks,
+    registry,
+    shape_inference,
+    symbolic,
+)
+from ortmodule_exporter.python_op import runner as python_op_runner
 from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
 from ortmodule_testing.zoo.registry import ZooCase
 
@@ -45,13 +54,13 @@ def wrap(model: torch.nn.Module) -> ORTModule:
 
 @pytest.fixture(autouse=True)
 def _export_like_ortmodule(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    # What export.py passes to torch.onnx.export once custom autograd is wired in (see
-    # python_op / aten_fallback); setdefault keeps whatever export.py already passes.
+    # What export/exporter.py passes to torch.onnx.export once custom autograd is wired in (see
+    # python_op / aten.routes); setdefault keeps whatever the exporter already passes.
     original = torch.onnx.export
 
     def export(*args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("autograd_inlining", not python_op.custom_autograd_enabled())
-        kwargs.setdefault("operator_export_type", aten_fallback.operator_export_type())
+        kwargs.setdefault("operator_export_type", aten_routes.operator_export_type())
         return original(*args, **kwargs)
 
     monkeypatch.setattr(torch.onnx, "export", export)
@@ -196,7 +205,7 @@ def test_checkpoint_is_refused_then_runs_when_allowed(monkeypatch: pytest.Monkey
 
     monkeypatch.setenv("ORTMODULE_ALLOW_AUTOGRAD_CHECKPOINT", "1")
     # the checkpointed block is passed by reference: without the export copy (or with
-    # export.py's exporting_copy_of) its own parameters are the ones trained
+    # export/exporter.py's exporting_copy_of) its own parameters are the ones trained
     monkeypatch.setenv("ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", "0")
     _same_training_as_eager(Block(), steps=3)
 
@@ -209,13 +218,18 @@ def test_cached_model_from_another_process_is_refused(
     first = wrap(clone_model(model))
     first(torch.randn(8, 16)).sum().backward()  # exported and stored in the cache
 
-    monkeypatch.setattr(python_op, "REGISTRY", FunctionRegistry())  # what a new process holds
+    fresh = FunctionRegistry()  # what a new process holds
+    # every module of python_op that reads the registry by name
+    for module in (python_op, registry, symbolic, checks, shape_inference):
+        monkeypatch.setattr(module, "REGISTRY", fresh)
     second = wrap(clone_model(model))
     try:
         second(torch.randn(8, 16))
-    except RefusedPythonOpError as err:  # export.py without the cache check: a clear refusal
+    except (
+        RefusedPythonOpError
+    ) as err:  # export/exporter.py without the cache check: a clear refusal
         assert "did not export in this process" in str(err)
-    else:  # export.py treats such a cache hit as a miss: exported again, never run as loaded
+    else:  # export/exporter.py treats such a cache hit as a miss: exported again, never run as loaded
         assert second._runner.exports == 1
         assert python_op.REGISTRY.lookup(f"{__name__}.Gelu").cls is Gelu
 

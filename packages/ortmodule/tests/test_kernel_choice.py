@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ortmodule import ORTModule
-from ortmodule_exporter import kernel_choice
+from ortmodule_exporter.aten import kernel_choice
 from ortmodule_testing.parity import clone_model
 
 

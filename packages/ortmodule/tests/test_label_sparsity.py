@@ -15,7 +15,7 @@ import torch
 from ortmodule import ORTModule
 from ortmodule.sparsity import SparsityConfig, apply_label_sparsity
 from ortmodule_exporter import export
-from ortmodule_exporter.density import ENGINE_FLAG, PRINT_ONLY, density_flags
+from ortmodule_exporter.passes.density import ENGINE_FLAG, PRINT_ONLY, density_flags
 from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
 from ortmodule_testing.zoo import ZOO
 from ortmodule_testing.zoo.registry import ZooCase

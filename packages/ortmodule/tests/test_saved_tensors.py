@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ortmodule import ORTModule
-from ortmodule_exporter import python_op_runner
+from ortmodule_exporter.python_op import runner as python_op_runner
 from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
 from ortmodule_testing.zoo.registry import ZooCase
 

@@ -7,8 +7,7 @@
 ('weight', 'bias')
 """
 
-from . import output_ranks  # noqa: F401 - registers its post-export pass
-from .built_graph_passes import register_built_graph_pass, unregister_built_graph_pass
+from . import passes  # noqa: F401 - registers the built-in post-export passes
 from .errors import (
     EngineBuildError,
     ExportError,
@@ -20,22 +19,22 @@ from .export import (
     DEFAULT_OPSET,
     MAX_OPSET,
     MIN_OPSET,
+    ExportCache,
+    ExportConfig,
     ExportedModel,
+    GraphKey,
+    GraphTransitionManager,
     SaveOptions,
     check_opset,
+    describe_change,
     export,
+    parameter_signature,
 )
-from .export_cache import ExportCache
-from .export_config import ExportConfig
-from .graph_transition import GraphKey, GraphTransitionManager, describe_change, parameter_signature
-from .mask_symbolics import register_mask_symbolics
-from .post_export import (
-    register_post_export_pass,
-    run_post_export_passes,
-    unregister_post_export_pass,
-)
-from .symbolic_registry import register_symbolic, registered_symbolics, unregister_symbolic
-from .symbolics import register_builtin_symbolics
+from .passes import register_post_export_pass, run_post_export_passes, unregister_post_export_pass
+from .passes.built_graph import register_built_graph_pass, unregister_built_graph_pass
+from .symbolics.builtin import register_builtin_symbolics
+from .symbolics.mask import register_mask_symbolics
+from .symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
 
 register_builtin_symbolics()
 register_mask_symbolics()

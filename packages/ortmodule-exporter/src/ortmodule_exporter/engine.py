@@ -17,13 +17,14 @@ import onnx
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from . import density, onnx_graph
-from .built_graph_passes import run_built_graph_passes
+from . import onnx_graph
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
 from .errors import EngineBuildError
-from .export import ExportedModel, SaveOptions
+from .export.model import ExportedModel, SaveOptions
 from .onnx_graph import output_dependencies
+from .passes import density
+from .passes.built_graph import run_built_graph_passes
 
 logger = logging.getLogger("ortmodule.engine")
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ortmodule_exporter import ExportedModel
-from ortmodule_exporter.density import infer_symbolic_shapes
+from ortmodule_exporter.passes.density import infer_symbolic_shapes
 
 from .recompute import CONFIG, LEVEL
 

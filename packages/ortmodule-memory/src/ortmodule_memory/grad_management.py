@@ -118,7 +118,7 @@ def pull_parameters(exported: ExportedModel, options: Mapping[str, Any]) -> None
     if not moved:
         return
     entry = REGISTRY.register(ParamPull, name=FUNC_NAME)
-    from ortmodule_exporter import python_op_runner
+    from ortmodule_exporter.python_op import runner as python_op_runner
 
     python_op_runner.install()
     nodes = []

@@ -14,7 +14,7 @@ GEMM with an identity, far more work for every layer. The rewrite runs on every 
 CUDA included: the pass cannot see which device a session will place the node on, and the CPU
 kernel of the CUDA build ignores ``transB`` too.
 
->>> from ortmodule_exporter.built_graph_passes import register_built_graph_pass
+>>> from ortmodule_exporter.passes.built_graph import register_built_graph_pass
 >>> register_built_graph_pass("qlora_matmul_bnb4_backward", rewrite_matmul_bnb4_backward)
 """
 

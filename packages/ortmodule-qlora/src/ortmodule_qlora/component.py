@@ -10,10 +10,10 @@ otherwise ``check()`` says why the component is idle.
 
 from __future__ import annotations
 
-from ortmodule_exporter.built_graph_passes import register_built_graph_pass
 from ortmodule_exporter.components import Component
+from ortmodule_exporter.passes.built_graph import register_built_graph_pass
 from ortmodule_exporter.python_op import register_python_op_exporter
-from ortmodule_exporter.symbolic_registry import register_symbolic
+from ortmodule_exporter.symbolics.registry import register_symbolic
 
 from .backward_rewrite import rewrite_matmul_bnb4_backward
 from .gemm_4bit import GEMM_4BIT, GEMV_4BIT, refuse_gemm_4bit, refuse_gemv_4bit

@@ -22,9 +22,9 @@ import onnx
 import onnx.numpy_helper
 import torch
 
-from ortmodule_exporter import python_op_runner
 from ortmodule_exporter.onnx_graph import constant_values
 from ortmodule_exporter.python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
+from ortmodule_exporter.python_op import runner as python_op_runner
 
 from .flash_attention import FlashAttentionFunction
 from .flash_attention import _forward as flash_forward

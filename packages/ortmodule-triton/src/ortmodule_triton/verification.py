@@ -22,8 +22,8 @@ from typing import Any
 import onnx
 import torch
 
-from ortmodule_exporter import python_op_runner
 from ortmodule_exporter.python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
+from ortmodule_exporter.python_op import runner as python_op_runner
 
 from .autodiff import gradient_model
 from .codegen import generate

@@ -16,7 +16,9 @@ duration, so two modules with different options never see each other's.
 
 from __future__ import annotations
 
-from ortmodule_exporter import aten_executor, custom_gradients, python_op_runner
+from ortmodule_exporter.aten import executor as aten_executor
+from ortmodule_exporter.aten import gradients as custom_gradients
+from ortmodule_exporter.python_op import runner as python_op_runner
 
 from .options import RuntimeOptions
 

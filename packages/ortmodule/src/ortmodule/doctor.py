@@ -176,7 +176,7 @@ def _devices(report: Report, engine: Mapping[str, Any]) -> None:
 def _kernel_choice(report: Report) -> None:
     """Re-measure, on this machine, what ORTMODULE_KERNEL_CHOICE=AUTO decides at export."""
     lines = report.section("Kernel choice (ORTMODULE_KERNEL_CHOICE=AUTO, measured now)")
-    from ortmodule_exporter.kernel_choice import CALIBRATION_NUMEL, measure_gelu
+    from ortmodule_exporter.aten.kernel_choice import CALIBRATION_NUMEL, measure_gelu
 
     for numel in (1 << 14, CALIBRATION_NUMEL):
         try:

@@ -23,7 +23,7 @@ import onnx
 import torch
 
 from ortmodule_exporter import ExportedModel
-from ortmodule_exporter.density import (
+from ortmodule_exporter.passes.density import (
     DENSITY_THRESHOLD,
     embedding_sites,
     infer_symbolic_shapes,

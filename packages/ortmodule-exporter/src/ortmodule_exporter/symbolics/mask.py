@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper as sh
 
-from .symbolic_registry import register_symbolic
+from .registry import register_symbolic
 
 Value = Any  # torch._C.Value
 

@@ -13,7 +13,7 @@ executor is two ``ctypes`` callbacks, nothing compiled:
 Non-tensor arguments (ints, floats, bools, lists of them, dtypes) reach the executor as small
 tensors; the operator's schema says how to read each one back.
 
->>> from ortmodule_exporter import aten_executor
+>>> from ortmodule_exporter.aten import executor as aten_executor
 >>> aten_executor.install()         # once per process; ORTModule does it for you
 
 Besides ``aten::`` operators the executor runs a few of our own (:func:`register_aten_function`),
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from . import dlpack_bridge as bridge
-from .callback_errors import remember
-from .engine_binding import _C
+from .. import dlpack_bridge as bridge
+from ..callback_errors import remember
+from ..engine_binding import _C
 
 __all__ = [
     "ATEN_DOMAIN",

@@ -5,7 +5,7 @@ for ``PythonOpGrad``. Ours are ``ctypes`` callbacks (nothing compiled): they tur
 DLPack tensors into torch tensors without copies, call the user's code in PyTorch and hand the
 results back the same way.
 
->>> from ortmodule_exporter import python_op_runner
+>>> from ortmodule_exporter.python_op import runner as python_op_runner
 >>> python_op_runner.install()           # once per process; ORTModule does it for you
 >>> python_op_runner.live_contexts()     # forward calls still waiting for their backward
 0
@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from torch.autograd.function import Function, FunctionCtx, _SingleLevelFunction
 
-from . import dlpack_bridge as bridge
-from .callback_errors import remember, take_pending_error, user_errors
-from .engine_binding import _C
-from .python_op import REGISTRY, FunctionEntry
+from .. import dlpack_bridge as bridge
+from ..callback_errors import remember, take_pending_error, user_errors
+from ..engine_binding import _C
+from .registry import REGISTRY, FunctionEntry, _EngineStub
 
 __all__ = [
     "RELEASE_EVERY",
@@ -63,7 +63,7 @@ _RUNNER = ctypes.CFUNCTYPE(
     ctypes.c_void_p,  # the result vector's address, returned as the ABI requires
     ctypes.c_void_p,  # where to construct the result vector
     ctypes.c_char_p,  # func_name
-    ctypes.c_void_p,  # callback (the engine's copy of the Function; unused, see python_op._EngineStub)
+    ctypes.c_void_p,  # callback (the engine's copy of the Function; unused, see registry._EngineStub)
     ctypes.c_void_p,  # requires_grad_flags
     ctypes.c_void_p,  # tensor_type_flags
     ctypes.c_bool,  # is_training_mode
@@ -388,8 +388,6 @@ def release_engine_contexts() -> bool:
     with _LIVE_LOCK:
         if _LIVE:
             return False
-        from .python_op import _EngineStub
-
         C = _C()
         C.unregister_python_functions()  # drops the contexts and the function pool together
         for name in REGISTRY.names():

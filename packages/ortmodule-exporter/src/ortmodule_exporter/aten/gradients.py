@@ -5,7 +5,7 @@ registered under ``org.pytorch.aten::ATen::<operator>::<overload_name>``: a shor
 that read the forward node's inputs ``I(i)``, outputs ``O(i)`` and output gradients ``GO(i)``
 and produce the input gradients ``GI(i)``.
 
->>> from ortmodule_exporter.custom_gradients import GradientNode, register_aten_gradient
+>>> from ortmodule_exporter.aten.gradients import GradientNode, register_aten_gradient
 >>> register_aten_gradient("my_op", "", [
 ...     GradientNode.aten("my_op_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
 ... ])
@@ -13,7 +13,7 @@ and produce the input gradients ``GI(i)``.
 The engine builds a definition's ``GI(i)`` outputs as they are written, so a definition fits
 operators whose differentiable inputs always need their gradient (a weight, attention's q/k/v).
 Operators without one are trained through a PythonOp instead
-(:func:`ortmodule_exporter.aten_fallback.prepare_aten_nodes`), whose backward the engine
+(:func:`ortmodule_exporter.passes.aten_nodes.prepare_aten_nodes`), whose backward the engine
 shapes per node.
 """
 
@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .aten_executor import ATEN_DOMAIN
-from .engine_binding import _C
+from ..engine_binding import _C
+from .executor import ATEN_DOMAIN
 
 __all__ = [
     "GradientNode",

@@ -6,7 +6,7 @@ a 0-d result into shape ``(1,)``: the module would hand the user a tensor of the
 trace knows each output's rank (the output schema); where it says 0-d, the graph output goes
 through a ``Reshape`` to ``[]``, which the engine differentiates.
 
->>> from ortmodule_exporter.output_ranks import restore_scalar_outputs
+>>> from ortmodule_exporter.passes.output_ranks import restore_scalar_outputs
 >>> restore_scalar_outputs(exported)  # doctest: +SKIP
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
-from .post_export import register_post_export_pass
+from .registry import register_post_export_pass
 
 __all__ = ["restore_scalar_outputs"]
 

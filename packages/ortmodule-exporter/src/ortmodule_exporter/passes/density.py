@@ -35,9 +35,10 @@ import onnx
 import onnx.numpy_helper
 import torch
 
-from .engine_binding import import_onnxruntime
-from .onnx_graph import attribute
-from .python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
+from ..engine_binding import import_onnxruntime
+from ..onnx_graph import attribute
+from ..python_op import runner as python_op_runner
+from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 
 __all__ = [
     "DENSITY_THRESHOLD",
@@ -272,8 +273,6 @@ def _insert_flag(
     graph = model.graph
     entry = REGISTRY.register(DensityFlag, name=ENGINE_FLAG if engine else PRINT_ONLY)
     if emit:
-        from . import python_op_runner
-
         python_op_runner.install()
     with _SITES_LOCK:
         site_id = len(_SITES)

@@ -3,7 +3,7 @@
 An entry's key hashes everything that can change the exported graph: the module classes'
 code and the code of every function their methods call (module-level helpers, followed
 through their own calls), parameter and buffer names, shapes, dtypes and requires_grad, the
-input schema, the mode, the :class:`~ortmodule_exporter.export_config.ExportConfig` fingerprint
+input schema, the mode, the :class:`~ortmodule_exporter.export.config.ExportConfig` fingerprint
 (opset, custom autograd, ATen routes, registered symbolics and Function exporters) and the
 versions of torch, onnx, the engine and this package. A hit skips the export.
 
@@ -39,12 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .model import ExportedModel
+
 if TYPE_CHECKING:
     import onnx
 
     from ortmodule_pytree import Schema
 
-    from .export import ExportedModel
 
 __all__ = ["CacheEntry", "ExportCache", "UnsafeCacheError", "code_fingerprint"]
 
@@ -178,8 +179,6 @@ class CacheEntry:
     def exported(self, input_schema: Schema, output_schema: Schema) -> ExportedModel | None:
         """The entry as an ``ExportedModel`` when ``output_schema`` (computed by running the
         module) is the one the entry was exported with; None otherwise."""
-        from .export import ExportedModel
-
         h = self.header
         schema = _with_requires_grad(output_schema, h.get("output_requires_grad"))
         if schema is None:

@@ -7,7 +7,7 @@ only the engine's own answer "The gradient builder has not been registered" coun
 other failure of the probe (a model the schema cannot describe) counts as yes, so a wrong guess
 never reroutes an operator the engine can train. Answers are kept per engine version.
 
->>> from ortmodule_exporter.gradient_registry import engine_has_gradient
+>>> from ortmodule_exporter.aten.engine_gradients import engine_has_gradient
 >>> engine_has_gradient("Sin"), engine_has_gradient("CumSum")
 (True, False)
 """
@@ -21,6 +21,8 @@ from typing import Any
 import onnx
 import onnx.defs
 import onnx.helper
+
+from ..engine_binding import _C, import_onnxruntime
 
 __all__ = ["engine_has_gradient", "engine_version", "probed"]
 
@@ -43,8 +45,6 @@ _ATTR_DEFAULTS: dict[int, Any] = {
 
 
 def engine_version() -> str:
-    from .engine import import_onnxruntime
-
     return str(import_onnxruntime().__version__)
 
 
@@ -99,8 +99,6 @@ def _probe_model(op_type: str, domain: str, opset: int) -> tuple[onnx.ModelProto
 
 
 def _probe(op_type: str, domain: str, opset: int) -> bool:
-    from .engine import _C
-
     try:
         model, float_inputs = _probe_model(op_type, domain, opset)
     except Exception:  # noqa: BLE001 - not an ONNX schema we can describe: assume trainable

@@ -21,14 +21,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .symbolic_registry import registered_symbolics
+from .. import python_op
+from ..aten import executor as aten_executor
+from ..aten import kernel_choice
+from ..aten import routes as aten_routes
+from ..symbolics.registry import registered_symbolics
 
 __all__ = ["DEFAULT_OPSET", "ExportConfig", "callable_source"]
 
 DEFAULT_OPSET = 17
 
 # One export at a time applies its switches: two threads exporting with different configs must
-# not see each other's (symbolic_registry's lock already serialises the export itself).
+# not see each other's (symbolics.registry's lock already serialises the export itself).
 _APPLY_LOCK = threading.RLock()
 
 
@@ -40,7 +44,7 @@ class ExportConfig:
     calls back into (``ORTMODULE_ENABLE_CUSTOM_AUTOGRAD``); off inlines their forward.
     ``allow_autograd_checkpoint``: let ``torch.utils.checkpoint`` regions through as PythonOp.
     ``aten_sdpa_fallback`` / ``efficient_attention`` / ``aten_embedding``: route attention and
-    embeddings with ``padding_idx`` to PyTorch through ATen nodes (see ``aten_fallback``).
+    embeddings with ``padding_idx`` to PyTorch through ATen nodes (see ``aten.routes``).
     """
 
     opset: int = DEFAULT_OPSET
@@ -55,13 +59,9 @@ class ExportConfig:
     @classmethod
     def from_switches(cls, opset: int = DEFAULT_OPSET) -> ExportConfig:
         """The process-wide switches as they are now (``python_op.enable_custom_autograd``,
-        ``aten_fallback.configure_aten_routes``), for callers of ``export()`` that pass no
+        ``aten_routes.configure_aten_routes``), for callers of ``export()`` that pass no
         config. ORTModule always passes one built from its options."""
-        # python_op and aten_fallback import post_export, which imports export (this module's
-        # importer): imported when called, not at module level
-        from . import aten_fallback, kernel_choice, python_op
-
-        routes = aten_fallback.aten_routes()
+        routes = aten_routes.aten_routes()
         return cls(
             opset=opset,
             custom_autograd=python_op.custom_autograd_enabled(),
@@ -75,33 +75,27 @@ class ExportConfig:
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
         """Install this config's symbolics and switches for one export; restore them after."""
-        from . import aten_fallback, python_op
-
         with _APPLY_LOCK:
             before = ExportConfig.from_switches(self.opset)
-            self._install(python_op, aten_fallback)
+            self._install(python_op, aten_routes)
             try:
                 yield
             finally:
-                before._install(python_op, aten_fallback)
+                before._install(python_op, aten_routes)
 
-    def _install(self, python_op: Any, aten_fallback: Any) -> None:
+    def _install(self, python_op: Any, aten_routes: Any) -> None:
         python_op.enable_custom_autograd(self.custom_autograd, self.allow_autograd_checkpoint)
-        aten_fallback.configure_aten_routes(
+        aten_routes.configure_aten_routes(
             sdpa_fallback=self.aten_sdpa_fallback,
             efficient_attention=self.efficient_attention,
             embedding=self.aten_embedding,
         )
-        from . import kernel_choice
-
         kernel_choice.configure_kernel_choice(self.kernel_choice)
 
     def fingerprint(self) -> str:
         """A SHA-256 of this config and of everything registered that the export consults
         while it is applied: symbolics (by name, opset and source), Function exporters and
         whether the ATen executor is installed (ATen fallback on or off)."""
-        from . import aten_executor, python_op
-
         h = hashlib.sha256()
         for item in dataclasses.fields(self):
             h.update(f"{item.name}={getattr(self, item.name)!r}\n".encode())

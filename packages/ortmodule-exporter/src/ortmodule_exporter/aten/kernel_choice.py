@@ -15,7 +15,7 @@ whose size is known at export use their own class.
 ``mode`` (``ORTMODULE_KERNEL_CHOICE``): ``auto`` measures, ``engine`` keeps every operator on
 the engine's kernels, ``torch`` routes every covered operator to PyTorch.
 
->>> from ortmodule_exporter.kernel_choice import configure_kernel_choice, decisions
+>>> from ortmodule_exporter.aten.kernel_choice import configure_kernel_choice, decisions
 >>> configure_kernel_choice("auto")
 """
 
@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch.onnx import symbolic_helper as sh
 
-from .aten_executor import ATEN_DOMAIN, AtenFunction, register_aten_function
-from .custom_gradients import GradientNode, register_aten_gradient
-from .symbolic_registry import register_symbolic, registered_symbolics, unregister_symbolic
+from ..engine_binding import import_onnxruntime
+from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
+from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+from .gradients import GradientNode, register_aten_gradient
 
 __all__ = [
     "ATEN_NODE_US",
@@ -131,8 +132,6 @@ def measure_gelu(numel: int, approximate: str = "none") -> tuple[float, float]:
     """
     import onnx
     from onnx import TensorProto, helper
-
-    from .engine import import_onnxruntime
 
     ort = import_onnxruntime()
     op = "Gelu" if approximate == "none" else "FastGelu"

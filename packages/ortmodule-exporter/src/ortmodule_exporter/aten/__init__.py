@@ -1,0 +1,20 @@
+"""PyTorch operators run inside the engine as ``org.pytorch.aten::ATen`` nodes.
+
+====================  ===========================================================================
+``executor``          runs an ATen node with ``torch.ops.aten`` (a ``ctypes`` callback)
+``gradients``         gradients of ATen nodes (``register_aten_gradient``, or a generic
+                      vector-Jacobian product)
+``engine_gradients``  which ONNX operators the engine can differentiate (asked once per type)
+``routes``            which operators the export sends to ATen, and the symbolics that do it
+``aten_op``           :class:`~ortmodule_exporter.aten.aten_op.AtenOp`: an operator without a
+                      gradient definition, run as a PythonOp
+``kernel_choice``     per operator and size, the engine's kernel or PyTorch's, by timing both
+====================  ===========================================================================
+
+The post-export passes over ATen nodes are in :mod:`ortmodule_exporter.passes.aten_nodes` and
+:mod:`ortmodule_exporter.passes.attention_fusion`. This package's ``__init__`` imports nothing,
+so the symbolics can use the executor without loading the routes.
+
+>>> from ortmodule_exporter.aten.routes import register_aten_route
+>>> register_aten_route("aten::special_i0e")
+"""

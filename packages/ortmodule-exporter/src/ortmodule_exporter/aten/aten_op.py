@@ -1,0 +1,96 @@
+"""AtenOp: a PyTorch operator without a gradient definition, run by the engine as a PythonOp.
+
+The ATen pass (:mod:`ortmodule_exporter.passes.aten_nodes`) turns such an ATen node into a
+PythonOp calling :class:`AtenOp`; its forward runs the operator through the ATen executor with
+autograd recording, its backward is autograd's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import executor as aten_executor
+
+__all__ = ["AtenOp"]
+
+
+def _grouped(inputs: list[Any], groups: str) -> list[Any]:
+    """Pack the tensors of list arguments back into lists: ``groups`` is ``"start:count,..."``
+    over ``inputs`` (a list argument reaches the PythonOp as its tensors, one input each)."""
+    if not groups:
+        return inputs
+    packed: list[Any] = []
+    position = 0
+    for group in groups.split(","):
+        start, count = (int(v) for v in group.split(":"))
+        packed.extend(inputs[position:start])
+        packed.append(list(inputs[start : start + count]))
+        position = start + count
+    packed.extend(inputs[position:])
+    return packed
+
+
+class AtenOp(torch.autograd.Function):
+    """A PyTorch operator with no ONNX form, run by the engine as a PythonOp during training.
+
+    ``spec`` is ``"operator|overload"``. Forward calls the operator (with autograd recording for
+    the inputs whose gradient the engine needs); backward is autograd's. The engine's PythonOp
+    backward asks, per node, which inputs need a gradient, which a static ATen gradient
+    definition cannot (see :mod:`ortmodule_exporter.aten.gradients`).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, spec: str, *inputs: Any) -> tuple[Any, ...]:
+        operator, _, rest = spec.partition("|")
+        overload, _, groups = rest.partition("|")
+        needs = tuple(getattr(ctx, "needs_input_grad", ()))[1:] or (False,) * len(inputs)
+        leaves = list(inputs)
+        with torch.enable_grad():
+            for i, t in enumerate(inputs):
+                if needs[i] and isinstance(t, torch.Tensor) and t.is_floating_point():
+                    leaves[i] = t.detach().requires_grad_(True)
+            try:
+                outputs = aten_executor.execute(operator, overload, _grouped(leaves, groups))
+            except Exception as err:
+                if hasattr(err, "add_note"):
+                    err.add_note(f"raised by aten::{operator}.{overload or 'default'}")
+                raise
+        ctx.set_materialize_grads(False)
+        ctx.leaves, ctx.results = leaves, outputs
+        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        leaves, results = ctx.leaves, ctx.results
+        ctx.leaves = ctx.results = None
+        pairs = [
+            (o, g)
+            for o, g in zip(results, grads, strict=False)
+            if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
+        ]
+        wanted = [
+            i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        gradients: list[Any] = [None] * len(leaves)
+        if pairs and wanted:
+            computed = torch.autograd.grad(
+                [o for o, _ in pairs],
+                [leaves[i] for i in wanted],
+                [g for _, g in pairs],
+                allow_unused=True,
+            )
+            for i, g in zip(wanted, computed, strict=True):
+                gradients[i] = _materialized(g)
+        return (None, *gradients)
+
+
+def _materialized(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient the engine can read: autograd may return a ZeroTensor (no storage: sgn's
+    gradient) or an empty tensor with any strides, both of which crash a DLPack reader."""
+    if grad is None:
+        return None
+    if grad._is_zerotensor() or grad.numel() == 0:
+        return torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
+    return grad if grad.is_contiguous() else grad.contiguous()

@@ -1,0 +1,642 @@
+"""Operators exported as ``org.pytorch.aten::ATen`` nodes, which PyTorch runs inside the engine.
+
+Three routes lead there:
+
+* symbolics for operators the engine cannot train well from their ONNX export: ``embedding``
+  with ``padding_idx`` or ``scale_grad_by_freq`` (the ONNX Gather gradient updates the padding
+  row), einsum on CPU in other dtypes than float32, antialiased bicubic/bilinear resampling (no
+  ONNX symbolic), any operator given to :func:`register_aten_route`, and
+  ``scaled_dot_product_attention`` (``ORTMODULE_ATEN_SDPA_FALLBACK=1`` or
+  ``ORTMODULE_USE_EFFICIENT_ATTENTION=1``: PyTorch's fused attention kernels);
+* any operator with no ONNX symbolic at all, when the export runs with
+  ``operator_export_type=ONNX_ATEN_FALLBACK``: the exporter writes an ATen node for it and
+  the ATen pass (:func:`ortmodule_exporter.passes.aten_nodes.prepare_aten_nodes`) makes it
+  trainable (as a PythonOp running :class:`~ortmodule_exporter.aten.aten_op.AtenOp` when no
+  gradient definition exists), so one unsupported operator no longer sends the whole model
+  back to PyTorch;
+* ``ORTMODULE_USE_EFFICIENT_ATTENTION=1`` also fuses the unfused attention pattern
+  ``Softmax(Q @ K^T * scale [+ mask]) @ V`` into PyTorch's attention kernel
+  (:mod:`ortmodule_exporter.passes.attention_fusion`).
+
+>>> from ortmodule_exporter.aten.routes import configure_aten_routes
+>>> configure_aten_routes(sdpa_fallback=True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.onnx import symbolic_helper as sh
+
+from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
+from . import executor as aten_executor
+from .engine_gradients import engine_has_gradient
+from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+
+__all__ = [
+    "DEFAULT_ROUTES",
+    "EINSUM",
+    "aten_routes",
+    "configure_aten_routes",
+    "export_settings",
+    "operator_export_type",
+    "register_aten_route",
+    "untrainable_nodes",
+    "untrainable_ops_routed",
+]
+
+logger = logging.getLogger("ortmodule.exporter")
+
+#: our einsum operator; its overload_name is the equation (a string cannot be a node input)
+EINSUM = "_ortmodule_einsum"
+
+
+@dataclass
+class _Routes:
+    sdpa_fallback: bool = False
+    efficient_attention: bool = False
+    embedding: bool = False
+
+
+_ROUTES = _Routes()
+
+
+def aten_routes() -> _Routes:
+    return _ROUTES
+
+
+#: op -> the symbolic our registry held before ours (ortmodule_exporter.symbolics.builtin), which ours
+#: hands every case it does not route to ATen
+_PREVIOUS: dict[str, Any] = {}
+_OURS: set[Any] = set()
+
+
+def _install(op: str, fn: Any, opset: int) -> None:
+    current = registered_symbolics().get(op)
+    if current is not None and current.fn not in _OURS:
+        _PREVIOUS[op] = current
+    _OURS.add(fn)
+    register_symbolic(op, fn, opset)
+
+
+def _uninstall(op: str) -> None:
+    current = registered_symbolics().get(op)
+    if current is None or current.fn not in _OURS:
+        return
+    previous = _PREVIOUS.get(op)
+    if previous is not None:
+        register_symbolic(op, previous.fn, previous.opset)
+    else:
+        unregister_symbolic(op)
+
+
+def _previous(op: str, default: Any) -> Any:
+    entry = _PREVIOUS.get(op)
+    return default if entry is None else entry.fn
+
+
+def configure_aten_routes(
+    sdpa_fallback: bool = False, efficient_attention: bool = False, embedding: bool = False
+) -> None:
+    """Install the ATen symbolics; ``sdpa_fallback``/``efficient_attention`` route attention,
+    ``embedding`` routes embeddings with ``padding_idx``/``scale_grad_by_freq`` (by default
+    :mod:`ortmodule_exporter.symbolics.embedding` exports those as ONNX, which the engine trains exactly).
+
+    Each symbolic here hands the cases it does not route to the symbolic registered before it.
+    They only apply to ORTModule's exports (see :mod:`ortmodule_exporter.symbolics.registry`).
+    """
+    _ROUTES.sdpa_fallback = bool(sdpa_fallback)
+    _ROUTES.efficient_attention = bool(efficient_attention)
+    _ROUTES.embedding = bool(embedding)
+    _install("aten::einsum", _einsum, 12)
+    for op in DEFAULT_ROUTES:
+        register_aten_route(op)
+    if embedding:
+        _install("aten::embedding", _embedding, 9)
+    else:
+        _uninstall("aten::embedding")
+    if sdpa_fallback or efficient_attention:
+        _install("aten::scaled_dot_product_attention", _sdpa, 14)
+    else:
+        _uninstall("aten::scaled_dot_product_attention")
+
+
+def operator_export_type() -> torch.onnx.OperatorExportTypes:
+    """What ``torch.onnx.export`` should use: ``ONNX_ATEN_FALLBACK`` once the ATen executor is
+    installed (an operator without symbolic then becomes an ATen node), else plain ``ONNX``."""
+    if aten_executor.installed():
+        return torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK
+    return torch.onnx.OperatorExportTypes.ONNX
+
+
+def export_settings() -> str:
+    """The switches that change what the export writes, for export-cache keys."""
+    r = _ROUTES
+    return (
+        f"aten_fallback={int(aten_executor.installed())},sdpa={int(r.sdpa_fallback)},"
+        f"attention={int(r.efficient_attention)},embedding={int(r.embedding)}"
+    )
+
+
+# -- helpers for symbolics -----------------------------------------------------------------------
+
+
+def _const(g: Any, value: Any, dtype: torch.dtype | None = None) -> Any:
+    return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
+
+
+def _none(g: Any) -> Any:
+    value = g.op("prim::Constant")
+    value.setType(torch._C.NoneType.get())
+    return value
+
+
+def _sizes(value: Any) -> list[int | None] | None:
+    try:
+        sizes = value.type().varyingSizes()
+    except RuntimeError:
+        return None
+    return list(sizes) if sizes is not None else None
+
+
+def _device(value: Any) -> Any:
+    jit_type: Any = value.type()
+    return jit_type.device() if hasattr(jit_type, "device") else None
+
+
+def _typed(
+    value: Any, like: Any, sizes: Sequence[int | None] | None, dtype: torch.dtype | None = None
+) -> Any:
+    """Give an ATen node's output the dtype of ``like`` and ``sizes`` (None: a dynamic dim)."""
+    base = like.type()
+    if dtype is not None:
+        base = base.with_dtype(dtype)
+    value.setType(base.with_sizes(list(sizes)) if sizes is not None else base)
+    return value
+
+
+def _aten(
+    g: Any, operator: str, inputs: Sequence[Any], overload: str = "", outputs: int = 1
+) -> Any:
+    return g.op(
+        f"{ATEN_DOMAIN}::ATen",
+        *inputs,
+        operator_s=operator,
+        overload_name_s=overload,
+        outputs=outputs,
+    )
+
+
+# -- embedding -------------------------------------------------------------------------------------
+
+
+def _embedding(
+    g: Any, weight: Any, indices: Any, padding_idx: Any, scale_grad_by_freq: Any, sparse: Any
+) -> Any:
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset9
+
+    default = _previous("aten::embedding", symbolic_opset9.embedding)
+    padding = sh._maybe_get_const(padding_idx, "i")
+    by_freq = sh._maybe_get_const(scale_grad_by_freq, "b")
+    if (
+        not isinstance(padding, int)
+        or not isinstance(by_freq, (bool, int))
+        or (padding < 0 and not by_freq)
+    ):
+        return default(g, weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    out = _aten(
+        g,
+        "embedding",
+        [weight, indices, _const(g, padding), _const(g, bool(by_freq)), _const(g, False)],
+    )
+    index_sizes, weight_sizes = _sizes(indices), _sizes(weight)
+    sizes = None
+    if index_sizes is not None and weight_sizes is not None and len(weight_sizes) == 2:
+        sizes = [*index_sizes, weight_sizes[1]]
+    return _typed(out, weight, sizes)
+
+
+# -- operators routed whole ----------------------------------------------------------------------
+
+#: operators we always route to ATen: antialiased resampling (no ONNX symbolic; plain bicubic
+#: and bilinear export to ONNX Resize, which the engine trains), and operators whose ONNX form
+#: the engine differentiates silently wrong: scatter_add (ScatterElements(reduction=add) gives
+#: ``self`` a gradient of 0 instead of 1 at the scattered positions), native_layer_norm (the
+#: LayerNormalization gradient ignores gradients reaching its mean and rstd outputs)
+DEFAULT_ROUTES = (
+    "aten::_upsample_bicubic2d_aa",
+    "aten::_upsample_bilinear2d_aa",
+    "aten::scatter_add",
+    "aten::native_layer_norm",
+)
+
+
+def _route(op: str, overload: str | None = None) -> Any:
+    name = op.split("::", 1)[1]
+
+    def symbolic(g: Any, *args: Any) -> Any:
+        node = g.original_node
+        chosen = _aten_overload(node) if overload is None else overload
+        outs = _aten(g, name, args, overload=chosen, outputs=node.outputsSize())
+        values = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        for value, original in zip(values, node.outputs(), strict=True):
+            rank = original.type().dim() if hasattr(original.type(), "dim") else None
+            value.setType(
+                original.type().with_sizes([None] * rank) if rank is not None else original.type()
+            )
+        return values[0] if len(values) == 1 else tuple(values)
+
+    return symbolic
+
+
+def _overload_for(name: str, node: Any) -> str:
+    """The overload of a traced ``aten::name`` call (traced nodes carry no schema, and scalar
+    arguments are tensors by now): the one the executor picks for that many arguments."""
+    try:
+        return aten_executor.aten_operator(name, "", node.inputsSize()).overload
+    except aten_executor.UnsupportedAtenOperatorError:
+        return ""
+
+
+def register_aten_route(op: str) -> None:
+    """Export ``op`` (``"aten::name"``) as an ATen node that PyTorch runs, whatever its symbolic.
+
+    >>> register_aten_route("aten::_upsample_bicubic2d_aa")
+    """
+    if not op.startswith("aten::"):
+        raise ValueError(f"register_aten_route takes an aten:: operator, got {op!r}")
+    register_symbolic(op, _route(op), 9)
+
+
+# -- operators whose ONNX form the engine cannot differentiate ----------------------------------
+
+#: value types that carry a gradient
+_FLOAT_SCALARS = frozenset({"Float", "Double", "Half", "BFloat16"})
+
+
+def _is_float(value: Any) -> bool:
+    """A float tensor, or a list built from one (``torch.hstack([x, y])``)."""
+    try:
+        if value.type().scalarType() in _FLOAT_SCALARS:
+            return True
+    except (AttributeError, RuntimeError):
+        pass
+    producer = value.node()
+    return producer.kind() in ("onnx::SequenceConstruct", "prim::ListConstruct") and any(
+        _is_float(v) for v in producer.inputs()
+    )
+
+
+def untrainable_nodes(inputs: Sequence[Any], nodes: Sequence[Any]) -> list[str]:
+    """ONNX op types among ``nodes`` (what one symbolic emitted, in order) that sit on a float
+    path from ``inputs`` and that the engine cannot train: no gradient builder (asked of the
+    engine itself), an axis into a 0-d tensor, or a MatMul by a vector."""
+    derived = {v.unique() for v in inputs if v is not None and _is_float(v)}
+    found: list[str] = []
+    for node in nodes:
+        if not any(i.unique() in derived for i in node.inputs()):
+            continue
+        kind = node.kind()
+        op_type = kind.split("::", 1)[1]
+        if kind.startswith("onnx::") and not engine_has_gradient(op_type):
+            found.append(op_type)
+        elif op_type in _AXIS_OPS and _rank(next(iter(node.inputs()), None)) == 0:
+            found.append(f"{op_type} on a 0-d tensor")
+        elif op_type == "MatMul" and _rank(list(node.inputs())[-1]) == 1:
+            # the engine's MatMul gradient (FusedMatMul, Reshape) fails when the right operand
+            # is a vector (1-D @ 1-D, matrix @ vector); vector @ matrix trains
+            found.append("MatMul by a vector")
+        derived.update(o.unique() for o in node.outputs() if _maybe_float(o))
+    return found
+
+
+def _maybe_float(value: Any) -> bool:
+    """Float, or of a type the exporter has not inferred (a path is kept until proven int)."""
+    try:
+        scalar = value.type().scalarType()
+    except (AttributeError, RuntimeError):
+        return True
+    return scalar is None or scalar in _FLOAT_SCALARS
+
+
+#: ONNX operators whose axis must index a dimension: PyTorch accepts dim=0 (or -1) on a 0-d
+#: tensor, the engine's shape inference rejects it
+_AXIS_OPS = frozenset(
+    {
+        "Softmax",
+        "LogSoftmax",
+        "Hardmax",
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceProd",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSumExp",
+        "ReduceSumSquare",
+        "TopK",
+        "Gather",
+        "GatherElements",
+        "GatherND",
+        "ArgMax",
+        "ArgMin",
+        "CumSum",
+        "Concat",
+        "Split",
+        "ScatterElements",
+    }
+)
+
+
+def _rank(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        rank = value.type().dim()
+    except (AttributeError, RuntimeError):
+        return None
+    return int(rank) if rank is not None else None
+
+
+def _aten_overload(node: Any) -> str:
+    """The overload a traced node calls, from its schema (index_fill.int_Tensor and
+    index_fill.int_Scalar take as many arguments); by argument count when it has none."""
+    try:
+        schema = node.schema()
+    except RuntimeError:
+        schema = "(no schema)"
+    if schema == "(no schema)":
+        return _overload_for(node.kind().split("::", 1)[1].rstrip("_"), node)
+    if not schema.startswith("aten::"):
+        return ""
+    return str(torch._C.parse_schema(schema).overload_name)
+
+
+def _runnable_by_executor(name: str, overload: str, node: Any) -> bool:
+    try:
+        operator = aten_executor.aten_operator(name, overload, node.inputsSize())
+    except aten_executor.UnsupportedAtenOperatorError:
+        return False
+    if len(operator.args) != node.inputsSize():
+        return False
+    # tensor lists reach it through a PythonOp (prepare_aten_nodes); other kinds cannot
+    return not any(a.kind == "other" for a in operator.args) and all(
+        r == "Tensor" for r in operator.returns
+    )
+
+
+def _key(node: Any) -> tuple[int, ...]:
+    """A node's identity (pybind hands out a new wrapper object at every access)."""
+    return tuple(o.unique() for o in node.outputs())
+
+
+def _inner_nodes(node: Any) -> list[Any]:
+    found = []
+    for block in node.blocks():
+        for inner in block.nodes():
+            found.append(inner)
+            found.extend(_inner_nodes(inner))
+    return found
+
+
+def _route_untrainable(original: Any) -> Any:
+    """Wrap torch's per-node symbolic dispatch: when the ONNX nodes a symbolic emitted hold one
+    the engine cannot differentiate (CumSum, Floor, ReduceMax, ...) on a float path of a training
+    export, replace them with one ATen node, which PyTorch runs and differentiates."""
+
+    def run(
+        graph: Any,
+        block: Any,
+        node: Any,
+        inputs: Any,
+        env: Any,
+        values_in_env: Any,
+        new_nodes: list[Any],
+        operator_export_type: Any = torch.onnx.OperatorExportTypes.ONNX,
+    ) -> Any:
+        mark = len(new_nodes)
+        result = original(
+            graph, block, node, inputs, env, values_in_env, new_nodes, operator_export_type
+        )
+        kind = node.kind()
+        if (
+            operator_export_type != torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK
+            or not kind.startswith("aten::")
+            or result is None
+            or any(n.kind().startswith(("aten::", f"{ATEN_DOMAIN}::")) for n in new_nodes[mark:])
+        ):
+            return result
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+
+        bad = untrainable_nodes(list(inputs), new_nodes[mark:])
+        if any(list(n.blocks()) for n in new_nodes[mark:]) and any(
+            i is not None and _is_float(i) for i in inputs
+        ):
+            # the engine's gradient builder aborts the process on some If/Loop subgraphs
+            # (diagonal, hstack): control flow over a float input is never handed to it
+            bad.append("control flow")
+        if GLOBALS.training_mode != torch.onnx.TrainingMode.TRAINING:
+            # an inference graph needs no gradient, only shapes the engine accepts
+            bad = [b for b in bad if b.endswith("0-d tensor")]
+        if not bad:
+            return result
+        name = kind.split("::", 1)[1].rstrip("_")
+        overload = _aten_overload(node)
+        outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+        if (
+            len(outputs) != node.outputsSize()
+            or not _runnable_by_executor(name, overload, node)
+            or any(i is None for i in inputs)
+        ):
+            return result
+        # nodes inside If/Loop bodies go with their owner; the rest are destroyed users first
+        nested = {_key(inner) for n in new_nodes[mark:] for inner in _inner_nodes(n)}
+        for created in reversed(new_nodes[mark:]):
+            if _key(created) not in nested:
+                created.destroy()
+        del new_nodes[mark:]
+        from torch.onnx._internal.torchscript_exporter import jit_utils
+        from torch.onnx._internal.torchscript_exporter import utils as export_utils
+
+        g = jit_utils.GraphContext(
+            graph=graph,
+            block=block,
+            opset=GLOBALS.export_onnx_opset_version,
+            original_node=node,
+            params_dict=export_utils._params_dict,
+            env=env,
+            values_in_env=values_in_env,
+            new_nodes=new_nodes,
+        )
+        logger.debug("aten::%s runs in PyTorch: the engine has no gradient for %s", name, bad)
+        return _route(f"aten::{name}", overload)(g, *inputs)
+
+    run.__wrapped__ = original  # type: ignore[attr-defined]
+    return run
+
+
+@contextlib.contextmanager
+def untrainable_ops_routed() -> Iterator[None]:
+    """For one export: operators whose ONNX form the engine cannot train become ATen nodes."""
+    from torch.onnx._internal.torchscript_exporter import utils as export_utils
+
+    original = export_utils._run_symbolic_function
+    export_utils._run_symbolic_function = _route_untrainable(original)
+    try:
+        yield
+    finally:
+        export_utils._run_symbolic_function = original
+
+
+# -- einsum ----------------------------------------------------------------------------------------
+
+
+def einsum_needs_aten(dtypes: Sequence[str | None], device: Any) -> bool:
+    """Einsums the engine cannot train from ONNX: on CPU, anything but float32 (its Einsum
+    gradient lowers to FusedMatMul, which has no float64/float16 CPU kernel)."""
+    on_cpu = device is None or device.type == "cpu"
+    return on_cpu and any(d not in ("Float", None) for d in dtypes)
+
+
+def _einsum(g: Any, equation: Any, tensor_list: Any, *rest: Any) -> Any:
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset12
+
+    eq = sh._maybe_get_const(equation, "s")
+    tensors = sh._unpack_list(tensor_list)
+    dtypes = [t.type().scalarType() for t in tensors]
+    device = _device(tensors[0]) if tensors else None
+    if not isinstance(eq, str) or not einsum_needs_aten(dtypes, device):
+        return _previous("aten::einsum", symbolic_opset12.einsum)(g, equation, tensor_list, *rest)
+    out = _aten(g, EINSUM, tensors, overload=eq)
+    rank = _einsum_rank(eq, [_sizes(t) for t in tensors])
+    return _typed(out, tensors[0], [None] * rank if rank is not None else None)
+
+
+def _einsum_rank(equation: str, sizes: list[list[int | None] | None]) -> int | None:
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "..." in eq:
+        return None
+    return len(eq.split("->")[1])
+
+
+def _run_einsum(equation: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [torch.einsum(equation, *inputs)]
+
+
+register_aten_function(EINSUM, AtenFunction(_run_einsum, lambda _eq, _i, _is_input: True))
+
+
+# -- scaled dot product attention -------------------------------------------------------------------
+
+
+def _sdpa(
+    g: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: Any = None,
+    is_causal: Any = None,
+    scale: Any = None,
+    enable_gqa: Any = None,
+) -> Any:
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset14
+
+    def default() -> Any:
+        fn = _previous(
+            "aten::scaled_dot_product_attention", symbolic_opset14.scaled_dot_product_attention
+        )
+        return fn(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    dropout = 0.0 if dropout_p is None else sh._maybe_get_const(dropout_p, "f")
+    causal = False if is_causal is None else sh._maybe_get_const(is_causal, "b")
+    gqa = (
+        False
+        if enable_gqa is None or sh._is_none(enable_gqa)
+        else sh._maybe_get_const(enable_gqa, "b")
+    )
+    scale_value = None if scale is None or sh._is_none(scale) else sh._maybe_get_const(scale, "f")
+    q_sizes, v_sizes = _sizes(query), _sizes(value)
+    if (
+        not isinstance(dropout, float)
+        or dropout != 0.0
+        or not isinstance(causal, (bool, int))
+        or gqa
+        or (scale_value is not None and not isinstance(scale_value, float))
+        or q_sizes is None
+        or v_sizes is None
+        or len(q_sizes) != 4
+        or len(v_sizes) != 4
+    ):
+        return default()
+    device = _device(query)
+    mask = attn_mask
+    if mask is not None and not sh._is_none(mask) and _requires_grad(mask):
+        # the fused kernels' backward gives the mask no gradient: a learned bias stays decomposed
+        return default()
+    if mask is not None and not sh._is_none(mask):
+        if mask.type().scalarType() == "Bool":
+            # the fused kernels take an additive float mask
+            zero = _const(g, 0.0, torch.float32)
+            neg_inf = _const(g, float("-inf"), torch.float32)
+            mask = g.op("Where", mask, zero, neg_inf)
+            dtype = query.type().scalarType()
+            if dtype != "Float":
+                from torch.onnx._internal.torchscript_exporter import _type_utils
+
+                mask = g.op(
+                    "Cast", mask, to_i=_type_utils.JitScalarType._from_name(dtype).onnx_type()
+                )
+    else:
+        mask = _none(g)
+    scale_input = _none(g) if scale_value is None else _const(g, float(scale_value), torch.float64)
+    out_sizes = [*q_sizes[:3], v_sizes[3]]
+    if device is not None and device.type == "cuda":
+        outs = _aten(
+            g,
+            "_scaled_dot_product_efficient_attention",
+            [
+                query,
+                key,
+                value,
+                mask,
+                _const(g, True),
+                _const(g, 0.0, torch.float64),
+                _const(g, bool(causal)),
+                scale_input,
+            ],
+            outputs=4,
+        )
+    else:
+        outs = _aten(
+            g,
+            "_scaled_dot_product_flash_attention_for_cpu",
+            [
+                query,
+                key,
+                value,
+                _const(g, 0.0, torch.float64),
+                _const(g, bool(causal)),
+                mask,
+                scale_input,
+            ],
+            outputs=2,
+        )
+    _typed(outs[1], query, None, torch.float32)
+    return _typed(outs[0], query, out_sizes)
+
+
+def _requires_grad(value: Any) -> bool:
+    """Whether the traced value depends on something that requires grad (unknown: True)."""
+    value_type = value.type()
+    requires = getattr(value_type, "requires_grad", None)
+    if requires is None:
+        return True
+    found = requires()
+    return True if found is None else bool(found)

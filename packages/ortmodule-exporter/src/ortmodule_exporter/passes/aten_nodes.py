@@ -1,0 +1,386 @@
+"""The post-export pass over ATen nodes (order 40): make every ``org.pytorch.aten`` node of an
+exported model runnable by the engine's ATen executor and trainable.
+
+See :func:`prepare_aten_nodes`; which operators become ATen nodes is decided at export time by
+:mod:`ortmodule_exporter.aten.routes`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import torch
+
+from ..aten import executor as aten_executor
+from ..aten.aten_op import AtenOp
+from ..aten.executor import ATEN_DOMAIN
+from ..aten.gradients import has_gradient
+from ..aten.routes import EINSUM
+from ..onnx_graph import attribute
+from ..python_op import runner as python_op_runner
+from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
+from .registry import register_post_export_pass
+
+logger = logging.getLogger("ortmodule.exporter")
+
+# -- the post-export pass over ATen nodes -------------------------------------------------------------
+
+__all__ = ["prepare_aten_nodes"]
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    types = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            types[vi.name] = vi.type.tensor_type.elem_type
+    for init in graph.initializer:
+        types[init.name] = init.data_type
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                    types[node.output[0]] = a.t.data_type
+    return types
+
+
+_FLOATS = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.BFLOAT16,
+}
+
+
+def _known(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None] | None]]:
+    """name -> (elem_type, dims or None) for every value ONNX shape inference can type."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - types are filled best effort
+        inferred = model
+    graph = inferred.graph
+    known: dict[str, tuple[int, list[int | None] | None]] = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        t = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type") or not t.elem_type:
+            continue
+        dims = None
+        if t.HasField("shape"):
+            dims = [int(d.dim_value) if d.HasField("dim_value") else None for d in t.shape.dim]
+        known[vi.name] = (t.elem_type, dims)
+    for init in graph.initializer:
+        known[init.name] = (init.data_type, list(init.dims))
+    return known
+
+
+def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    values = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                    values[node.output[0]] = onnx.numpy_helper.to_array(a.t)
+    return values
+
+
+def _output_types(
+    node: onnx.NodeProto,
+    known: Mapping[str, tuple[int, list[int | None] | None]],
+    constants: Mapping[str, np.ndarray],
+    strings: Mapping[str, str] | None = None,
+    sequences: Mapping[str, list[str]] | None = None,
+) -> list[tuple[int, int | None]] | None:
+    """(elem_type, rank) of each output of an ATen node, found by running its operator on
+    PyTorch's meta device (no data, no compute); None when that is not possible."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    operator = attribute(node, "operator", "")
+    overload = attribute(node, "overload_name", "") or ""
+    strings = strings or {}
+    sequences = sequences or {}
+
+    def meta(name: str) -> torch.Tensor | None:
+        if name in constants:
+            return torch.from_numpy(np.array(constants[name]))
+        if name in known:
+            elem_type, dims = known[name]
+            dtype = torch.from_numpy(np.zeros(0, dtype=tensor_dtype_to_np_dtype(elem_type))).dtype
+            shape = [d if d else 2 for d in dims] if dims is not None else [2]
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return None
+
+    inputs: list[Any] = []
+    for name in node.input:
+        if not name:
+            inputs.append(None)
+        elif name in strings:
+            inputs.append(strings[name])
+        elif name in sequences:
+            members = [meta(m) for m in sequences[name]]
+            if any(m is None for m in members):
+                return None
+            inputs.append(members)
+        else:
+            value = meta(name)
+            if value is None:
+                return None
+            inputs.append(value)
+    try:
+        with torch.no_grad():
+            results = aten_executor.execute(operator, overload, inputs)
+    except Exception:  # noqa: BLE001
+        return None
+    types: list[tuple[int, int | None]] = []
+    for r in results:
+        if r is None:
+            types.append((onnx.TensorProto.FLOAT, None))
+            continue
+        np_dtype = torch.empty(0, dtype=r.dtype).numpy().dtype
+        types.append((onnx.helper.np_dtype_to_tensor_dtype(np_dtype), r.dim()))
+    return types
+
+
+def _type_aten_outputs(model: onnx.ModelProto) -> None:
+    """Declare the element type (and rank) of ATen outputs the exporter left untyped: the
+    engine cannot infer them, an ATen node's outputs may be of any type."""
+    graph = model.graph
+    # The engine turns graph outputs into inputs of its Yield node and keeps only value_info
+    # types there, so an ATen node's graph output needs a value_info entry too.
+    in_value_info = {vi.name for vi in graph.value_info}
+    for vi in graph.output:
+        producer = next((n for n in graph.node if vi.name in n.output), None)
+        if (
+            producer is not None
+            and producer.domain == ATEN_DOMAIN
+            and vi.type.tensor_type.elem_type
+        ):
+            if vi.name not in in_value_info:
+                graph.value_info.append(vi)
+    declared = {
+        vi.name for vi in (*graph.value_info, *graph.output) if vi.type.tensor_type.elem_type
+    }
+    todo = [
+        n
+        for n in graph.node
+        if n.domain == ATEN_DOMAIN and any(o and o not in declared for o in n.output)
+    ]
+    if not todo:
+        return
+    constants = _constant_values(graph)
+    strings, sequences = _string_constants(graph), _sequence_inputs(graph)
+    known = _known(model)
+    for node in todo:
+        if any(name and name not in known and name not in constants for name in node.input):
+            known = _known(model)
+        types = _output_types(node, known, constants, strings, sequences)
+        if types is None:
+            logger.warning(
+                "could not type the outputs of ATen node %s; the engine may refuse it", node.name
+            )
+            continue
+        for name, (elem_type, rank) in zip(node.output, types, strict=False):
+            if not name or name in declared:
+                continue
+            shape = [None] * rank if rank is not None else None
+            graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem_type, shape))
+            declared.add(name)
+            known[name] = (elem_type, [None] * rank if rank is not None else None)
+        for vi in graph.output:  # a graph output produced by the node: fill its type in place
+            if vi.name in node.output and not vi.type.tensor_type.elem_type:
+                vi.type.tensor_type.elem_type = types[list(node.output).index(vi.name)][0]
+
+
+def _as_python_op(
+    node: onnx.NodeProto,
+    types: Mapping[str, int],
+    ranks: Mapping[str, int | None],
+    training: bool,
+    strings: Mapping[str, str] | None = None,
+    sequences: Mapping[str, list[str]] | None = None,
+) -> list[onnx.NodeProto]:
+    """``node`` (an ATen node) as a PythonOp running :class:`AtenOp`, plus casts of bool outputs.
+
+    ``strings``: inputs that are string constants (passed as Python strings); ``sequences``:
+    inputs that are ``SequenceConstruct`` outputs (passed as their tensors, packed back into a
+    list by :class:`AtenOp`)."""
+    strings = strings or {}
+    sequences = sequences or {}
+
+    python_op_runner.install()  # the node needs the PythonOp runners
+    entry = REGISTRY.register(AtenOp)
+    operator = attribute(node, "operator", "")
+    overload = attribute(node, "overload_name", "") or ""
+    pointers: list[int] = []
+    positions = [0]
+    convention = "c"
+    tensors, input_types, input_ranks = [], [], []
+    groups: list[str] = []
+    position = 1
+    for name in node.input:
+        if not name or name in strings:
+            # a missing optional argument, or a string (the engine has no string tensors)
+            convention += "c"
+            pointers.append(REGISTRY.keep(strings.get(name)))
+            positions.append(position)
+            position += 1
+            continue
+        members = sequences.get(name, [name])
+        if name in sequences:
+            groups.append(f"{position - 1}:{len(members)}")
+        for member in members:
+            convention += "d"
+            elem = types.get(member, onnx.TensorProto.FLOAT)
+            if elem == onnx.TensorProto.BOOL:
+                entry.bool_inputs.add(position)
+            tensors.append(member)
+            input_types.append(elem)
+            input_ranks.append(ranks.get(member) or 0)
+            position += 1
+    spec = f"{operator}|{overload}" + (f"|{','.join(groups)}" if groups else "")
+    pointers.insert(0, REGISTRY.keep(spec))
+    tag = node.name or f"aten_{operator}_{id(node)}"
+    outputs: list[str] = [f"{tag}_ctx"]
+    output_types: list[int] = []
+    output_ranks: list[int] = []
+    casts: list[onnx.NodeProto] = []
+    for name in node.output:
+        elem = types.get(name, onnx.TensorProto.FLOAT)
+        output_ranks.append(ranks.get(name) or 0)
+        if elem == onnx.TensorProto.BOOL:
+            raw = f"{name}__uint8"
+            casts.append(onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL))
+            outputs.append(raw)
+            output_types.append(onnx.TensorProto.UINT8)
+        else:
+            outputs.append(name)
+            output_types.append(elem)
+    op = python_op_node(
+        entry,
+        tensors,
+        outputs,
+        name=tag,
+        convention=convention,
+        types=(input_types, output_types),
+        ranks=(input_ranks, output_ranks),
+        training=training,
+        scalars={"pointer": (pointers, positions)},
+        comment=f"aten::{operator}.{overload or 'default'}",
+    )
+    return [op, *casts]
+
+
+def _string_constants(graph: onnx.GraphProto) -> dict[str, str]:
+    """Constant values that are one string (an ATen node's ``reduce="amax"`` and the like)."""
+    found = {}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.STRING:  # torch writes value= as a string
+                    found[node.output[0]] = a.s.decode()
+                elif a.name == "value" and a.t.data_type == onnx.TensorProto.STRING:
+                    values = list(a.t.string_data)
+                    if len(values) == 1:
+                        found[node.output[0]] = values[0].decode()
+    return found
+
+
+def _sequence_inputs(graph: onnx.GraphProto) -> dict[str, list[str]]:
+    """``SequenceConstruct`` outputs read by ATen nodes -> the tensors they hold."""
+    read = {name for n in graph.node if n.domain == ATEN_DOMAIN for name in n.input}
+    return {
+        n.output[0]: list(n.input)
+        for n in graph.node
+        if n.op_type == "SequenceConstruct" and n.output[0] in read
+    }
+
+
+def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
+    """Make every ATen node of ``model`` runnable and trainable; returns how many there are.
+
+    * ``org.pytorch.aten::<op>`` nodes (what the exporter writes when a symbolic gives up under
+      ``ONNX_ATEN_FALLBACK``) become ``ATen(operator=<op>)``, and their outputs get types;
+    * in a training graph, a differentiable node whose operator has no gradient definition
+      (:mod:`ortmodule_exporter.aten.gradients`) becomes a PythonOp running :class:`AtenOp`;
+    * bool inputs are recorded for the executor (the engine hands bool tensors over as uint8)
+      and bool outputs are cast back from the uint8 the executor returns.
+    """
+    graph = model.graph
+    for node in graph.node:
+        if node.domain == ATEN_DOMAIN and node.op_type != "ATen":
+            operator = node.op_type
+            node.op_type = "ATen"
+            del node.attribute[:]
+            node.attribute.extend(
+                [
+                    onnx.helper.make_attribute("operator", operator),
+                    onnx.helper.make_attribute("overload_name", ""),
+                ]
+            )
+    if not any(n.domain == ATEN_DOMAIN for n in graph.node):
+        return 0
+    _type_aten_outputs(model)
+    known = _known(model)
+    types = {**{name: elem for name, (elem, _dims) in known.items()}, **_value_types(model)}
+    ranks = {name: (len(dims) if dims is not None else None) for name, (_t, dims) in known.items()}
+    count = 0
+    nodes: list[onnx.NodeProto] = []
+    strings, sequences = _string_constants(graph), _sequence_inputs(graph)
+    for node in graph.node:
+        if node.domain != ATEN_DOMAIN:
+            nodes.append(node)
+            continue
+        count += 1
+        operator = attribute(node, "operator", "")
+        overload = attribute(node, "overload_name", "") or ""
+        internal = operator.startswith("_ortmodule_") and operator != EINSUM
+        float_out = any(name and types.get(name) in _FLOATS for name in node.output)
+        elements = [m for name in node.input for m in sequences.get(name, [name])]
+        float_in = any(name and types.get(name) in _FLOATS for name in elements)
+        # the engine's ATen kernel passes tensors only: strings and lists go through a PythonOp
+        untensored = any(name in strings or name in sequences for name in node.input)
+        if not internal and (
+            untensored
+            or (training and float_out and float_in and not has_gradient(operator, overload))
+        ):
+            nodes.extend(_as_python_op(node, types, ranks, training, strings, sequences))
+            continue
+        bools = {
+            i
+            for i, name in enumerate(node.input)
+            if name and types.get(name) == onnx.TensorProto.BOOL
+        }
+        if bools:
+            aten_executor.BOOL_INPUTS.setdefault((operator, overload), set()).update(bools)
+        nodes.append(node)
+        for slot, name in enumerate(node.output):
+            if name and types.get(name) == onnx.TensorProto.BOOL:
+                raw = f"{name}__uint8"
+                node.output[slot] = raw
+                nodes.append(onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL))
+    used = {name for n in nodes for name in n.input} | {o.name for o in graph.output}
+    # lists and strings now reach the PythonOps directly; the engine has no use for them
+    nodes = [
+        n
+        for n in nodes
+        if not (n.op_type == "SequenceConstruct" or n.output[0] in strings)
+        or any(o in used for o in n.output)
+    ]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if any(n.domain == PYTHON_OP_DOMAIN for n in nodes) and not any(
+        o.domain == PYTHON_OP_DOMAIN for o in model.opset_import
+    ):
+        model.opset_import.append(onnx.helper.make_opsetid(PYTHON_OP_DOMAIN, 1))
+    return count
+
+
+def _aten_pass(exported: Any, _options: Mapping[str, Any]) -> None:
+    prepare_aten_nodes(exported.model, exported.training)
+
+
+register_post_export_pass("aten_nodes", _aten_pass, order=40)

@@ -1,0 +1,58 @@
+"""Post-export graph passes: edits of the exported ONNX model made before the gradient build.
+
+Other packages add passes here (memory-efficient gradients, density flags, ZeRO-3) instead of
+the runtime importing their internals.
+
+Example::
+
+    from ortmodule_exporter import register_post_export_pass
+
+    def tag_graph(exported, options):
+        exported.model.doc_string = "tagged"
+
+    register_post_export_pass("tag", tag_graph, order=50)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..export.model import ExportedModel
+
+PassFn = Callable[[ExportedModel, Mapping[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class PostExportPass:
+    name: str
+    fn: PassFn
+    order: int
+
+
+_PASSES: dict[str, PostExportPass] = {}
+_LOCK = threading.Lock()
+
+
+def register_post_export_pass(name: str, fn: PassFn, order: int = 100) -> None:
+    """Run ``fn(exported, options)`` after every export; lower ``order`` runs first."""
+    with _LOCK:
+        _PASSES[name] = PostExportPass(name, fn, order)
+
+
+def unregister_post_export_pass(name: str) -> None:
+    with _LOCK:
+        _PASSES.pop(name, None)
+
+
+def run_post_export_passes(
+    exported: ExportedModel, options: Mapping[str, Any] | None = None
+) -> list[str]:
+    """Apply every registered pass in order; returns the names that ran."""
+    with _LOCK:
+        passes = sorted(_PASSES.values(), key=lambda p: (p.order, p.name))
+    for p in passes:
+        p.fn(exported, options or {})
+    return [p.name for p in passes]
