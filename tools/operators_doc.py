@@ -56,7 +56,7 @@ def render(data: dict[str, dict[str, dict[str, str]]]) -> str:
         "An operator whose ONNX form the engine cannot differentiate (its gradient registry has "
         "no builder for, say, `CumSum`, `Floor`, `ReduceMax`, `Atan`, `Elu`) is exported as an "
         "ATen node automatically: the registry is asked of the engine itself, once per operator "
-        "type (`ortmodule_exporter.gradient_registry`).",
+        "type (`ortmodule_exporter.aten.engine_gradients`).",
         "",
         "## Run by the engine",
         "",
