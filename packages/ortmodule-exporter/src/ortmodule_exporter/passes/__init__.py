@@ -2,6 +2,7 @@
 (post-export passes), and of the graph the engine built (built-graph passes).
 
 ====================  ===========================================================================
+``ordered``           :class:`OrderedPasses`, the named ordered registry both kinds of pass use
 ``registry``          :func:`register_post_export_pass`, :func:`run_post_export_passes`
 ``batchnorm``         BatchNorm running statistics as graph outputs (order 10)
 ``python_op``         refuse Functions this process did not export (0); PythonOp dims (20)

@@ -16,12 +16,12 @@ outputs (the runtime feeds and fetches them by name).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import onnx
+
+from .ordered import OrderedPasses, Pass
 
 __all__ = [
     "BuiltGraphPass",
@@ -33,34 +33,23 @@ __all__ = [
 BuiltPassFn = Callable[[onnx.ModelProto, Any], bool]
 
 
-@dataclass(frozen=True)
-class BuiltGraphPass:
-    name: str
-    fn: BuiltPassFn
-    order: int
+BuiltGraphPass = Pass[BuiltPassFn]
 
-
-_PASSES: dict[str, BuiltGraphPass] = {}
-_LOCK = threading.Lock()
+_PASSES: OrderedPasses[BuiltPassFn] = OrderedPasses()
 
 
 def register_built_graph_pass(name: str, fn: BuiltPassFn, order: int = 100) -> None:
     """Run ``fn(model, graph_config) -> changed`` on every built graph; lower ``order`` first."""
-    if not callable(fn):
-        raise TypeError(f"register_built_graph_pass({name!r}, ...): fn must be callable")
-    with _LOCK:
-        _PASSES[name] = BuiltGraphPass(name, fn, order)
+    _PASSES.register(name, fn, order)
 
 
 def unregister_built_graph_pass(name: str) -> None:
-    with _LOCK:
-        _PASSES.pop(name, None)
+    _PASSES.unregister(name)
 
 
 def run_built_graph_passes(model_bytes: bytes, config: Any) -> bytes:
     """The built model after every registered pass (the same bytes when none changed it)."""
-    with _LOCK:
-        passes = sorted(_PASSES.values(), key=lambda p: (p.order, p.name))
+    passes = _PASSES.in_order()
     if not passes:
         return model_bytes
     model = onnx.load_from_string(model_bytes)

@@ -15,44 +15,32 @@ Example::
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from ..export.model import ExportedModel
+from .ordered import OrderedPasses, Pass
 
 PassFn = Callable[[ExportedModel, Mapping[str, Any]], None]
+PostExportPass = Pass[PassFn]
 
-
-@dataclass(frozen=True)
-class PostExportPass:
-    name: str
-    fn: PassFn
-    order: int
-
-
-_PASSES: dict[str, PostExportPass] = {}
-_LOCK = threading.Lock()
+_PASSES: OrderedPasses[PassFn] = OrderedPasses()
 
 
 def register_post_export_pass(name: str, fn: PassFn, order: int = 100) -> None:
     """Run ``fn(exported, options)`` after every export; lower ``order`` runs first."""
-    with _LOCK:
-        _PASSES[name] = PostExportPass(name, fn, order)
+    _PASSES.register(name, fn, order)
 
 
 def unregister_post_export_pass(name: str) -> None:
-    with _LOCK:
-        _PASSES.pop(name, None)
+    _PASSES.unregister(name)
 
 
 def run_post_export_passes(
     exported: ExportedModel, options: Mapping[str, Any] | None = None
 ) -> list[str]:
     """Apply every registered pass in order; returns the names that ran."""
-    with _LOCK:
-        passes = sorted(_PASSES.values(), key=lambda p: (p.order, p.name))
+    passes = _PASSES.in_order()
     for p in passes:
         p.fn(exported, options or {})
     return [p.name for p in passes]
