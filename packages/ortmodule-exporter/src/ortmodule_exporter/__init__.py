@@ -7,7 +7,12 @@
 ('weight', 'bias')
 """
 
-from . import output_ranks  # noqa: F401 - registers its post-export pass
+from . import (
+    empty_tensors,
+    engine_graph_fixes,  # noqa: F401 - registers its post-export pass
+    gradient_gaps,
+    output_ranks,  # noqa: F401 - registers its post-export pass
+)
 from .built_graph_passes import register_built_graph_pass, unregister_built_graph_pass
 from .errors import (
     EngineBuildError,
@@ -39,6 +44,8 @@ from .symbolics import register_builtin_symbolics
 
 register_builtin_symbolics()
 register_mask_symbolics()
+empty_tensors.install()
+gradient_gaps.install()
 
 __version__ = "0.1.0"
 

@@ -380,7 +380,7 @@ def _export(
     verbose: bool,
     cache_extra: str,
 ) -> ExportedModel:
-    from . import aten_fallback, python_op  # both import this module
+    from . import aten_fallback, empty_tensors, python_op  # they import this module
 
     opset = config.opset
     kwargs = dict(kwargs or {})
@@ -428,6 +428,7 @@ def _export(
             _preserved_state(target),
             symbolics_applied(opset),
             aten_fallback.untrainable_ops_routed(),
+            empty_tensors.example_inputs(tensors),
             python_op.exporting_copy_of(module, target),
             warnings.catch_warnings(),
         ):
