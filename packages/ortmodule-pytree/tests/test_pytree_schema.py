@@ -59,6 +59,14 @@ def test_static_shapes_make_shapes_part_of_the_schema() -> None:
     assert schema_of(batch(2, 5)).tensor_specs[1].shape is None
 
 
+def test_an_empty_tensor_keeps_its_shape_in_the_schema() -> None:
+    # the exporter treats zero-element inputs apart: turning one empty (or back) re-exports
+    _, empty = flatten((torch.ones(0, 3),))
+    assert empty.tensor_specs[0].shape == (0, 3)
+    assert flatten((torch.ones(2, 3),))[1] != empty
+    assert flatten((torch.ones(5, 3),))[1] == flatten((torch.ones(2, 3),))[1]
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [

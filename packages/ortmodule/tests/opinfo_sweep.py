@@ -218,10 +218,6 @@ def _short(text: str) -> str:
 UNSTABLE = {
     "linalg.pinv.singular": "unstable: on its zero-element sample the SVD sometimes reports "
     "non-finite input (uninitialised memory), in eager and under ORTModule alike",
-    # a real defect, not a property of the op: kept out of the recorded statuses until fixed
-    "__rmatmul__": "silently wrong: the engine's MatMul over an empty inner dimension "
-    "((5, 0) @ (0, 10)) returns uninitialised memory instead of zeros (NaN or garbage when "
-    "the process has run other graphs before); not fixed",
 }
 
 

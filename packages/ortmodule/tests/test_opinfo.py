@@ -197,10 +197,6 @@ def test_data_file_lists_every_testable_op(sweep: dict[str, dict[str, Any]]) -> 
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #20's goal (95% of testable ops train) is not met yet: see docs/operators.md",
-)
 def test_goal_share_of_ops_that_train() -> None:
     """Issue #20's goal: at least 95% of the testable ops train (forward and gradient)."""
     testable = [v for v in EXPECTED.values() if v["status"] != "skip"]

@@ -8,6 +8,7 @@
 """
 
 from . import passes  # noqa: F401 - registers the built-in post-export passes
+from .aten import empty_tensors, gradient_gaps
 from .errors import (
     EngineBuildError,
     ExportError,
@@ -38,6 +39,8 @@ from .symbolics.registry import register_symbolic, registered_symbolics, unregis
 
 register_builtin_symbolics()
 register_mask_symbolics()
+empty_tensors.install()
+gradient_gaps.install()
 
 __version__ = "0.1.0"
 

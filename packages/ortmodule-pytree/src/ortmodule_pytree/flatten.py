@@ -36,7 +36,8 @@ def flatten(
 
     ``prefix`` starts every name (``"output"`` for outputs). With ``static_shapes=True`` the
     tensor shapes are part of the schema; by default only dtype, rank, device and
-    requires_grad are, so a new batch size or sequence length keeps the schema.
+    requires_grad are, so a new batch size or sequence length keeps the schema (a zero-element
+    tensor's shape is always part of it: the exporter treats empty tensors apart).
     """
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"prefix must be a non-empty str, got {prefix!r}")
@@ -62,7 +63,8 @@ def flatten(
                         leaf.dim(),
                         leaf.device,
                         leaf.requires_grad,
-                        leaf.shape if static_shapes else None,
+                        # an empty tensor's shape always counts: graphs for it differ
+                        leaf.shape if static_shapes or not leaf.numel() else None,
                     )
                 )
             elif kind == CONSTANT:

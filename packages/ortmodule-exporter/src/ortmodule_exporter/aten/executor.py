@@ -395,6 +395,8 @@ def _execute_entry(
             r = r.detach()
             if r.dtype == torch.bool:  # the engine's DLPack import has no bool
                 r = r.view(torch.uint8)
+            if not r.numel():  # any empty tensor is "contiguous" to PyTorch, not to the engine
+                r = torch.empty(r.shape, dtype=r.dtype, device=r.device)
             addresses.append(bridge.managed_pointer(r if r.is_contiguous() else r.contiguous()))
         for i, address in enumerate(addresses):
             outputs[i] = address or None

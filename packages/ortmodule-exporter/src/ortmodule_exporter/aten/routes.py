@@ -37,6 +37,7 @@ from ..symbolics.registry import register_symbolic, registered_symbolics, unregi
 from . import executor as aten_executor
 from .engine_gradients import engine_has_gradient
 from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+from .overloads import resolve_fallback_overloads, resolve_overload
 
 __all__ = [
     "DEFAULT_ROUTES",
@@ -46,6 +47,7 @@ __all__ = [
     "export_settings",
     "operator_export_type",
     "register_aten_route",
+    "register_untrainable_check",
     "untrainable_nodes",
     "untrainable_ops_routed",
 ]
@@ -365,8 +367,12 @@ def _rank(value: Any) -> int | None:
 
 
 def _aten_overload(node: Any) -> str:
-    """The overload a traced node calls, from its schema (index_fill.int_Tensor and
-    index_fill.int_Scalar take as many arguments); by argument count when it has none."""
+    """The overload a traced node calls, from the kinds of its inputs (aten_overloads: its
+    schema may be an out= variant or the wrong one of index_fill.int_Tensor/int_Scalar); from
+    its schema, or by argument count, when none fits."""
+    resolved = resolve_overload(node.kind().split("::", 1)[1].rstrip("_"), node)
+    if resolved is not None:
+        return resolved
     try:
         schema = node.schema()
     except RuntimeError:
@@ -405,6 +411,41 @@ def _inner_nodes(node: Any) -> list[Any]:
     return found
 
 
+#: more reasons to route a node to ATen (see register_untrainable_check)
+_CHECKS: list[Any] = []
+
+
+def register_untrainable_check(check: Any) -> None:
+    """Add ``check(node, inputs, emitted) -> list[str]``: reasons why the ONNX nodes
+    ``emitted`` for the traced ``node`` (its ONNX ``inputs``) cannot be trained, each of which
+    routes the operator to ATen. A reason ending in "tensor" (a shape property) applies to
+    inference exports too, as the engine's forward kernels reject such shapes.
+
+    >>> register_untrainable_check(lambda node, inputs, emitted: [])
+    """
+    if check not in _CHECKS:
+        _CHECKS.append(check)
+
+
+def _untrainable_reasons(node: Any, inputs: list[Any], emitted: list[Any]) -> list[str]:
+    """Why the ONNX nodes ``emitted`` for ``node`` must not reach the engine ([]: they may)."""
+    from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+
+    bad = untrainable_nodes(inputs, emitted)
+    for check in _CHECKS:
+        bad.extend(check(node, inputs, emitted))
+    if any(list(n.blocks()) for n in emitted) and any(
+        i is not None and _is_float(i) for i in inputs
+    ):
+        # the engine's gradient builder aborts the process on some If/Loop subgraphs
+        # (diagonal, hstack): control flow over a float input is never handed to it
+        bad.append("control flow")
+    if GLOBALS.training_mode != torch.onnx.TrainingMode.TRAINING:
+        # an inference graph needs no gradient, only shapes the engine accepts
+        bad = [b for b in bad if b.endswith("tensor")]
+    return bad
+
+
 def _route_untrainable(original: Any) -> Any:
     """Wrap torch's per-node symbolic dispatch: when the ONNX nodes a symbolic emitted hold one
     the engine cannot differentiate (CumSum, Floor, ReduceMax, ...) on a float path of a training
@@ -421,40 +462,55 @@ def _route_untrainable(original: Any) -> Any:
         operator_export_type: Any = torch.onnx.OperatorExportTypes.ONNX,
     ) -> Any:
         mark = len(new_nodes)
-        result = original(
-            graph, block, node, inputs, env, values_in_env, new_nodes, operator_export_type
-        )
         kind = node.kind()
-        if (
-            operator_export_type != torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK
-            or not kind.startswith("aten::")
-            or result is None
-            or any(n.kind().startswith(("aten::", f"{ATEN_DOMAIN}::")) for n in new_nodes[mark:])
-        ):
-            return result
+        try:
+            result = original(
+                graph, block, node, inputs, env, values_in_env, new_nodes, operator_export_type
+            )
+        except Exception as err:
+            # a symbolic that cannot export this call (an unsupported argument, an unknown
+            # shape) leaves the operator to PyTorch when the executor can run it
+            name = kind.split("::", 1)[1].rstrip("_")
+            overload = _aten_overload(node) if kind.startswith("aten::") else ""
+            if (
+                operator_export_type != torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK
+                or not kind.startswith("aten::")
+                or not _runnable_by_executor(name, overload, node)
+                or any(i is None for i in inputs)
+            ):
+                raise
+            bad = [f"its symbolic failed ({err})"]
+            result = None
+        else:
+            if kind.startswith("aten::"):
+                resolve_fallback_overloads(node, new_nodes[mark:])
+            outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+            short = result is not None and len(outputs) != node.outputsSize()
+            if (
+                operator_export_type != torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK
+                or not kind.startswith("aten::")
+                or result is None
+                or (
+                    not short
+                    and any(
+                        n.kind().startswith(("aten::", f"{ATEN_DOMAIN}::"))
+                        for n in new_nodes[mark:]
+                    )
+                )
+            ):
+                return result
+            bad = _untrainable_reasons(node, list(inputs), new_nodes[mark:])
+            if short:
+                # torch's own ATen node for adaptive_max_pool3d has one output, not two
+                bad.append(f"its symbolic gave {len(outputs)} of {node.outputsSize()} outputs")
+            if not bad:
+                return result
+            name = kind.split("::", 1)[1].rstrip("_")
+            overload = _aten_overload(node)
+            if not _runnable_by_executor(name, overload, node) or any(i is None for i in inputs):
+                return result
         from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 
-        bad = untrainable_nodes(list(inputs), new_nodes[mark:])
-        if any(list(n.blocks()) for n in new_nodes[mark:]) and any(
-            i is not None and _is_float(i) for i in inputs
-        ):
-            # the engine's gradient builder aborts the process on some If/Loop subgraphs
-            # (diagonal, hstack): control flow over a float input is never handed to it
-            bad.append("control flow")
-        if GLOBALS.training_mode != torch.onnx.TrainingMode.TRAINING:
-            # an inference graph needs no gradient, only shapes the engine accepts
-            bad = [b for b in bad if b.endswith("0-d tensor")]
-        if not bad:
-            return result
-        name = kind.split("::", 1)[1].rstrip("_")
-        overload = _aten_overload(node)
-        outputs = list(result) if isinstance(result, (list, tuple)) else [result]
-        if (
-            len(outputs) != node.outputsSize()
-            or not _runnable_by_executor(name, overload, node)
-            or any(i is None for i in inputs)
-        ):
-            return result
         # nodes inside If/Loop bodies go with their owner; the rest are destroyed users first
         nested = {_key(inner) for n in new_nodes[mark:] for inner in _inner_nodes(n)}
         for created in reversed(new_nodes[mark:]):
@@ -474,7 +530,7 @@ def _route_untrainable(original: Any) -> Any:
             values_in_env=values_in_env,
             new_nodes=new_nodes,
         )
-        logger.debug("aten::%s runs in PyTorch: the engine has no gradient for %s", name, bad)
+        logger.debug("aten::%s runs in PyTorch: %s", name, bad)
         return _route(f"aten::{name}", overload)(g, *inputs)
 
     run.__wrapped__ = original  # type: ignore[attr-defined]

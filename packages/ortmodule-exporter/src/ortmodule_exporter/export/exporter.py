@@ -26,6 +26,7 @@ import torch
 from ortmodule_pytree import Schema, flatten, unflatten
 
 from .. import onnx_graph, python_op
+from ..aten import empty_tensors
 from ..aten import routes as aten_routes
 from ..errors import ExportError, UnsupportedOutputError
 from ..op_location import locate_operator
@@ -310,6 +311,7 @@ def _export(
             _preserved_state(target),
             symbolics_applied(opset),
             aten_routes.untrainable_ops_routed(),
+            empty_tensors.example_inputs(tensors),
             python_op.exporting_copy_of(module, target),
             warnings.catch_warnings(),
         ):

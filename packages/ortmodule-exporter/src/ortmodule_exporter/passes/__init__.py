@@ -1,24 +1,32 @@
 """Graph passes: edits of the exported ONNX model before the engine builds its gradient graph
 (post-export passes), and of the graph the engine built (built-graph passes).
 
-====================  ===========================================================================
-``ordered``           :class:`OrderedPasses`, the named ordered registry both kinds of pass use
-``registry``          :func:`register_post_export_pass`, :func:`run_post_export_passes`
-``batchnorm``         BatchNorm running statistics as graph outputs (order 10)
-``python_op``         refuse Functions this process did not export (0); PythonOp dims (20)
-``attention_fusion``  ``ORTMODULE_USE_EFFICIENT_ATTENTION``: attention into one ATen node (30)
-``aten_nodes``        make ATen nodes runnable and trainable (40)
-``output_ranks``      scalar outputs keep rank 0 (45)
-``density``           the label-density flag PythonOp (used by ``ortmodule.sparsity``)
-``built_graph``       :func:`~ortmodule_exporter.passes.built_graph.register_built_graph_pass`
-====================  ===========================================================================
+======================  =========================================================================
+``ordered``             :class:`OrderedPasses`, the named ordered registry both kinds of pass use
+``registry``            :func:`register_post_export_pass`, :func:`run_post_export_passes`
+``batchnorm``           BatchNorm running statistics as graph outputs (order 10)
+``python_op``           refuse Functions this process did not export (0); PythonOp dims (20)
+``attention_fusion``    ``ORTMODULE_USE_EFFICIENT_ATTENTION``: attention into one ATen node (30)
+``aten_nodes``          make ATen nodes runnable and trainable (40)
+``output_ranks``        scalar outputs keep rank 0 (45)
+``engine_graph_fixes``  no-op Casts removed; an input read twice goes through an Identity (45)
+``density``             the label-density flag PythonOp (used by ``ortmodule.sparsity``)
+``built_graph``         :func:`~ortmodule_exporter.passes.built_graph.register_built_graph_pass`
+======================  =========================================================================
 
 Importing this package registers the built-in post-export passes.
 
 >>> from ortmodule_exporter.passes import run_post_export_passes
 """
 
-from . import aten_nodes, attention_fusion, batchnorm, output_ranks, python_op  # noqa: F401 - register
+from . import (  # noqa: F401 - register
+    aten_nodes,
+    attention_fusion,
+    batchnorm,
+    engine_graph_fixes,
+    output_ranks,
+    python_op,
+)
 from .registry import register_post_export_pass, run_post_export_passes, unregister_post_export_pass
 
 __all__ = ["register_post_export_pass", "run_post_export_passes", "unregister_post_export_pass"]

@@ -362,6 +362,13 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
                 raw = f"{name}__uint8"
                 node.output[slot] = raw
                 nodes.append(onnx.helper.make_node("Cast", [raw], [name], to=onnx.TensorProto.BOOL))
+                # the engine cannot infer an ATen output's type: declare the raw one
+                rank = ranks.get(name)
+                graph.value_info.append(
+                    onnx.helper.make_tensor_value_info(
+                        raw, onnx.TensorProto.UINT8, [None] * rank if rank is not None else None
+                    )
+                )
     used = {name for n in nodes for name in n.input} | {o.name for o in graph.output}
     # lists and strings now reach the PythonOps directly; the engine has no use for them
     nodes = [

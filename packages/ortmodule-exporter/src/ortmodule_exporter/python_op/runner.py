@@ -352,7 +352,10 @@ def run_forward(
             taken.add(storage)
         if value.dtype == torch.bool:  # the engine imports bool as uint8 (declared so at export)
             value = value.view(torch.uint8)
-        if not value.is_contiguous():
+        if not value.numel():
+            # PyTorch calls any empty tensor contiguous, the engine checks its strides
+            value = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+        elif not value.is_contiguous():
             value = value.contiguous()
         returned.append(bridge.tensor_to_capsule(value))
 

@@ -1,0 +1,78 @@
+"""ONNX nodes whose gradient the engine builds wrong or not at all, though it has a builder.
+
+:func:`~ortmodule_exporter.aten.routes.untrainable_nodes` routes op types the engine has no
+gradient builder for. These have one that fails for some of their inputs or attributes, so
+the operator that emitted them runs in PyTorch (an ATen node) in training exports:
+
+* ``Pow`` with a computed exponent: "GradientBuilder is not implemented for Pow's input
+  exponent" (``pow(x, y)``, ``2 ** x``);
+* ``Pad`` in ``reflect``/``edge``/``wrap`` mode: "Pad gradient currently supports constant mode
+  only";
+* ``ReduceL2``: its gradient graph leaves a value untyped ("does not have type information set
+  by parent node"; ``norm``, ``linalg.norm``);
+* ``Slice`` with a negative step (``flip``): SliceGrad fails with ``narrowing_error``.
+
+Only float paths count: an integer ``Slice`` or ``Pow`` needs no gradient.
+
+>>> from ortmodule_exporter.aten import gradient_gaps
+>>> gradient_gaps.install()  # done on import of ortmodule_exporter
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .routes import register_untrainable_check
+
+__all__ = ["gradient_gap_reasons", "install"]
+
+_FLOATS = frozenset({"Float", "Double", "Half", "BFloat16"})
+
+
+def _float(value: Any) -> bool:
+    try:
+        scalar = value.type().scalarType()
+    except (AttributeError, RuntimeError):
+        return True
+    return scalar is None or scalar in _FLOATS
+
+
+def _constant(value: Any) -> Any:
+    """The tensor a value is a constant of (through Casts), or None."""
+    node = value.node()
+    while node.kind() == "onnx::Cast":
+        node = node.inputsAt(0).node()
+    if node.kind() in ("onnx::Constant", "prim::Constant") and node.hasAttribute("value"):
+        try:
+            return node.t("value")
+        except RuntimeError:
+            return None
+    return None
+
+
+def _gap(n: Any) -> str | None:
+    op = n.kind().split("::", 1)[1]
+    if n.inputsSize() == 0 or not _float(n.inputsAt(0)):
+        return None
+    if op == "Pow" and n.inputsSize() > 1 and _constant(n.inputsAt(1)) is None:
+        return "Pow's exponent (the engine has no gradient for it)"
+    if op == "Pad" and n.hasAttribute("mode") and n.s("mode") != "constant":
+        return f"Pad mode={n.s('mode')} (the engine's gradient is for constant mode only)"
+    if op == "ReduceL2":
+        return "ReduceL2 (the engine's gradient graph loses a type)"
+    if op == "Slice" and n.inputsSize() > 4:
+        steps = _constant(n.inputsAt(4))
+        if steps is None or bool((steps < 0).any()):
+            return "Slice with a negative step (the engine's SliceGrad fails)"
+    return None
+
+
+def gradient_gap_reasons(node: Any, inputs: Sequence[Any], emitted: Sequence[Any]) -> list[str]:
+    """The gaps among the ONNX nodes ``emitted`` for ``node`` (see the module docstring)."""
+    return [gap for n in emitted if (gap := _gap(n)) is not None]
+
+
+def install() -> None:
+    """Route operators that emit such nodes to ATen in training exports."""
+    register_untrainable_check(gradient_gap_reasons)
