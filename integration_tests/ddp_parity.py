@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 #: ``train(rank, world, port, wrap, out)``: rank 0 saves the final state dict to ``out``
@@ -18,6 +22,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int) -> Iterator[None]:
+    """A spawned worker's gloo process group, torn down only once every rank is done with it.
+
+    CI once saw a rank abort ("terminate called without an active exception") at teardown,
+    never reproduced in 80 local runs; the barrier keeps a rank from destroying the group while
+    another still uses it, and faulthandler prints the worker's Python stack if one aborts.
+    """
+    faulthandler.enable()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def assert_wrapped_ddp_matches_plain(train: Train, tmp_path: Path, world: int = 2) -> None:

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_parity import assert_wrapped_ddp_matches_plain, free_port
+from ddp_parity import assert_wrapped_ddp_matches_plain, free_port, gloo_group
 
 from ortmodule import ORTModule
 from ortmodule_testing.zoo import ZOO
@@ -17,10 +17,8 @@ STEPS = 4
 
 
 def _train(rank: int, world: int, port: int, wrap: bool, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    try:
+    with gloo_group(rank, world, port):
         case = ZOO["gpt"]
         torch.manual_seed(0)
         model = case.make_model()
@@ -40,8 +38,6 @@ def _train(rank: int, world: int, port: int, wrap: bool, out: str) -> None:
             assert model._fallback.cause is None  # every step ran in the engine
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in ddp.module.state_dict().items()}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

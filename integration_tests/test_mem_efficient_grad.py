@@ -6,8 +6,7 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-from ddp_parity import assert_wrapped_ddp_matches_plain
+from ddp_parity import assert_wrapped_ddp_matches_plain, gloo_group
 
 from ortmodule import ORTModule
 from ortmodule_memory.grad_management import TRIGGER
@@ -70,12 +69,10 @@ def test_frozen_parameters_stay_inputs() -> None:
 
 
 def _train(rank: int, world: int, port: int, wrap: bool, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ["ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT"] = "1"
     os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    try:
+    with gloo_group(rank, world, port):
         case = ZOO["mlp"]  # small: the test is about DDP's hooks, not the model
         torch.manual_seed(0)
         model = case.make_model()
@@ -90,8 +87,6 @@ def _train(rank: int, world: int, port: int, wrap: bool, out: str) -> None:
             opt.zero_grad()
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in ddp.module.state_dict().items()}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
