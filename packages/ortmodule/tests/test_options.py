@@ -88,6 +88,7 @@ def _valid(tmp: str, a_file: str) -> dict[str, list[tuple[str, Any]]]:
         "ORTMODULE_MEMORY_OPT_CONFIG": [(a_file, a_file)],
         "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT": on_off,
         "ORTMODULE_ENABLE_ZERO_STAGE3": on_off,
+        "ORTMODULE_TORCH_THREADS_IN_ENGINE": [("0", 0), ("1", 1), (" 4 ", 4)],
         "ORTMODULE_CONV_ALGO_SEARCH": [
             ("HEURISTIC", "HEURISTIC"),
             ("exhaustive", "EXHAUSTIVE"),
@@ -144,6 +145,7 @@ def _invalid(a_file: str, tmp: str) -> dict[str, list[str]]:
         "ORTMODULE_MEMORY_OPT_CONFIG": [os.path.join(tmp, "missing.json"), tmp],
         "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT": switch,
         "ORTMODULE_ENABLE_ZERO_STAGE3": switch,
+        "ORTMODULE_TORCH_THREADS_IN_ENGINE": ["-1", "two", "1.5"],
         "ORTMODULE_CONV_ALGO_SEARCH": ["FAST", "1"],
         "ORTMODULE_SKIPCHECK_POLICY": [
             "SKIP_CHECK_NOTHING",

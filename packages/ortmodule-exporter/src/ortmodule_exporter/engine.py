@@ -189,6 +189,8 @@ class SessionConfig:
     extra_provider_options: tuple[tuple[str, str], ...] = ()
     #: ``add_session_config_entry`` pairs from component session contributors
     config_entries: tuple[tuple[str, str], ...] = ()
+    #: PyTorch's intra-op threads while a run is in the engine (0: PyTorch's setting stays)
+    torch_threads: int = 0
 
 
 def _providers(cfg: SessionConfig) -> tuple[list[str], list[dict[str, str]]]:
@@ -297,6 +299,36 @@ def _to_torch(vec: Any) -> list[torch.Tensor]:
     return out
 
 
+class _TorchThreads:
+    """PyTorch's intra-op thread count set to ``threads`` for the duration of an engine run.
+
+    The engine's kernels run on its own thread pool while ATen nodes and PythonOps run PyTorch
+    code on the calling thread. PyTorch's OpenMP workers spin-wait after every parallel region
+    (GNU OpenMP's default), so each PyTorch-run node inside a run left a busy worker competing
+    with the engine's threads for the same cores. With one PyTorch thread those nodes run on the
+    calling thread alone and wake no OpenMP worker. ``threads=0`` does nothing.
+    """
+
+    __slots__ = ("threads", "saved")
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.saved = 0
+
+    def __enter__(self) -> None:
+        if self.threads:
+            self.saved = torch.get_num_threads()
+            if self.saved != self.threads:
+                torch.set_num_threads(self.threads)
+            else:
+                self.saved = 0
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved:
+            torch.set_num_threads(self.saved)
+            self.saved = 0
+
+
 class TrainingSession:
     """Forward and backward halves of a gradient graph through the engine's ``TrainingAgent``."""
 
@@ -304,6 +336,7 @@ class TrainingSession:
         C = _C()
         self.built = built
         self._session = _session(built.model_bytes, cfg)
+        self._threads = _TorchThreads(cfg.torch_threads)
         device = _ort_device(cfg.device)
         n_fw = len(built.user_output_names) + built.frontier_count
         self._agent = C.TrainingAgent(
@@ -324,14 +357,14 @@ class TrainingSession:
         C = _C()
         state = C.PartialGraphExecutionState()
         outputs = C.OrtValueVector()
-        with user_errors():
+        with user_errors(), self._threads:
             self._agent.run_forward(_feeds(feeds), outputs, state, None)
         return _to_torch(outputs), state
 
     def backward(self, grad_outputs: Sequence[torch.Tensor], state: Any) -> list[torch.Tensor]:
         C = _C()
         outputs = C.OrtValueVector()
-        with user_errors():
+        with user_errors(), self._threads:
             self._agent.run_backward(_feeds(grad_outputs), outputs, state)
         return _to_torch(outputs)
 
@@ -343,6 +376,7 @@ class InferenceSession:
         self.built = built
         self._session = _session(built.model_bytes, cfg)
         self._device = cfg.device
+        self._threads = _TorchThreads(cfg.torch_threads)
 
     def forward(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         C = _C()
@@ -357,6 +391,6 @@ class InferenceSession:
         device = _ort_device(self._device)
         for name in self.built.fetch_names:
             binding.bind_output(name, device)
-        with user_errors():
+        with user_errors(), self._threads:
             self._session._sess.run_with_iobinding(binding, None)
         return _to_torch(binding.get_outputs())

@@ -157,6 +157,15 @@ def _owner(module: torch.nn.Module, qualified: str) -> tuple[torch.nn.Module, st
     return owner, attr
 
 
+#: node types whose kernels are PyTorch code: ATen nodes and PythonOps (custom Functions)
+_TORCH_RUN_OPS = frozenset({"ATen", "PythonOp"})
+
+
+def _runs_torch(model: onnx.ModelProto) -> bool:
+    """Whether the engine calls back into PyTorch while it runs ``model``."""
+    return any(node.op_type in _TORCH_RUN_OPS for node in model.graph.node)
+
+
 class _EngineFunction(torch.autograd.Function):
     """Forward half and backward half of the engine's gradient graph as one autograd node."""
 
@@ -228,6 +237,8 @@ class RunnerConfig:
     engine_log_severity: int = 3
     exporter_verbose: bool = False
     conv_algo_search: str = "HEURISTIC"
+    #: PyTorch's intra-op threads while the engine runs PyTorch-run nodes (0: leave as is)
+    torch_threads_in_engine: int = 0
     use_memory_efficient_gradient: bool = False
     #: ``ORTMODULE_*`` variable -> parsed value, for post-export passes and components
     pass_options: tuple[tuple[str, Any], ...] = ()
@@ -501,6 +512,7 @@ class GraphRunner:
             deterministic=torch.are_deterministic_algorithms_enabled(),
             log_severity=cfg.engine_log_severity,
             conv_algo_search=cfg.conv_algo_search,
+            torch_threads=cfg.torch_threads_in_engine if _runs_torch(exported.model) else 0,
             external_allocator=_torch_allocator(device),
             optimized_model_path=save.file_path("execution", exported.training) if save else None,
             memory_efficient_order=bool(contribution and contribution.memory_efficient_order),

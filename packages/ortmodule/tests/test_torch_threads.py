@@ -1,0 +1,92 @@
+"""ORTMODULE_TORCH_THREADS_IN_ENGINE: PyTorch's thread count while the engine runs PyTorch code.
+
+The engine calls back into PyTorch for ATen nodes and custom autograd Functions; those calls run
+with the option's thread count, and PyTorch's own setting is back once the run returns. Graphs
+without such nodes leave PyTorch's setting alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from ortmodule import ORTModule
+from ortmodule_exporter.engine import _TorchThreads
+
+
+class _SeesThreads(torch.autograd.Function):
+    """Identity that records PyTorch's thread count each time its forward or backward runs."""
+
+    seen: list[tuple[str, int]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        _SeesThreads.seen.append(("forward", torch.get_num_threads()))
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _SeesThreads.seen.append(("backward", torch.get_num_threads()))
+        return grad
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SeesThreads.apply(self.linear(x))
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    _SeesThreads.seen.clear()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _steps(model: torch.nn.Module, n: int = 2) -> None:
+    for _ in range(n):
+        model(torch.randn(3, 4)).sum().backward()
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_pytorch_code_in_the_engine_runs_on_one_thread_and_the_setting_comes_back() -> None:
+    model = ORTModule(_Net())
+    _steps(model)
+    # the export traced the Function once in eager (2 threads); every engine run saw 1
+    engine_runs = _SeesThreads.seen[-4:]
+    assert engine_runs == [("forward", 1), ("backward", 1)] * 2
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_zero_keeps_pytorchs_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTMODULE_TORCH_THREADS_IN_ENGINE", "0")
+    model = ORTModule(_Net())
+    _steps(model)
+    assert _SeesThreads.seen[-4:] == [("forward", 2), ("backward", 2)] * 2
+
+
+def test_a_failing_run_restores_the_setting() -> None:
+    before = torch.get_num_threads()
+    threads = _TorchThreads(before + 1)
+    with pytest.raises(RuntimeError, match="engine failed"), threads:
+        assert torch.get_num_threads() == before + 1
+        raise RuntimeError("engine failed")
+    assert torch.get_num_threads() == before
+
+
+def test_graphs_without_pytorch_nodes_leave_the_setting_alone() -> None:
+    model = ORTModule(torch.nn.Linear(4, 4))
+    _steps(model)
+    (graph,) = [value for _key, value in model._runner.transitions._slots.values()]
+    assert graph.session._threads.threads == 0
