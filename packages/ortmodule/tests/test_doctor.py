@@ -59,6 +59,21 @@ def test_reports_the_kernel_choice_it_measures(clean: tuple[int, str]) -> None:
     assert text.count("GELU forward+backward") == 2 and "-> " in text
 
 
+def test_reports_threads_and_names_the_openmp_wait_policy() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, spinning = _doctor({"ORTMODULE_TORCH_THREADS_IN_ENGINE": "0"})
+        _, passive = _doctor({"OMP_WAIT_POLICY": "passive"})
+    finally:
+        torch.set_num_threads(before)
+    assert "PyTorch intra-op threads: 2 (the engine takes as many)" in spinning
+    assert "PyTorch threads while the engine runs PyTorch-run nodes: 0" in spinning
+    assert "PyTorch threads while the engine runs PyTorch-run nodes: 1" in passive
+    assert "OMP_WAIT_POLICY=unset" in spinning
+    assert "OMP_WAIT_POLICY=" not in passive
+
+
 def test_reports_devices(clean: tuple[int, str]) -> None:
     _, text = clean
     if torch.cuda.is_available():
