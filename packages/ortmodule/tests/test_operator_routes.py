@@ -174,6 +174,17 @@ def test_pow_by_a_constant_stays_in_the_engine() -> None:
     assert not _routed(model)
 
 
+def _rotate_half(a: torch.Tensor) -> torch.Tensor:
+    # Llama-style attention: slices whose bounds (and so steps) are computed from the shape
+    half = a.shape[-1] // 2
+    return torch.cat((-a[..., half:], a[..., :half]), dim=-1)
+
+
+def test_slices_with_computed_bounds_stay_in_the_engine() -> None:
+    model = check(_rotate_half, _x(2, 3, 8))
+    assert not _routed(model)
+
+
 # -- graph rewrites (ortmodule_exporter.passes.engine_graph_fixes) ---------------------------------
 
 
