@@ -85,6 +85,16 @@ def test_a_failing_run_restores_the_setting() -> None:
     assert torch.get_num_threads() == before
 
 
+def test_nested_runs_restore_in_order() -> None:
+    before = torch.get_num_threads()
+    threads = _TorchThreads(before + 1)
+    with threads:
+        with threads:  # a Function that calls the same model again
+            assert torch.get_num_threads() == before + 1
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+
+
 def test_graphs_without_pytorch_nodes_leave_the_setting_alone() -> None:
     model = ORTModule(torch.nn.Linear(4, 4))
     _steps(model)

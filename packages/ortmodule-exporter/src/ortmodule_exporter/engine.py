@@ -313,20 +313,21 @@ class _TorchThreads:
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self.saved = 0
+        #: the count to restore, one per run in progress (a Function may call the model again)
+        self.saved: list[int] = []
 
     def __enter__(self) -> None:
         if self.threads:
-            self.saved = torch.get_num_threads()
-            if self.saved != self.threads:
+            current = torch.get_num_threads()
+            self.saved.append(current)
+            if current != self.threads:
                 torch.set_num_threads(self.threads)
-            else:
-                self.saved = 0
 
     def __exit__(self, *exc: object) -> None:
-        if self.saved:
-            torch.set_num_threads(self.saved)
-            self.saved = 0
+        if self.threads:
+            previous = self.saved.pop()
+            if previous != self.threads:
+                torch.set_num_threads(previous)
 
 
 class TrainingSession:
