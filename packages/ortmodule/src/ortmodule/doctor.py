@@ -197,13 +197,20 @@ def _threads(report: Report, environ: Mapping[str, str]) -> None:
     """How PyTorch and the engine share the cores (benchmarks/results/*-threads-*.md)."""
     import torch
 
+    from .options import VARIABLES, InvalidOptionError, format_value
+
     lines = report.section("Threads")
     threads = torch.get_num_threads()
     lines.append(f"PyTorch intra-op threads: {threads} (the engine takes as many)")
-    in_engine = environ.get("ORTMODULE_TORCH_THREADS_IN_ENGINE", "1").strip() or "1"
+    (var,) = [v for v in VARIABLES if v.name == "ORTMODULE_TORCH_THREADS_IN_ENGINE"]
+    text = environ.get(var.name, "").strip()
+    try:
+        in_engine = format_value(var.convert(text) if text else var.default)
+    except InvalidOptionError:
+        in_engine = f"{text!r} (invalid, see Settings)"
     lines.append(
         f"PyTorch threads while the engine runs PyTorch-run nodes: {in_engine} "
-        "(ORTMODULE_TORCH_THREADS_IN_ENGINE; 0 keeps PyTorch's setting)"
+        f"({var.name}; 0 keeps PyTorch's setting)"
     )
     openmp = "OpenMP" in torch.__config__.parallel_info()
     policy = environ.get("OMP_WAIT_POLICY")
