@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .routes import register_untrainable_check
+from .routes import register_untrainable_check, traced_sizes
 
 __all__ = ["SAFE_ON_EMPTY", "example_inputs", "install", "is_zero_element", "zero_element_reasons"]
 
@@ -66,10 +66,7 @@ def _sizes(value: Any) -> tuple[int | None, ...] | None:
         shapes = getattr(_LOCAL, "shapes", None) or []
         offset = value.offset()
         return shapes[offset] if offset < len(shapes) else None
-    try:
-        sizes = value.type().varyingSizes()
-    except (AttributeError, RuntimeError):
-        return None
+    sizes = traced_sizes(value)
     return tuple(sizes) if sizes is not None else None
 
 

@@ -23,19 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .routes import register_untrainable_check
+from .routes import maybe_float, register_untrainable_check
 
 __all__ = ["gradient_gap_reasons", "install"]
-
-_FLOATS = frozenset({"Float", "Double", "Half", "BFloat16"})
-
-
-def _float(value: Any) -> bool:
-    try:
-        scalar = value.type().scalarType()
-    except (AttributeError, RuntimeError):
-        return True
-    return scalar is None or scalar in _FLOATS
 
 
 def _constant(value: Any) -> Any:
@@ -53,7 +43,7 @@ def _constant(value: Any) -> Any:
 
 def _gap(n: Any) -> str | None:
     op = n.kind().split("::", 1)[1]
-    if n.inputsSize() == 0 or not _float(n.inputsAt(0)):
+    if n.inputsSize() == 0 or not maybe_float(n.inputsAt(0)):
         return None
     if op == "Pow" and n.inputsSize() > 1 and _constant(n.inputsAt(1)) is None:
         return "Pow's exponent (the engine has no gradient for it)"

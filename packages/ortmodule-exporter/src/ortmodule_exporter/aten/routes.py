@@ -158,10 +158,11 @@ def _none(g: Any) -> Any:
     return value
 
 
-def _sizes(value: Any) -> list[int | None] | None:
+def traced_sizes(value: Any) -> list[int | None] | None:
+    """A traced tensor's sizes (None where unknown), or None when they are not known at all."""
     try:
         sizes = value.type().varyingSizes()
-    except RuntimeError:
+    except (AttributeError, RuntimeError):
         return None
     return list(sizes) if sizes is not None else None
 
@@ -216,7 +217,7 @@ def _embedding(
         "embedding",
         [weight, indices, _const(g, padding), _const(g, bool(by_freq)), _const(g, False)],
     )
-    index_sizes, weight_sizes = _sizes(indices), _sizes(weight)
+    index_sizes, weight_sizes = traced_sizes(indices), traced_sizes(weight)
     sizes = None
     if index_sizes is not None and weight_sizes is not None and len(weight_sizes) == 2:
         sizes = [*index_sizes, weight_sizes[1]]
@@ -313,11 +314,11 @@ def untrainable_nodes(inputs: Sequence[Any], nodes: Sequence[Any]) -> list[str]:
             # the engine's MatMul gradient (FusedMatMul, Reshape) fails when the right operand
             # is a vector (1-D @ 1-D, matrix @ vector); vector @ matrix trains
             found.append("MatMul by a vector")
-        derived.update(o.unique() for o in node.outputs() if _maybe_float(o))
+        derived.update(o.unique() for o in node.outputs() if maybe_float(o))
     return found
 
 
-def _maybe_float(value: Any) -> bool:
+def maybe_float(value: Any) -> bool:
     """Float, or of a type the exporter has not inferred (a path is kept until proven int)."""
     try:
         scalar = value.type().scalarType()
@@ -570,7 +571,7 @@ def _einsum(g: Any, equation: Any, tensor_list: Any, *rest: Any) -> Any:
     if not isinstance(eq, str) or not einsum_needs_aten(dtypes, device):
         return _previous("aten::einsum", symbolic_opset12.einsum)(g, equation, tensor_list, *rest)
     out = _aten(g, EINSUM, tensors, overload=eq)
-    rank = _einsum_rank(eq, [_sizes(t) for t in tensors])
+    rank = _einsum_rank(eq, [traced_sizes(t) for t in tensors])
     return _typed(out, tensors[0], [None] * rank if rank is not None else None)
 
 
@@ -618,7 +619,7 @@ def _sdpa(
         else sh._maybe_get_const(enable_gqa, "b")
     )
     scale_value = None if scale is None or sh._is_none(scale) else sh._maybe_get_const(scale, "f")
-    q_sizes, v_sizes = _sizes(query), _sizes(value)
+    q_sizes, v_sizes = traced_sizes(query), traced_sizes(value)
     if (
         not isinstance(dropout, float)
         or dropout != 0.0
