@@ -121,6 +121,9 @@ class CompiledGraph:
     times: PhaseTimer
     #: for each feed position: index into the backward outputs, or -1 for no gradient
     grad_index: list[int] = field(default_factory=list)
+    #: forward outputs handed back without a gradient: the engine's non-differentiable outputs
+    #: and those eager computes without one (``ExportedModel.outputs_without_grad``)
+    without_grad: frozenset[int] = frozenset()
     _reached: dict[frozenset[int], frozenset[str]] = field(default_factory=dict)
     _returned: dict[frozenset[int], list[int]] = field(default_factory=dict)
 
@@ -181,10 +184,15 @@ class _EngineFunction(torch.autograd.Function):
         ctx.state = state
         ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
         ctx.set_materialize_grads(False)
-        non_diff = graph.built.non_differentiable_outputs
-        for i, out in enumerate(outputs):
-            if i in non_diff or out.dtype not in _FLOAT_TYPES:
-                ctx.mark_non_differentiable(out)
+        without_grad = graph.without_grad
+        # one call with every such output: each call replaces the set the previous one marked
+        ctx.mark_non_differentiable(
+            *(
+                out
+                for i, out in enumerate(outputs)
+                if i in without_grad or out.dtype not in _FLOAT_TYPES
+            )
+        )
         return tuple(outputs)
 
     @staticmethod
@@ -562,6 +570,7 @@ class GraphRunner:
             buffer_updates=updates,
             times=times,
             grad_index=grad_index,
+            without_grad=built.non_differentiable_outputs | exported.outputs_without_grad,
         )
 
 

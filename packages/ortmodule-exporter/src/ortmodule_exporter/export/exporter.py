@@ -114,6 +114,16 @@ class _FlatModule(torch.nn.Module):
         return tuple(tensors)
 
 
+def _traced_input(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the trace takes it: detached from the user's autograd graph, and requiring
+    grad when the user's does, so that each traced output requires grad exactly when eager's
+    does (``ExportedModel.outputs_without_grad``). Such an input is a clone, not a leaf: the
+    module may write into it in place, as it may into the user's non-leaf tensor."""
+    if tensor.requires_grad:
+        return tensor.detach().requires_grad_(True).clone()
+    return tensor.detach()
+
+
 def module_path(module: torch.nn.Module) -> str:
     cls = type(module)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -318,7 +328,7 @@ def _export(
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 flat,
-                tuple(t.detach() for t in tensors),
+                tuple(_traced_input(t) for t in tensors),
                 buf,  # type: ignore[arg-type]  # a file object works; the stub says path only
                 input_names=names,
                 opset_version=opset,

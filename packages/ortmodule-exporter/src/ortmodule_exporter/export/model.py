@@ -123,6 +123,16 @@ class ExportedModel:
             return tuple(names)
         return tuple(n for i, n in enumerate(names) if i not in self.constant_outputs)
 
+    @property
+    def outputs_without_grad(self) -> frozenset[int]:
+        """Graph outputs (index into :attr:`user_output_names`) that did not require grad in the
+        traced forward: eager PyTorch hands them back without a gradient (``linalg.lu``'s
+        permutation, ``native_layer_norm``'s mean and rstd, a ``detach()``-ed tensor), though
+        the engine may still see a path to a trainable input through the node computing them."""
+        specs = self.output_schema.tensor_specs
+        kept = [i for i in range(len(specs)) if i not in self.constant_outputs]
+        return frozenset(j for j, i in enumerate(kept) if not specs[i].requires_grad)
+
     def restore_outputs(self, graph_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The user outputs in schema order: ``graph_outputs`` with the constants put back."""
         if not self.constant_outputs:
