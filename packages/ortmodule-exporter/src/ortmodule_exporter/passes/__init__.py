@@ -12,9 +12,10 @@
 ``engine_graph_fixes``  no-op Casts removed; an input read twice goes through an Identity (45)
 ``density``             the label-density flag PythonOp (used by ``ortmodule.sparsity``)
 ``built_graph``         :func:`~ortmodule_exporter.passes.built_graph.register_built_graph_pass`
+``scalar_gradients``    built-graph pass: gradients of 0-d tensors keep rank 0 (10)
 ======================  =========================================================================
 
-Importing this package registers the built-in post-export passes.
+Importing this package registers the built-in post-export and built-graph passes.
 
 >>> from ortmodule_exporter.passes import run_post_export_passes
 """
@@ -26,6 +27,7 @@ from . import (  # noqa: F401 - register
     engine_graph_fixes,
     output_ranks,
     python_op,
+    scalar_gradients,
 )
 from .registry import register_post_export_pass, run_post_export_passes, unregister_post_export_pass
 
