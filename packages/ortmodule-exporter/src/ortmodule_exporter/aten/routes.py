@@ -230,12 +230,18 @@ def _embedding(
 #: and bilinear export to ONNX Resize, which the engine trains), and operators whose ONNX form
 #: the engine differentiates silently wrong: scatter_add (ScatterElements(reduction=add) gives
 #: ``self`` a gradient of 0 instead of 1 at the scattered positions), native_layer_norm (the
-#: LayerNormalization gradient ignores gradients reaching its mean and rstd outputs)
+#: LayerNormalization gradient ignores gradients reaching its mean and rstd outputs), and
+#: log_sigmoid, whose ONNX form Log(Sigmoid(x)) loses precision where x > 0 (the log of a float
+#: near 1: 1.5e-4 off in multilabel_soft_margin_loss); ONNX has no log1p for the stable form.
+#: multinomial: ONNX Multinomial takes rank 2 only and draws from the engine's generator, so
+#: PyTorch's draws it from PyTorch's generator, the same samples as eager after the same seed
 DEFAULT_ROUTES = (
     "aten::_upsample_bicubic2d_aa",
     "aten::_upsample_bilinear2d_aa",
     "aten::scatter_add",
     "aten::native_layer_norm",
+    "aten::log_sigmoid",
+    "aten::multinomial",
 )
 
 
