@@ -42,8 +42,9 @@ def render(data: dict[str, dict[str, dict[str, str]]]) -> str:
         "entry that runs on CPU in float32 and supports autograd. For each, its first sample "
         "(plus its first 0-d and first zero-element sample, when it has them) runs through "
         "`ORTModule` with fallback disabled and through eager from the same inputs; every output "
-        "element and the gradient of a random weighting of the outputs with respect to every "
-        "floating input must match (rtol 1e-4, atol 1e-5). The test "
+        "element, whether each float output requires grad, and the gradient of a random "
+        "weighting of the outputs with respect to every floating input must match (rtol 1e-4, "
+        "atol 1e-5). The test "
         "`packages/ortmodule/tests/test_opinfo.py` runs the sweep (one worker process per "
         "op batch, so an op that kills the engine only fails its own test) and fails when any "
         "op's result differs from this page.",

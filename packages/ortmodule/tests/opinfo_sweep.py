@@ -2,9 +2,10 @@
 
 For each float32 CPU op with autograd, its first sample (and its first 0-d and first
 zero-element sample, when it has them) runs through ``ORTModule`` with fallback disabled and
-through eager from the same inputs; every output element and the gradient of a fixed random
-weighting of the outputs with respect to every floating input must match (fp32: rtol 1e-4,
-atol 1e-5; NaN equals NaN, as the op's own eager result may hold NaN).
+through eager from the same inputs; every output element, whether each float output requires
+grad, and the gradient of a fixed random weighting of the outputs with respect to every floating
+input must match (fp32: rtol 1e-4, atol 1e-5; NaN equals NaN, as the op's own eager result may
+hold NaN).
 
 It runs as a worker process: op names in on stdin, one JSON line per op out on stdout, so the
 parent (``test_opinfo.py``) survives an op that kills the engine and reports it as that op's
@@ -116,12 +117,11 @@ def _float_outputs(out: Any) -> list[torch.Tensor]:
 
 
 def _weighted_sum(outputs: list[torch.Tensor]) -> torch.Tensor | None:
+    """Every float output times its own random weights (drawn for each output, so which
+    outputs require grad cannot shift the weights of the others), summed over those that do."""
     gen = torch.Generator().manual_seed(1234)
-    terms = [
-        (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
-        for o in outputs
-        if o.requires_grad
-    ]
+    weights = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outputs]
+    terms = [(o * w).sum() for o, w in zip(outputs, weights, strict=True) if o.requires_grad]
     return torch.stack(terms).sum() if terms else None
 
 
@@ -161,8 +161,14 @@ def run_sample(op: Any, sample: Any) -> set[str]:
             )
         elif o != e:
             raise AssertionError(f"output {i}: {o!r} != eager {e!r}")
-    e_loss = _weighted_sum(_float_outputs(eager_out))
-    o_loss = _weighted_sum(_float_outputs(ort_out))
+    e_floats, o_floats = _float_outputs(eager_out), _float_outputs(ort_out)
+    for i, (o, e) in enumerate(zip(o_floats, e_floats, strict=True)):
+        if o.requires_grad != e.requires_grad:
+            raise AssertionError(
+                f"float output {i}: requires_grad is {o.requires_grad}, eager's {e.requires_grad}"
+            )
+    e_loss = _weighted_sum(e_floats)
+    o_loss = _weighted_sum(o_floats)
     if e_loss is not None:
         if o_loss is None:
             raise AssertionError("ORTModule's outputs do not require grad, eager's do")

@@ -1,7 +1,7 @@
 """Regression tests for the operator classes issue #20's OpInfo sweep found broken.
 
 Each case trains through ORTModule with fallback disabled (conftest) and matches eager on every
-output and input gradient (fp32: rtol 1e-4, atol 1e-5). Where the fix is a route (an operator
+output, on whether each output requires grad, and on every input gradient (fp32: rtol 1e-4, atol 1e-5). Where the fix is a route (an operator
 run by PyTorch inside the engine), the test also checks the route was taken, and that the same
 operator on ordinary inputs stays in the engine.
 """
@@ -58,6 +58,7 @@ def check(fn: Callable[..., Any], *args: torch.Tensor) -> ORTModule:
     weights = [torch.randn(e.shape, generator=gen) for e in expected]
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e.detach(), rtol=RTOL, atol=ATOL, equal_nan=True)
+        assert g.requires_grad == e.requires_grad
     floats = [(g, e, w) for g, e, w in zip(got, expected, weights, strict=True) if e.requires_grad]
     if floats:
         sum((e * w).sum() for _, e, w in floats).backward()
@@ -219,3 +220,86 @@ def test_an_aten_node_with_too_few_outputs_is_rebuilt() -> None:
 def test_empty_outputs_of_pytorch_operators_reach_the_engine() -> None:
     # an empty tensor with odd strides is contiguous to PyTorch, not to the engine's DLPack
     check(lambda a: torch.linalg.lu_factor(a)[0], _x(0, 3, 3))
+
+
+# -- outputs eager hands back without a gradient (ExportedModel.outputs_without_grad) -------------
+
+
+def test_outputs_eager_computes_without_grad_come_back_without_grad() -> None:
+    # linalg.lu's permutation and a detach()-ed tensor: the engine sees a path to the input
+    # through the node computing them, eager does not give them a gradient; and several such
+    # outputs at once (each mark_non_differentiable call used to replace the previous one)
+    def several(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        p, lower, upper = torch.linalg.lu(a)
+        return p, lower, upper, (a * 2).detach(), a.sum()
+
+    model = ORTModule(Fn(several))
+    got = model(_x(3, 3))
+    assert [t.requires_grad for t in got] == [False, True, True, False, True]
+    check(several, _x(3, 3))
+
+
+def test_layer_norm_statistics_need_no_gradient() -> None:
+    # native_layer_norm's mean and rstd outputs do not require grad in eager
+    check(lambda a, w, b: torch.native_layer_norm(a, [4], w, b, 1e-5), _x(2, 4), _x(4), _x(4))
+
+
+# -- gradients of 0-d tensors keep rank 0 (ortmodule_exporter.passes.scalar_gradients) ---------------
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        # Sqrt's gradient broadcast a 0-d gradient to (1,); the ReduceSum gradient then had one
+        # dimension too many and the mean's broadcast gradient reduced the wrong axes (16% off)
+        lambda a: a.var(dim=(0, 1, 2)).sqrt(),
+        lambda a: torch.masked._ops.std(a),
+        lambda a: (a.sum(dim=(0, 1, 2)) ** 2.5 * a).sum(dim=(0, 1, 2)),
+    ],
+    ids=["std_over_dims", "masked_std", "pow_of_a_sum"],
+)
+def test_gradients_of_scalars_keep_their_rank(fn: Callable[..., Any]) -> None:
+    check(fn, _x(5, 5, 5))
+
+
+# -- log_sigmoid runs in PyTorch (aten.routes.DEFAULT_ROUTES) -----------------------------------
+
+
+def test_log_sigmoid_is_exact_where_its_input_is_positive() -> None:
+    # Log(Sigmoid(x)) is the log of a float near 1 there: 1.5e-4 off at x = 9
+    x = torch.linspace(-9, 9, 37).requires_grad_(True)
+    model = check(F.logsigmoid, x)
+    assert _routed(model)
+    check(F.multilabel_soft_margin_loss, _x(3, 5) * 9, (torch.rand(3, 5) > 0.5).float())
+
+
+# -- multinomial runs in PyTorch (aten.routes.DEFAULT_ROUTES) --------------------------------------
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+@pytest.mark.parametrize("replacement", [True, False])
+def test_multinomial_draws_eager_samples(rank: int, replacement: bool) -> None:
+    # ONNX Multinomial takes rank 2 only (a rank-1 input failed to build) and draws from the
+    # engine's own generator; through PyTorch, the same seed gives eager's samples
+    class Draw(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 6)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            probs = torch.softmax(self.proj(x), -1)
+            return probs, torch.multinomial(probs[0] if rank == 1 else probs, 3, replacement)
+
+    torch.manual_seed(0)
+    module = Draw()
+    model = ORTModule(module)
+    x = torch.randn(3, 4)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        expected = module(x)
+        torch.manual_seed(seed)
+        got = model(x)
+        assert torch.equal(got[1], expected[1])
+        assert got[1].dtype == torch.int64 and got[1].shape == expected[1].shape
+    got[0].sum().backward()
+    assert module.proj.weight.grad is not None
