@@ -48,8 +48,10 @@ def _writes(schema: Any) -> bool:
 def _score(schema: Any, inputs: list[Any]) -> int | None:
     score = 0
     for arg, value in zip(schema.arguments, inputs, strict=True):
-        kind, _optional = _kind(arg.type)
+        kind, optional = _kind(arg.type)
         if value.type().kind() == "NoneType":
+            if not optional:  # None fits an Optional argument only (gradient.scalarint)
+                return None
             continue
         rank = _constant_rank(value)
         if kind == "Tensor":
