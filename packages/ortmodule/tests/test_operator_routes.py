@@ -303,3 +303,34 @@ def test_multinomial_draws_eager_samples(rank: int, replacement: bool) -> None:
         assert got[1].dtype == torch.int64 and got[1].shape == expected[1].shape
     got[0].sum().backward()
     assert module.proj.weight.grad is not None
+
+
+# -- operators that return a list (passes.aten_nodes._unpack_list_outputs) -------------------------
+
+
+LISTS: dict[str, Callable[..., Any]] = {
+    # the exporter wrote one sequence-typed ATen output read through SequenceAt, which the
+    # engine refused ("Type 'tensor(float)' of input parameter ... of operator (SequenceAt)")
+    "dsplit": lambda a: torch.dsplit(a, 2),
+    "unbind_copy": lambda a: torch.unbind_copy(a, 1),
+    "split_with_sizes_copy": lambda a: torch.split_with_sizes_copy(a, [1, 3], 2),
+    # gradient: also the overload, gradient.scalarint (None fits its Optional spacing only)
+    "gradient": lambda a: torch.gradient(a),
+    # one element read: the node has the list's first elements as outputs
+    "second_of_two": lambda a: torch.dsplit(a, 2)[1] * 2,
+}
+
+
+@pytest.mark.parametrize("name", sorted(LISTS))
+def test_operators_returning_a_list_train(name: str) -> None:
+    assert _routed(check(LISTS[name], _x(2, 3, 4)))
+
+
+@pytest.mark.parametrize("name", ["dsplit", "second_of_two"])
+def test_operators_returning_a_list_run_in_inference(name: str) -> None:
+    x = _x(2, 3, 4).detach()
+    model = ORTModule(Fn(LISTS[name]))
+    model.eval()
+    with torch.no_grad():
+        got, expected = model(x), LISTS[name](x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

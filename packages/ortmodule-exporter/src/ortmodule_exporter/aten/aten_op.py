@@ -35,7 +35,8 @@ def _grouped(inputs: list[Any], groups: str) -> list[Any]:
 class AtenOp(torch.autograd.Function):
     """A PyTorch operator with no ONNX form, run by the engine as a PythonOp during training.
 
-    ``spec`` is ``"operator|overload"``. Forward calls the operator (with autograd recording for
+    ``spec`` is ``"operator|overload[|groups[|count]]"`` (``count``: the operator returns a
+    list, of which the node has the first ``count`` elements as outputs). Forward calls the operator (with autograd recording for
     the inputs whose gradient the engine needs); backward is autograd's. The engine's PythonOp
     backward asks, per node, which inputs need a gradient, which a static ATen gradient
     definition cannot (see :mod:`ortmodule_exporter.aten.gradients`).
@@ -44,7 +45,8 @@ class AtenOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, spec: str, *inputs: Any) -> tuple[Any, ...]:
         operator, _, rest = spec.partition("|")
-        overload, _, groups = rest.partition("|")
+        overload, _, rest = rest.partition("|")
+        groups, _, count = rest.partition("|")
         needs = tuple(getattr(ctx, "needs_input_grad", ()))[1:] or (False,) * len(inputs)
         leaves = list(inputs)
         with torch.enable_grad():
@@ -57,6 +59,8 @@ class AtenOp(torch.autograd.Function):
                 if hasattr(err, "add_note"):
                     err.add_note(f"raised by aten::{operator}.{overload or 'default'}")
                 raise
+            if count:  # a list of which the graph reads the first ``count`` elements
+                outputs = aten_executor.first_elements(operator, outputs, int(count))
         ctx.set_materialize_grads(False)
         ctx.leaves, ctx.results = leaves, outputs
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)

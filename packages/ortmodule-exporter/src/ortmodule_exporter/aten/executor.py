@@ -268,6 +268,30 @@ def _as_output(value: Any) -> torch.Tensor | None:
     raise UnsupportedAtenOperatorError(f"the ATen executor cannot return a {type(value).__name__}")
 
 
+def returns_list(op_name: str, overload_name: str, n_inputs: int = -1) -> bool:
+    """Whether the aten operator returns one list of tensors (``dsplit``, ``unbind``): the
+    ATen pass gives such a node one output per element the graph reads."""
+    if op_name in _FUNCTIONS:
+        return False
+    try:
+        return aten_operator(op_name, overload_name, n_inputs).returns == ("Tensor[]",)
+    except UnsupportedAtenOperatorError:
+        return False
+
+
+def first_elements(
+    op_name: str, results: list[torch.Tensor | None], count: int
+) -> list[torch.Tensor | None]:
+    """The first ``count`` elements of the list ``op_name`` returned: the graph reads none
+    after them (it read ``torch.dsplit(x, 2)[0]``, say)."""
+    if len(results) < count:
+        raise UnsupportedAtenOperatorError(
+            f"aten::{op_name} returned {len(results)} tensors, the graph reads {count}: the list "
+            "is shorter than when the model was exported"
+        )
+    return results[:count]
+
+
 def execute(
     op_name: str, overload_name: str, inputs: list[torch.Tensor | None]
 ) -> list[torch.Tensor | None]:
@@ -383,6 +407,8 @@ def _execute_entry(
         ]
         results = execute(name, overload, tensors)
         del tensors
+        if len(results) > n_out and returns_list(name, overload, n_in):
+            results = first_elements(name, results, n_out)
         if len(results) != n_out:
             raise UnsupportedAtenOperatorError(
                 f"{name} returned {len(results)} values, the node has {n_out} outputs"

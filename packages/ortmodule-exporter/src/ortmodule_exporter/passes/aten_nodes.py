@@ -241,7 +241,12 @@ def _as_python_op(
             input_types.append(elem)
             input_ranks.append(ranks.get(member) or 0)
             position += 1
-    spec = f"{operator}|{overload}" + (f"|{','.join(groups)}" if groups else "")
+    spec = f"{operator}|{overload}"
+    if aten_executor.returns_list(operator, overload, len(node.input)):
+        # one output per list element the graph reads (_unpack_list_outputs)
+        spec += f"|{','.join(groups)}|{len(node.output)}"
+    elif groups:
+        spec += f"|{','.join(groups)}"
     pointers.insert(0, REGISTRY.keep(spec))
     tag = node.name or f"aten_{operator}_{id(node)}"
     outputs: list[str] = [f"{tag}_ctx"]
@@ -299,6 +304,65 @@ def _sequence_inputs(graph: onnx.GraphProto) -> dict[str, list[str]]:
     }
 
 
+def _unpack_list_outputs(graph: onnx.GraphProto) -> int:
+    """Give an ATen node that returns a list (``dsplit``, ``unbind_copy``, ``gradient``, ...)
+    one output per element up to the last one read, where the graph reads that list only
+    through ``SequenceAt`` at constant indices (the exporter's unpacking of the traced list, or
+    ``torch.dsplit(x, 2)[0]``). The engine has no sequence-typed ATen output; the executor hands
+    the list back as its first elements (``aten.executor.first_elements``).
+    Returns how many nodes changed."""
+    constants = _constant_values(graph)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    graph_outputs = {vi.name for vi in graph.output}
+    dropped: set[int] = set()
+    #: id of an unpacked node -> Identity nodes for elements read more than once
+    copies: dict[int, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        if node.domain != ATEN_DOMAIN or len(node.output) != 1:
+            continue
+        sequence = node.output[0]
+        uses = readers.get(sequence, [])
+        if not uses or sequence in graph_outputs:
+            continue
+        if any(u.op_type != "SequenceAt" or list(u.input)[:1] != [sequence] for u in uses):
+            continue
+        positions = [constants.get(u.input[1]) if len(u.input) > 1 else None for u in uses]
+        if any(p is None or np.ndim(p) != 0 for p in positions):
+            continue
+        indices = [int(p) for p in positions]  # type: ignore[arg-type]
+        if min(indices) < 0:
+            continue  # counted from the end: the list's length is not known here
+        names: dict[int, str] = {}
+        copies[id(node)] = []
+        for use, index in zip(uses, indices, strict=True):
+            if index in names:  # the same element read twice
+                copies[id(node)].append(
+                    onnx.helper.make_node("Identity", [names[index]], list(use.output))
+                )
+            else:
+                names[index] = use.output[0]
+            dropped.add(id(use))
+        del node.output[:]
+        # the executor hands back the list's first max(index) + 1 elements
+        node.output.extend(
+            names.get(i, f"{sequence}__unread{i}") for i in range(max(indices) + 1)
+        )
+    if not copies:
+        return 0
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if id(node) in dropped:
+            continue
+        nodes.append(node)
+        nodes.extend(copies.get(id(node), ()))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return len(copies)
+
+
 def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
     """Make every ATen node of ``model`` runnable and trainable; returns how many there are.
 
@@ -323,6 +387,7 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
             )
     if not any(n.domain == ATEN_DOMAIN for n in graph.node):
         return 0
+    _unpack_list_outputs(graph)
     _type_aten_outputs(model)
     known = _known(model)
     types = {**{name: elem for name, (elem, _dims) in known.items()}, **_value_types(model)}
