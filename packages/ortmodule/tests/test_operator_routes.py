@@ -334,3 +334,25 @@ def test_operators_returning_a_list_run_in_inference(name: str) -> None:
     with torch.no_grad():
         got, expected = model(x), LISTS[name](x)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+# -- split with an uneven last chunk runs in PyTorch (aten.uneven_split) --------------------------
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a: torch.split(a, 2, 1),
+        lambda a: torch.unsafe_split(a, 3, 1),
+        lambda a: a.split(3, -2),
+        lambda a: torch.split(a, 2, 1)[-1] * 2,
+    ],
+    ids=["split", "unsafe_split", "negative_dim", "last_chunk_only"],
+)
+def test_an_uneven_split_trains(fn: Callable[..., Any]) -> None:
+    # the symbolic wrote Split(split=[2, 2, 2]) for a dimension of 5, which the engine refused
+    assert _routed(check(fn, _x(2, 5, 4)))
+
+
+def test_an_even_split_stays_in_the_engine() -> None:
+    assert not _routed(check(lambda a: torch.split(a, 2, 2), _x(2, 5, 4)))

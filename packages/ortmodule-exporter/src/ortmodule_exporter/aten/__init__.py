@@ -12,6 +12,7 @@
 ``overloads``         which overload a routed operator calls, from its traced inputs
 ``empty_tensors``     operators on zero-element tensors run in PyTorch (an untrainable check)
 ``gradient_gaps``     ONNX nodes whose engine gradient fails for some inputs (an untrainable check)
+``uneven_split``      ``split`` with an uneven last chunk (an untrainable check)
 ====================  ===========================================================================
 
 The post-export passes over ATen nodes are in :mod:`ortmodule_exporter.passes.aten_nodes` and

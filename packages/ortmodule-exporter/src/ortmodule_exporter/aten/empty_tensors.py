@@ -58,7 +58,7 @@ def example_inputs(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
         _LOCAL.shapes = previous
 
 
-def _sizes(value: Any) -> tuple[int | None, ...] | None:
+def known_sizes(value: Any) -> tuple[int | None, ...] | None:
     """A traced tensor's sizes (None where unknown), or None when it is not a tensor."""
     if value is None:
         return None
@@ -72,7 +72,7 @@ def _sizes(value: Any) -> tuple[int | None, ...] | None:
 
 def is_zero_element(value: Any) -> bool:
     """Whether a traced value is a tensor known to hold no element."""
-    sizes = _sizes(value)
+    sizes = known_sizes(value)
     return sizes is not None and 0 in sizes
 
 

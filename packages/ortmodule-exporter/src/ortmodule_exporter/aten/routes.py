@@ -398,9 +398,10 @@ def _runnable_by_executor(name: str, overload: str, node: Any) -> bool:
         return False
     if len(operator.args) != node.inputsSize():
         return False
-    # tensor lists reach it through a PythonOp (prepare_aten_nodes); other kinds cannot
-    return not any(a.kind == "other" for a in operator.args) and all(
-        r == "Tensor" for r in operator.returns
+    # tensor lists reach it through a PythonOp (prepare_aten_nodes); other kinds cannot. A
+    # returned list reaches the graph as its elements (passes.aten_nodes._unpack_list_outputs)
+    return not any(a.kind == "other" for a in operator.args) and (
+        all(r == "Tensor" for r in operator.returns) or operator.returns == ("Tensor[]",)
     )
 
 
