@@ -356,3 +356,25 @@ def test_an_uneven_split_trains(fn: Callable[..., Any]) -> None:
 
 def test_an_even_split_stays_in_the_engine() -> None:
     assert not _routed(check(lambda a: torch.split(a, 2, 2), _x(2, 5, 4)))
+
+
+# -- clamp with a bound that needs a gradient runs in PyTorch (aten.gradient_gaps) ----------------
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a, t: torch.clamp_min(a, t),
+        lambda a, t: torch.clamp_max(a, t),
+        lambda a, t: torch.clamp(a, t, t + 1),
+    ],
+    ids=["clamp_min", "clamp_max", "clamp"],
+)
+def test_clamp_by_a_tensor_that_needs_a_gradient_trains(fn: Callable[..., Any]) -> None:
+    # the engine's Clip gradient is for its input only: "failed to find NodeArg t_grad"
+    assert _routed(check(fn, _x(3, 4), torch.tensor(0.1).requires_grad_(True)))
+
+
+def test_clamp_by_constants_or_tensors_without_grad_stays_in_the_engine() -> None:
+    assert not _routed(check(lambda a: torch.clamp(a, -0.5, 0.5), _x(3, 4)))
+    assert not _routed(check(lambda a, t: torch.clamp_min(a, t), _x(3, 4), torch.tensor(0.1)))

@@ -10,7 +10,9 @@ the operator that emitted them runs in PyTorch (an ATen node) in training export
   only";
 * ``ReduceL2``: its gradient graph leaves a value untyped ("does not have type information set
   by parent node"; ``norm``, ``linalg.norm``);
-* ``Slice`` with a negative step (``flip``): SliceGrad fails with ``narrowing_error``.
+* ``Slice`` with a negative step (``flip``): SliceGrad fails with ``narrowing_error``;
+* ``clamp`` (``Clip``) with a bound that needs a gradient (``clamp_min(x, t)``): the engine's
+  Clip gradient is for the input only ("failed to find NodeArg by name: t_grad").
 
 Only float paths count: an integer ``Slice`` or ``Pow`` needs no gradient.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .routes import maybe_float, register_untrainable_check
+from .routes import maybe_float, register_untrainable_check, traced_requires_grad
 
 __all__ = ["gradient_gap_reasons", "install"]
 
@@ -60,9 +62,22 @@ def _gap(n: Any) -> str | None:
     return None
 
 
+_CLAMPS = frozenset({"aten::clamp", "aten::clamp_min", "aten::clamp_max", "aten::clip"})
+
+
 def gradient_gap_reasons(node: Any, inputs: Sequence[Any], emitted: Sequence[Any]) -> list[str]:
     """The gaps among the ONNX nodes ``emitted`` for ``node`` (see the module docstring)."""
-    return [gap for n in emitted if (gap := _gap(n)) is not None]
+    gaps = [gap for n in emitted if (gap := _gap(n)) is not None]
+    clips = any(n.kind() == "onnx::Clip" for n in emitted)
+    if clips and node.kind() in _CLAMPS and any(
+        v.type().kind() == "TensorType"
+        and _constant(v) is None
+        and v.node().kind() != "prim::Constant"
+        and traced_requires_grad(v)
+        for v in list(node.inputs())[1:]
+    ):
+        gaps.append("clamp with a bound that needs a gradient (Clip's is for its input only)")
+    return gaps
 
 
 def install() -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "operator_export_type",
     "register_aten_route",
     "register_untrainable_check",
+    "traced_requires_grad",
     "untrainable_nodes",
     "untrainable_ops_routed",
 ]
@@ -641,7 +642,7 @@ def _sdpa(
         return default()
     device = _device(query)
     mask = attn_mask
-    if mask is not None and not sh._is_none(mask) and _requires_grad(mask):
+    if mask is not None and not sh._is_none(mask) and traced_requires_grad(mask):
         # the fused kernels' backward gives the mask no gradient: a learned bias stays decomposed
         return default()
     if mask is not None and not sh._is_none(mask):
@@ -696,7 +697,7 @@ def _sdpa(
     return _typed(outs[0], query, out_sizes)
 
 
-def _requires_grad(value: Any) -> bool:
+def traced_requires_grad(value: Any) -> bool:
     """Whether the traced value depends on something that requires grad (unknown: True)."""
     value_type = value.type()
     requires = getattr(value_type, "requires_grad", None)
