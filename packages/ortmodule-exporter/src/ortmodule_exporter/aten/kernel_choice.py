@@ -465,7 +465,9 @@ def measure_conv(
     _seeded()
     x, w = _randn(*input_shape), _randn(*weight_shape)
     b = _randn(weight_shape[0])
-    y = torch.convolution(x, w, b if bias else None, stride, padding, dilation, False, [0] * n, groups)
+    y = torch.convolution(
+        x, w, b if bias else None, stride, padding, dilation, False, [0] * n, groups
+    )
     dy = _randn(*y.shape)
     conv_inputs = ["x", "w", "b"] if bias else ["x", "w"]
     grads = ["dx", "dw", "db"] if bias else ["dx", "dw"]
@@ -481,8 +483,17 @@ def measure_conv(
             x, w, b if bias else None, stride, padding, dilation, False, [0] * n, groups
         )
         torch.ops.aten.convolution_backward(
-            dy, x, w, [w.shape[0]] if bias else None, stride, padding, dilation, False,
-            [0] * n, groups, [True, True, bias],
+            dy,
+            x,
+            w,
+            [w.shape[0]] if bias else None,
+            stride,
+            padding,
+            dilation,
+            False,
+            [0] * n,
+            groups,
+            [True, True, bias],
         )
         del out
 
@@ -900,9 +911,7 @@ def _max_pool2d_symbolic(with_indices: bool) -> Callable[..., Any]:
             route = _decide(op, dtype, None, lambda: (0.0, math.inf))
         else:
             shape = tuple(input_shape)
-            route = _decide(
-                op, dtype, shape, lambda: measure_max_pool2d(shape, k, s, p, d, ceil)
-            )
+            route = _decide(op, dtype, shape, lambda: measure_max_pool2d(shape, k, s, p, d, ceil))
         if route != "torch":
             return default(g, *args)
         params = _ints_const(g, [*k, *s, *p, *d, int(ceil)])
