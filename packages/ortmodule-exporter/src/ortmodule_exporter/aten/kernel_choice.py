@@ -235,7 +235,7 @@ class _SizeRecorder(TorchFunctionMode):
         first = out[0] if isinstance(out, (tuple, list)) and out else out
         if isinstance(first, torch.Tensor):
             try:
-                value = torch._C._get_value_trace(first)
+                value = torch._C._get_value_trace(first)  # type: ignore[attr-defined]
             except RuntimeError:  # not a traced value (a constant)
                 return out
             if value.unique() not in self._seen:
@@ -455,7 +455,7 @@ def measure_conv(
     from onnx import helper
 
     n = len(weight_shape) - 2
-    attrs = {
+    attrs: dict[str, Any] = {
         "kernel_shape": list(weight_shape[2:]),
         "strides": list(stride),
         "pads": list(padding) * 2,
@@ -923,7 +923,8 @@ def _max_pool2d_symbolic(with_indices: bool) -> Callable[..., Any]:
             overload_name_s="",
             outputs=2,
         )
-        sizes = sh._get_tensor_sizes(x) or [None] * len(input_shape)
+        rank = len(input_shape) if input_shape is not None else sh._get_tensor_rank(x) or 4
+        sizes = sh._get_tensor_sizes(x) or [None] * rank
         spatial = [*sizes[:-2], None, None]  # the leading dims stay, the pooled ones are dynamic
         values.setType(x.type().with_sizes(spatial))
         indices.setType(x.type().with_sizes(spatial).with_dtype(torch.int64))
