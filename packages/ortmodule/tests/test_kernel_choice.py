@@ -3,6 +3,8 @@ engine trains like eager, and AUTO picks whichever route it measured faster."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -91,3 +93,105 @@ def test_measurement_times_both_kernels() -> None:
 def test_bad_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="kernel choice mode must be one of"):
         kernel_choice.configure_kernel_choice("fastest")
+
+
+# -- ReLU, convolution and max pooling ----------------------------------------------------------
+
+
+class ConvNet(torch.nn.Module):
+    """Conv -> ReLU -> MaxPool -> Conv(stride, padding, groups, dilation, bias) -> ReLU."""
+
+    def __init__(self, ceil_mode: bool, return_indices: bool) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.pool = torch.nn.MaxPool2d(
+            3, stride=2, padding=1, ceil_mode=ceil_mode, return_indices=return_indices
+        )
+        self.body = torch.nn.Conv2d(8, 8, 3, stride=2, padding=2, dilation=2, groups=2)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.stem(x))
+        y = self.pool(y)
+        if isinstance(y, tuple):
+            y = y[0] + y[1].float() * 0  # the indices reach the output, no gradient
+        y = torch.relu(self.body(y))
+        return self.head(y.mean(dim=(2, 3)))
+
+
+def _train_convnet(ceil_mode: bool, return_indices: bool) -> ORTModule:
+    torch.manual_seed(0)
+    eager = ConvNet(ceil_mode, return_indices)
+    ours = ORTModule(clone_model(eager))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x = torch.randn(4, 3, 11, 11, generator=gen)
+        outs = []
+        for model in (eager, ours):
+            model.zero_grad()
+            out = model(x)
+            out.square().mean().backward()
+            outs.append(out)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+        for (name, p_eager), p_ours in zip(
+            eager.named_parameters(), ours.parameters(), strict=True
+        ):
+            assert p_ours.grad is not None, name
+            torch.testing.assert_close(p_ours.grad, p_eager.grad, rtol=1e-4, atol=1e-5)
+    return ours
+
+
+@pytest.mark.parametrize(("ceil_mode", "return_indices"), [(False, False), (True, True)])
+def test_relu_conv_and_max_pool_on_torch_kernels_train_like_eager(
+    ceil_mode: bool, return_indices: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
+    ops = _ops(_train_convnet(ceil_mode, return_indices))
+    # the stem's input needs no gradient: its convolution stays on the engine (see CONV)
+    assert ops.count(kernel_choice.CONV) == 1 and "Conv" in ops
+    assert ops.count(kernel_choice.RELU) == 2
+    assert ops.count(kernel_choice.MAX_POOL2D) == 1 and "MaxPool" not in ops
+
+
+def test_engine_keeps_relu_conv_and_max_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "ENGINE")
+    ops = _ops(_train_convnet(False, False))
+    assert not any(op.startswith("_ortmodule_") for op in ops)
+    assert ops.count("Conv") == 2 and ops.count("Relu") == 2 and "MaxPool" in ops
+
+
+def test_auto_records_decisions_per_traced_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "AUTO")
+    _train_convnet(False, False)
+    found = kernel_choice.decisions()
+    conv = [k for k in found if k[0].startswith("conv(weight=8x4x3x3")]
+    pool = [k for k in found if k[0].startswith("max_pool2d(kernel=[3, 3]")]
+    assert [k[2] for k in conv] == [(4, 8, 6, 6)]  # the pooled map
+    assert [k[2] for k in pool] == [(4, 8, 11, 11)]
+    # 4 x 8 x 11 x 11 = 3872 elements after the stem, 4 x 8 x 3 x 3 = 288 after the body
+    assert ("relu", "Float", 4096) in found and ("relu", "Float", 256) in found
+
+
+def test_a_measurement_that_raises_keeps_the_engine_kernel() -> None:
+    kernel_choice.configure_kernel_choice("auto")
+
+    def measure(numel: int) -> tuple[float, float]:
+        raise RuntimeError("no ReluGrad in this build")
+
+    try:
+        assert kernel_choice.choose("test-op-raises", "Float", 100, measure) == "engine"
+    finally:
+        kernel_choice.configure_kernel_choice("engine")
+
+
+@pytest.mark.parametrize(
+    "measure",
+    [
+        lambda: kernel_choice.measure_relu(1 << 12),
+        lambda: kernel_choice.measure_conv((2, 4, 8, 8), (4, 4, 3, 3), (1, 1), (1, 1), (1, 1)),
+        lambda: kernel_choice.measure_max_pool2d((2, 4, 8, 8), (2, 2), (2, 2), (0, 0), (1, 1)),
+    ],
+)
+def test_new_measurements_time_both_kernels(measure: Any) -> None:
+    engine_us, torch_us = measure()
+    assert engine_us > 0 and torch_us > 2 * kernel_choice.ATEN_NODE_US

@@ -176,19 +176,53 @@ def _devices(report: Report, engine: Mapping[str, Any]) -> None:
 def _kernel_choice(report: Report) -> None:
     """Re-measure, on this machine, what ORTMODULE_KERNEL_CHOICE=AUTO decides at export."""
     lines = report.section("Kernel choice (ORTMODULE_KERNEL_CHOICE=AUTO, measured now)")
-    from ortmodule_exporter.aten.kernel_choice import CALIBRATION_NUMEL, measure_gelu
+    from ortmodule_exporter.aten import kernel_choice as kc
 
-    for numel in (1 << 14, CALIBRATION_NUMEL):
+    from .options import VARIABLES
+
+    # the PyTorch side runs at the thread count it has inside the engine
+    (var,) = [v for v in VARIABLES if v.name == "ORTMODULE_TORCH_THREADS_IN_ENGINE"]
+    before = kc.current_torch_threads()
+    kc.configure_kernel_choice(kc.current_mode(), var.default)
+    try:
+        _measure_kernels(lines)
+    finally:
+        kc.configure_kernel_choice(kc.current_mode(), before)
+
+
+def _measure_kernels(lines: list[str]) -> None:
+    from ortmodule_exporter.aten import kernel_choice as kc
+
+    def gelu(n: int) -> Callable[[], tuple[float, float]]:
+        return lambda: kc.measure_gelu(n)
+
+    cases: list[tuple[str, Callable[[], tuple[float, float]]]] = [
+        (f"GELU forward+backward, {n} float32 elements", gelu(n))
+        for n in (1 << 14, kc.CALIBRATION_NUMEL)
+    ]
+    cases += [
+        ("ReLU forward+backward, 262144 float32 elements", lambda: kc.measure_relu(1 << 18)),
+        (
+            "Conv 3x3 16->32 forward+backward on 16x16x16x16",
+            lambda: kc.measure_conv((16, 16, 16, 16), (32, 16, 3, 3), (1, 1), (1, 1), (1, 1)),
+        ),
+        (
+            "MaxPool 2x2 forward+backward on 16x16x32x32",
+            lambda: kc.measure_max_pool2d((16, 16, 32, 32), (2, 2), (2, 2), (0, 0), (1, 1)),
+        ),
+    ]
+    for label, measure in cases:
         try:
-            engine_us, torch_us = measure_gelu(numel)
-        except Exception as err:  # an inference-only engine has no GeluGrad: AUTO keeps its own
+            engine_us, torch_us = measure()
+        except Exception as err:  # an inference-only engine has no ...Grad: AUTO keeps its own
             lines.append(
-                f"GELU could not be timed ({type(err).__name__}); the engine's kernel is used"
+                f"{label.split(' forward')[0]} could not be timed ({type(err).__name__}); "
+                "the engine's kernel is used"
             )
-            return
+            continue
         route = "PyTorch (ATen nodes)" if torch_us < engine_us else "the engine"
         lines.append(
-            f"GELU forward+backward, {numel} float32 elements: engine {engine_us:.0f} us, "
+            f"{label}: engine {engine_us:.0f} us, "
             f"PyTorch {torch_us:.0f} us with its ATen nodes -> {route}"
         )
 

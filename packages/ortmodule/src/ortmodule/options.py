@@ -348,8 +348,10 @@ VARIABLES: tuple[EnvVar, ...] = (
         _choice("AUTO", "ENGINE", "TORCH"),
         "AUTO, ENGINE or TORCH (any case)",
         _EXPORTER,
-        "Per-operator kernel choice (GELU so far): AUTO times the engine's kernel against "
-        "PyTorch's (run as ATen nodes) once per process and size class and exports the faster; "
+        "Per-operator kernel choice for GELU, ReLU, convolution (not transposed, input needing a "
+        "gradient) and 2-d max pooling: AUTO times the engine's kernels against PyTorch's (run as "
+        "ATen nodes, PyTorch at ORTMODULE_TORCH_THREADS_IN_ENGINE threads) once per process and "
+        "operator, dtype and size class (the sizes traced at export) and exports the faster; "
         "ENGINE or TORCH force one. Left at its default, it is ENGINE while recompute or "
         "ORTMODULE_USE_TRITON is on (the engine recomputes and fuses only its own nodes).",
         "ENGINE",

@@ -58,6 +58,7 @@ def export_config(options: RuntimeOptions) -> ExportConfig:
         aten_sdpa_fallback=options.aten_sdpa_fallback or fused_attention,
         efficient_attention=options.use_efficient_attention,
         kernel_choice=kernel_choice,
+        kernel_choice_threads=options.torch_threads_in_engine,
     )
 
 

@@ -1,52 +1,78 @@
 """Per-operator kernel choice: the engine's kernel or PyTorch's, whichever measured faster here.
 
 Some engine CPU kernels are several times slower than PyTorch's (GELU's backward, ``GeluGrad``,
-was 3.4x in the GPT profile). For such an operator the exporter can instead write an ATen node
-that PyTorch runs inside the engine, forward and backward; that node pays a fixed cost for
-crossing the engine boundary (about 45 us per node, ``benchmarks/bench_python_op.py``). Which
-route wins depends on the machine and the tensor size, so it is decided by measurement: the
-first export that meets the operator times both routes on this machine (a few milliseconds) and
-keeps the answer for the process, per (operator, dtype, size class).
+was 3.4x in the GPT profile; ``ReluGrad`` is 20x PyTorch's ``threshold_backward`` on a CNN's
+activations). For such an operator the exporter can instead write an ATen node that PyTorch
+runs inside the engine, forward and backward; that node pays a fixed cost for crossing the
+engine boundary (about 45 us per node, ``benchmarks/bench_python_op.py``). Which route wins
+depends on the machine and the tensor size, so it is decided by measurement: the first export
+that meets the operator times both routes on this machine (a few milliseconds) and keeps the
+answer for the process, per (operator, dtype, size class).
 
-Export sizes are dynamic, so the size class is the one measured at :data:`CALIBRATION_NUMEL`
-elements (an activation of the benchmark transformers, batch x sequence x hidden); operators
-whose size is known at export use their own class.
+The covered operators are a small table (:func:`register_kernel_choice`): GELU, ReLU,
+convolution (``aten::_convolution``, not transposed) and 2-d max pooling. Each entry is a
+symbolic that replaces the exporter's own while the mode is ``auto`` or ``torch``, and falls
+back to it whenever the engine's kernel is chosen.
+
+Size classes: ReLU and pooling and convolution use the sizes the operator had when the export
+traced the module (:func:`recording_traced_sizes`; the exported graph's own dims are dynamic);
+convolution and pooling also key on their weight shape and settings. GELU keeps the class it
+always had, the one measured at :data:`CALIBRATION_NUMEL` elements unless the export knows the
+size. An operator whose traced sizes are unknown is measured at :data:`CALIBRATION_NUMEL`
+(ReLU) or keeps the engine's kernel (convolution, pooling: their cost depends on the spatial
+shape).
+
+The PyTorch side is timed at the thread count PyTorch has while the engine runs a graph with
+PyTorch-run nodes (``ORTMODULE_TORCH_THREADS_IN_ENGINE``, passed in by
+:func:`configure_kernel_choice`), the engine side at PyTorch's current count (the count the
+engine's sessions get).
 
 ``mode`` (``ORTMODULE_KERNEL_CHOICE``): ``auto`` measures, ``engine`` keeps every operator on
 the engine's kernels, ``torch`` routes every covered operator to PyTorch.
 
 >>> from ortmodule_exporter.aten.kernel_choice import configure_kernel_choice, decisions
->>> configure_kernel_choice("auto")
+>>> configure_kernel_choice("auto", torch_threads=1)
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.onnx import symbolic_helper as sh
+from torch.overrides import TorchFunctionMode
 
 from ..engine_binding import import_onnxruntime
 from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
 from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
-from .gradients import GradientNode, register_aten_gradient
+from .gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
 
 __all__ = [
     "ATEN_NODE_US",
     "CALIBRATION_NUMEL",
     "MODES",
+    "CoveredOperator",
     "choose",
     "configure_kernel_choice",
+    "covered_operators",
     "current_mode",
+    "current_torch_threads",
     "decisions",
+    "measure_conv",
     "measure_gelu",
+    "measure_max_pool2d",
+    "measure_relu",
+    "recording_traced_sizes",
+    "register_kernel_choice",
 ]
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -59,12 +85,20 @@ CALIBRATION_NUMEL = 1 << 20
 
 GELU = "_ortmodule_gelu"
 GELU_BACKWARD = "_ortmodule_gelu_backward"
+RELU = "_ortmodule_relu"
+RELU_BACKWARD = "_ortmodule_relu_backward"
+CONV = "_ortmodule_conv"
+CONV_BACKWARD = "_ortmodule_conv_backward"
+MAX_POOL2D = "_ortmodule_max_pool2d"
+MAX_POOL2D_BACKWARD = "_ortmodule_max_pool2d_backward"
 
 _LOCK = threading.Lock()
 # nothing is rerouted until a caller (ORTModule, through ExportConfig) asks for it
 _MODE = ["engine"]
+#: PyTorch's intra-op threads inside the engine (0: PyTorch's current count)
+_TORCH_THREADS = [0]
 #: (operator, dtype, size class) -> "engine" or "torch", with the timings that decided it
-_DECISIONS: dict[tuple[str, str, int], tuple[str, float, float]] = {}
+_DECISIONS: dict[tuple[str, str, Any], tuple[str, float, float]] = {}
 _PREVIOUS: dict[str, Any] = {}
 
 
@@ -73,41 +107,195 @@ def current_mode() -> str:
     return _MODE[0]
 
 
-def decisions() -> dict[tuple[str, str, int], tuple[str, float, float]]:
+def current_torch_threads() -> int:
+    """The PyTorch thread count the measurement uses (0: PyTorch's current count)."""
+    return _TORCH_THREADS[0]
+
+
+def decisions() -> dict[tuple[str, str, Any], tuple[str, float, float]]:
     """What was chosen so far: key -> (route, engine us, torch us incl. the ATen nodes)."""
     with _LOCK:
         return dict(_DECISIONS)
 
 
-# -- the PyTorch side: our ATen functions and their gradient ----------------------------------------
+# -- the table of covered operators -----------------------------------------------------------------
 
 
-def _gelu(approximate: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    (x,) = inputs
-    assert x is not None
-    return [F.gelu(x, approximate=approximate or "none")]
+@dataclass(frozen=True)
+class CoveredOperator:
+    """An operator the kernel choice covers: ``symbolic(default, g, *args)`` replaces the
+    exporter's symbolic for ``op`` and calls ``default(g, *args)`` (the symbolic it replaced,
+    or ``fallback()`` when there was none) where the engine's kernel stays."""
+
+    op: str
+    symbolic: Callable[..., Any]
+    fallback: Callable[[], Callable[..., Any]]
+    opset: int = 9
 
 
-def _gelu_backward(
-    approximate: str, inputs: list[torch.Tensor | None]
-) -> list[torch.Tensor | None]:
-    grad, x = inputs
-    assert grad is not None and x is not None
-    return [torch.ops.aten.gelu_backward(grad, x, approximate=approximate or "none")]
+_COVERED: dict[str, CoveredOperator] = {}
+_WRAPPERS: dict[str, Callable[..., Any]] = {}
 
 
-def _all_tensors(_overload: str, _index: int, _is_input: bool) -> bool:
-    return True
+def register_kernel_choice(entry: CoveredOperator) -> None:
+    """Cover ``entry.op``; it is installed by the next :func:`configure_kernel_choice`.
+
+    >>> register_kernel_choice(CoveredOperator("aten::relu", _relu_symbolic, _opset9("relu")))
+    """
+    op = entry.op
+
+    def wrapper(g: Any, *args: Any) -> Any:
+        return entry.symbolic(lambda g, *a: _default(op, g, *a), g, *args)
+
+    wrapper.__qualname__ = f"kernel_choice[{op}]"
+    _COVERED[op] = entry
+    _WRAPPERS[op] = wrapper
 
 
-register_aten_function(GELU, AtenFunction(_gelu, _all_tensors))
-register_aten_function(GELU_BACKWARD, AtenFunction(_gelu_backward, _all_tensors))
-for _approximate in ("none", "tanh"):
-    register_aten_gradient(
-        GELU,
-        _approximate,
-        [GradientNode.aten(GELU_BACKWARD, ["GO(0)", "I(0)"], ["GI(0)"], overload=_approximate)],
-    )
+def covered_operators() -> tuple[str, ...]:
+    """The symbolics the kernel choice replaces (``aten::gelu``, ...)."""
+    return tuple(_COVERED)
+
+
+def _default(op: str, g: Any, *args: Any) -> Any:
+    # the symbolic we replaced, where it applies at this export's opset
+    previous = _PREVIOUS.get(op)
+    if previous is not None and g.opset >= previous.opset:
+        return previous.fn(g, *args)
+    return _COVERED[op].fallback()(g, *args)
+
+
+def _opset9(name: str) -> Callable[[], Callable[..., Any]]:
+    def fallback() -> Callable[..., Any]:
+        from torch.onnx._internal.torchscript_exporter import symbolic_opset9
+
+        fn: Callable[..., Any] = getattr(symbolic_opset9, name)
+        return fn
+
+    return fallback
+
+
+def configure_kernel_choice(mode: str = "auto", torch_threads: int | None = None) -> None:
+    """Install the kernel-choice symbolics (``auto``/``torch``) or remove them (``engine``).
+
+    ``torch_threads``: PyTorch's intra-op threads while the engine runs PyTorch-run nodes
+    (``ORTMODULE_TORCH_THREADS_IN_ENGINE``; 0 keeps PyTorch's count), which the measurement
+    of the PyTorch side uses; None leaves it as it is."""
+    if mode not in MODES:
+        raise ValueError(f"kernel choice mode must be one of {MODES}, got {mode!r}")
+    if torch_threads is not None:
+        if torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0, got {torch_threads}")
+        _TORCH_THREADS[0] = torch_threads
+    _MODE[0] = mode
+    symbolics = registered_symbolics()
+    for op, wrapper in _WRAPPERS.items():
+        current = symbolics.get(op)
+        if mode == "engine":
+            if current is not None and current.fn is wrapper:
+                previous = _PREVIOUS.pop(op, None)
+                if previous is not None:
+                    register_symbolic(op, previous.fn, previous.opset)
+                else:
+                    unregister_symbolic(op)
+            continue
+        if current is not None and current.fn is not wrapper:
+            _PREVIOUS[op] = current
+        register_symbolic(op, wrapper, _COVERED[op].opset)
+
+
+# -- sizes seen while the export traces ---------------------------------------------------------------
+
+_TRACE = threading.local()
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """One traced operator: its inputs' sizes and whether its first tensor input needs a
+    gradient (an ATen node's gradient definition writes every input gradient it names)."""
+
+    sizes: list[tuple[int, ...] | None]
+    input_needs_grad: bool
+
+
+class _SizeRecorder(TorchFunctionMode):
+    """Records the input sizes of every traced operator, per (scope, kind), in trace order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[tuple[str, str], list[_Traced]] = {}
+        self._seen: set[int] = set()
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if torch._C._get_tracing_state() is None:
+            return out
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        if isinstance(first, torch.Tensor):
+            try:
+                value = torch._C._get_value_trace(first)  # type: ignore[attr-defined]
+            except RuntimeError:  # not a traced value (a constant)
+                return out
+            if value.unique() not in self._seen:
+                self._seen.add(value.unique())
+                node = value.node()
+                key = (node.scopeName(), node.kind().rstrip("_"))
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                self.sizes.setdefault(key, []).append(
+                    _Traced(
+                        [_complete_sizes(v) for v in node.inputs()],
+                        bool(tensors and tensors[0].requires_grad),
+                    )
+                )
+        return out
+
+
+def _complete_sizes(value: Any) -> tuple[int, ...] | None:
+    try:
+        sizes = value.type().sizes()
+    except (AttributeError, RuntimeError):
+        return None
+    return tuple(int(s) for s in sizes) if sizes is not None else None
+
+
+@contextlib.contextmanager
+def recording_traced_sizes() -> Iterator[None]:
+    """For one export: remember the concrete sizes each operator had while it was traced, so
+    the symbolics can class it (the exported graph's dims are dynamic). Does nothing unless the
+    mode is ``engine``."""
+    if _MODE[0] == "engine":
+        yield
+        return
+    previous = getattr(_TRACE, "recorder", None)
+    recorder = _SizeRecorder()
+    _TRACE.recorder = recorder
+    try:
+        with recorder:
+            yield
+    finally:
+        _TRACE.recorder = previous
+
+
+def _traced(g: Any) -> _Traced | None:
+    """What the operator being exported had when it was traced, or None."""
+    recorder = getattr(_TRACE, "recorder", None)
+    node = getattr(g, "original_node", None)
+    if recorder is None or node is None:
+        return None
+    key = (node.scopeName(), node.kind().rstrip("_"))
+    seen = recorder.sizes.get(key)
+    if not seen:
+        return None
+    # the n-th such operator of this module scope in the graph is the n-th one traced
+    ordinal = 0
+    other = node.prev()
+    while other.kind() not in ("prim::Param", "prim::Return"):
+        if (other.scopeName(), other.kind().rstrip("_")) == key:
+            ordinal += 1
+        other = other.prev()
+    return seen[ordinal] if ordinal < len(seen) else None
 
 
 # -- measuring ---------------------------------------------------------------------------------------
@@ -124,86 +312,260 @@ def _best_us(fn: Callable[[], Any], repeats: int = 5) -> float:
     return statistics.median(times) * 1e6
 
 
-def measure_gelu(numel: int, approximate: str = "none") -> tuple[float, float]:
-    """Microseconds of GELU forward + backward on ``numel`` float32 elements: (engine, torch).
+@contextlib.contextmanager
+def _torch_threads_in_engine() -> Iterator[None]:
+    threads = _TORCH_THREADS[0]
+    before = torch.get_num_threads()
+    if threads and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads and threads != before:
+            torch.set_num_threads(before)
 
-    The engine side is its ``Gelu`` and ``GeluGrad`` kernels in one session (what the engine
-    fuses an exported GELU into); the torch side adds the two ATen nodes' own cost.
-    """
-    import onnx
+
+def _engine_us(
+    name: str,
+    nodes: list[Any],
+    inputs: dict[str, torch.Tensor],
+    outputs: Sequence[str],
+    input_types: dict[str, int] | None = None,
+) -> float:
+    """Microseconds of one run of ``nodes`` on the engine (at PyTorch's thread count)."""
     from onnx import TensorProto, helper
 
     ort = import_onnxruntime()
-    op = "Gelu" if approximate == "none" else "FastGelu"
-    nodes = [
-        helper.make_node(op, ["x"], ["y"], domain="com.microsoft"),
-        helper.make_node(
-            "GeluGrad" if approximate == "none" else "FastGeluGrad",
-            ["dy", "x"],
-            ["dx"],
-            domain="com.microsoft",
-        ),
-    ]
-    shape = [numel]
+    types = input_types or {}
     graph = helper.make_graph(
         nodes,
-        "gelu",
+        name,
         [
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
-            helper.make_tensor_value_info("dy", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info(k, types.get(k, TensorProto.FLOAT), list(v.shape))
+            for k, v in inputs.items()
         ],
-        [
-            helper.make_tensor_value_info("y", TensorProto.FLOAT, shape),
-            helper.make_tensor_value_info("dx", TensorProto.FLOAT, shape),
-        ],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
     )
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
         ir_version=8,
     )
-    onnx.checker.check_model(model)
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(numel, generator=gen)
-    dy = torch.randn(numel, generator=gen)
-    feeds = {"x": x.numpy(), "dy": dy.numpy()}
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    return _best_us(lambda: session.run(list(outputs), feeds))
 
-    def engine() -> None:
-        session.run(None, feeds)
+
+def _torch_us(fn: Callable[[], Any], aten_nodes: int = 2) -> float:
+    """Microseconds of ``fn`` at the in-engine thread count, plus its ATen nodes' own cost."""
+    with _torch_threads_in_engine():
+        return _best_us(fn) + aten_nodes * ATEN_NODE_US
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=_randn.gen)  # type: ignore[attr-defined]
+
+
+def _seeded() -> None:
+    _randn.gen = torch.Generator().manual_seed(0)  # type: ignore[attr-defined]
+
+
+def measure_gelu(numel: int, approximate: str = "none") -> tuple[float, float]:
+    """Microseconds of GELU forward + backward on ``numel`` float32 elements: (engine, torch).
+
+    The engine side is its ``Gelu`` and ``GeluGrad`` kernels in one session (what the engine
+    fuses an exported GELU into); the torch side adds the two ATen nodes' own cost.
+    """
+    from onnx import helper
+
+    fast = approximate != "none"
+    nodes = [
+        helper.make_node("FastGelu" if fast else "Gelu", ["x"], ["y"], domain="com.microsoft"),
+        helper.make_node(
+            "FastGeluGrad" if fast else "GeluGrad", ["dy", "x"], ["dx"], domain="com.microsoft"
+        ),
+    ]
+    _seeded()
+    x, dy = _randn(numel), _randn(numel)
+    engine_us = _engine_us("gelu", nodes, {"x": x, "dy": dy}, ["y", "dx"])
 
     def torch_route() -> None:
         F.gelu(x, approximate=approximate)
         torch.ops.aten.gelu_backward(dy, x, approximate=approximate)
 
-    engine_us = _best_us(engine)
-    torch_us = _best_us(torch_route) + 2 * ATEN_NODE_US
-    return engine_us, torch_us
+    return engine_us, _torch_us(torch_route)
+
+
+def measure_relu(numel: int) -> tuple[float, float]:
+    """Microseconds of ReLU forward + backward on ``numel`` float32 elements: (engine, torch).
+
+    Engine: ``Relu`` + ``ReluGrad``; PyTorch: ``relu`` + ``threshold_backward`` and two ATen
+    nodes."""
+    from onnx import helper
+
+    nodes = [
+        helper.make_node("Relu", ["x"], ["y"]),
+        helper.make_node("ReluGrad", ["dy", "y"], ["dx"], domain="com.microsoft"),
+    ]
+    _seeded()
+    x, dy = _randn(numel), _randn(numel)
+    engine_us = _engine_us("relu", nodes, {"x": x, "dy": dy}, ["y", "dx"])
+
+    def torch_route() -> None:
+        y = torch.relu(x)
+        torch.ops.aten.threshold_backward(dy, y, 0)
+
+    return engine_us, _torch_us(torch_route)
+
+
+@dataclass(frozen=True)
+class _ConvSettings:
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+
+    def params(self) -> list[int]:
+        return [*self.stride, *self.padding, *self.dilation, self.groups]
+
+    @classmethod
+    def parse(cls, params: Sequence[int], n: int) -> _ConvSettings:
+        return cls(
+            tuple(params[:n]), tuple(params[n : 2 * n]), tuple(params[2 * n : 3 * n]), params[3 * n]
+        )
+
+
+def measure_conv(
+    input_shape: Sequence[int],
+    weight_shape: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int = 1,
+    bias: bool = False,
+) -> tuple[float, float]:
+    """Microseconds of a convolution's forward + backward (input, weight and bias gradients):
+    (engine, torch). Engine: ``Conv`` + ``ConvGrad``; PyTorch: ``convolution`` +
+    ``convolution_backward`` and two ATen nodes."""
+    from onnx import helper
+
+    n = len(weight_shape) - 2
+    attrs: dict[str, Any] = {
+        "kernel_shape": list(weight_shape[2:]),
+        "strides": list(stride),
+        "pads": list(padding) * 2,
+        "dilations": list(dilation),
+        "group": groups,
+    }
+    _seeded()
+    x, w = _randn(*input_shape), _randn(*weight_shape)
+    b = _randn(weight_shape[0])
+    y = torch.convolution(
+        x, w, b if bias else None, stride, padding, dilation, False, [0] * n, groups
+    )
+    dy = _randn(*y.shape)
+    conv_inputs = ["x", "w", "b"] if bias else ["x", "w"]
+    grads = ["dx", "dw", "db"] if bias else ["dx", "dw"]
+    nodes = [
+        helper.make_node("Conv", conv_inputs, ["y"], **attrs),
+        helper.make_node("ConvGrad", ["dy", "x", "w"], grads, domain="com.microsoft", **attrs),
+    ]
+    feeds = {"x": x, "w": w, "dy": dy, **({"b": b} if bias else {})}
+    engine_us = _engine_us("conv", nodes, feeds, ["y", *grads])
+
+    def torch_route() -> None:
+        out = torch.convolution(
+            x, w, b if bias else None, stride, padding, dilation, False, [0] * n, groups
+        )
+        torch.ops.aten.convolution_backward(
+            dy,
+            x,
+            w,
+            [w.shape[0]] if bias else None,
+            stride,
+            padding,
+            dilation,
+            False,
+            [0] * n,
+            groups,
+            [True, True, bias],
+        )
+        del out
+
+    return engine_us, _torch_us(torch_route)
+
+
+def measure_max_pool2d(
+    input_shape: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool = False,
+) -> tuple[float, float]:
+    """Microseconds of 2-d max pooling forward + backward: (engine, torch). Engine: what
+    ``symbolics/pooling.py`` exports (``MaxPool`` for the indices, ``Gather`` from the
+    flattened input) and ``GatherGrad``; PyTorch: ``max_pool2d_with_indices`` and its backward
+    and two ATen nodes."""
+    from onnx import TensorProto, helper
+
+    _seeded()
+    x = _randn(*input_shape)
+    values, indices = torch.ops.aten.max_pool2d_with_indices(
+        x, kernel, stride, padding, dilation, ceil_mode
+    )
+    dy = _randn(*values.shape)
+    nodes = [
+        helper.make_node(
+            "MaxPool",
+            ["x"],
+            ["unused", "idx"],
+            kernel_shape=list(kernel),
+            strides=list(stride),
+            pads=list(padding) * 2,
+            dilations=list(dilation),
+            ceil_mode=int(ceil_mode),
+        ),
+        helper.make_node("Reshape", ["x", "minus_one"], ["flat"]),
+        helper.make_node("Gather", ["flat", "idx"], ["y"], axis=0),
+        helper.make_node("Shape", ["flat"], ["flat_shape"]),
+        helper.make_node(
+            "GatherGrad", ["flat_shape", "idx", "dy"], ["dflat"], domain="com.microsoft", axis=0
+        ),
+    ]
+    feeds = {"x": x, "dy": dy, "minus_one": torch.tensor([-1])}
+    engine_us = _engine_us(
+        "max_pool2d", nodes, feeds, ["y", "dflat"], {"minus_one": TensorProto.INT64}
+    )
+
+    def torch_route() -> None:
+        torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
+        torch.ops.aten.max_pool2d_with_indices_backward(
+            dy, x, kernel, stride, padding, dilation, ceil_mode, indices
+        )
+
+    return engine_us, _torch_us(torch_route)
 
 
 def _size_class(numel: int) -> int:
     return 1 << max(0, round(math.log2(max(numel, 1))))
 
 
-def choose(
-    op: str, dtype: str, numel: int | None, measure: Callable[[int], tuple[float, float]]
-) -> str:
-    """``"engine"`` or ``"torch"`` for ``op`` on tensors of ``numel`` elements (None: unknown)."""
+def _decide(op: str, dtype: str, size: Any, measure: Callable[[], tuple[float, float]]) -> str:
     mode = _MODE[0]
     if mode != "auto":
         return mode
-    size = _size_class(numel if numel is not None else CALIBRATION_NUMEL)
     key = (op, dtype, size)
     with _LOCK:
         found = _DECISIONS.get(key)
     if found is None:
         try:
-            engine_us, torch_us = measure(size)
+            engine_us, torch_us = measure()
         except Exception as err:  # noqa: BLE001 - no measurement: keep the engine's kernel
             logger.info("kernel choice: could not time %s (%s); using the engine's kernel", op, err)
             engine_us, torch_us = 0.0, math.inf
@@ -212,19 +574,56 @@ def choose(
         with _LOCK:
             _DECISIONS[key] = found
         logger.info(
-            "kernel choice: %s %s on %d elements runs on %s (engine %.0f us, PyTorch %.0f us "
-            "with its ATen nodes)",
+            "kernel choice: %s %s on %s runs on %s (engine %.0f us, PyTorch %.0f us "
+            "with its ATen nodes, %d PyTorch threads)",
             op,
             dtype,
             size,
             route,
             engine_us,
             torch_us,
+            _TORCH_THREADS[0] or torch.get_num_threads(),
         )
     return found[0]
 
 
-# -- the symbolic --------------------------------------------------------------------------------------
+def choose(
+    op: str, dtype: str, numel: int | None, measure: Callable[[int], tuple[float, float]]
+) -> str:
+    """``"engine"`` or ``"torch"`` for ``op`` on tensors of ``numel`` elements (None: unknown)."""
+    size = _size_class(numel if numel is not None else CALIBRATION_NUMEL)
+    return _decide(op, dtype, size, lambda: measure(size))
+
+
+# -- GELU ---------------------------------------------------------------------------------------------
+
+
+def _all_tensors(_overload: str, _index: int, _is_input: bool) -> bool:
+    return True
+
+
+def _gelu(approximate: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    (x,) = inputs
+    assert x is not None
+    return [F.gelu(x, approximate=approximate or "none")]
+
+
+def _gelu_backward(
+    approximate: str, inputs: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    grad, x = inputs
+    assert grad is not None and x is not None
+    return [torch.ops.aten.gelu_backward(grad, x, approximate=approximate or "none")]
+
+
+register_aten_function(GELU, AtenFunction(_gelu, _all_tensors))
+register_aten_function(GELU_BACKWARD, AtenFunction(_gelu_backward, _all_tensors))
+for _approximate in ("none", "tanh"):
+    register_aten_gradient(
+        GELU,
+        _approximate,
+        [GradientNode.aten(GELU_BACKWARD, ["GO(0)", "I(0)"], ["GI(0)"], overload=_approximate)],
+    )
 
 
 def _numel(value: Any) -> int | None:
@@ -237,23 +636,19 @@ def _numel(value: Any) -> int | None:
     return math.prod(sizes)
 
 
-def _gelu_symbolic(g: Any, self: Any, approximate: Any = None) -> Any:
-    from torch.onnx._internal.torchscript_exporter import symbolic_opset9
+def _dtype(value: Any) -> str | None:
+    jit_type = value.type()
+    return jit_type.scalarType() if hasattr(jit_type, "scalarType") else None
 
+
+def _gelu_symbolic(default: Callable[..., Any], g: Any, self: Any, approximate: Any = None) -> Any:
     approx = "none" if approximate is None else sh._maybe_get_const(approximate, "s")
-    dtype = self.type().scalarType() if hasattr(self.type(), "scalarType") else None
-    previous = _PREVIOUS.get("aten::gelu")
-
-    def default(g: Any, self: Any, approximate: Any) -> Any:
-        # the symbolic we replaced, where it applies at this export's opset
-        if previous is not None and g.opset >= previous.opset:
-            return previous.fn(g, self, approximate)
-        return symbolic_opset9.gelu(g, self, approximate)
-
+    dtype = _dtype(self)
     if approx not in ("none", "tanh") or dtype != "Float":
         return default(g, self, approximate)
-    numel = _numel(self)
-    route = choose(f"gelu({approx})", dtype, numel, lambda n: measure_gelu(n, approximate=approx))
+    route = choose(
+        f"gelu({approx})", dtype, _numel(self), lambda n: measure_gelu(n, approximate=approx)
+    )
     if route != "torch":
         return default(g, self, approximate)
     out = g.op(f"{ATEN_DOMAIN}::ATen", self, operator_s=GELU, overload_name_s=approx, outputs=1)
@@ -261,20 +656,305 @@ def _gelu_symbolic(g: Any, self: Any, approximate: Any = None) -> Any:
     return out
 
 
-def configure_kernel_choice(mode: str = "auto") -> None:
-    """Install the kernel-choice symbolics (``auto``/``torch``) or remove them (``engine``)."""
-    if mode not in MODES:
-        raise ValueError(f"kernel choice mode must be one of {MODES}, got {mode!r}")
-    _MODE[0] = mode
-    current = registered_symbolics().get("aten::gelu")
-    if mode == "engine":
-        if current is not None and current.fn is _gelu_symbolic:
-            previous = _PREVIOUS.pop("aten::gelu", None)
-            if previous is not None:
-                register_symbolic("aten::gelu", previous.fn, previous.opset)
-            else:
-                unregister_symbolic("aten::gelu")
-        return
-    if current is not None and current.fn is not _gelu_symbolic:
-        _PREVIOUS["aten::gelu"] = current
-    register_symbolic("aten::gelu", _gelu_symbolic, 9)
+# -- ReLU ---------------------------------------------------------------------------------------------
+
+
+def _relu(_overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    (x,) = inputs
+    assert x is not None
+    return [torch.relu(x)]
+
+
+def _relu_backward(_overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    grad, y = inputs
+    assert grad is not None and y is not None
+    # eager's derivative of relu reads its result
+    return [torch.ops.aten.threshold_backward(grad, y, 0)]
+
+
+register_aten_function(RELU, AtenFunction(_relu, _all_tensors))
+register_aten_function(RELU_BACKWARD, AtenFunction(_relu_backward, _all_tensors))
+register_aten_gradient(RELU, "", [GradientNode.aten(RELU_BACKWARD, ["GO(0)", "O(0)"], ["GI(0)"])])
+
+
+def _relu_symbolic(default: Callable[..., Any], g: Any, self: Any) -> Any:
+    dtype = _dtype(self)
+    traced = _traced(g)
+    # without a trace record the gradient's needs are unknown: the engine's kernel stays
+    if dtype != "Float" or traced is None or not traced.input_needs_grad:
+        return default(g, self)
+    sizes = traced.sizes[0] if traced.sizes else None
+    numel = math.prod(sizes) if sizes is not None else None
+    if choose("relu", dtype, numel, measure_relu) != "torch":
+        return default(g, self)
+    out = g.op(f"{ATEN_DOMAIN}::ATen", self, operator_s=RELU, overload_name_s="", outputs=1)
+    out.setType(self.type())
+    return out
+
+
+# -- convolution --------------------------------------------------------------------------------------
+
+
+# Overloads: "xw" without bias, "xwb" with one. The engine builds every input gradient a
+# gradient definition writes and fails when nobody needs one (a convolution of the model's input:
+# "invalid index -1"; a definition without the input's gradient was refused too, "failed to find
+# NodeArg <weight>_grad"), so only convolutions whose input needs a gradient are routed.
+_CONV_OVERLOADS = ("xw", "xwb")
+
+
+def _conv(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    x, weight, *rest = inputs
+    assert x is not None and weight is not None and rest[-1] is not None
+    bias = rest[0] if "b" in overload else None
+    n = weight.dim() - 2
+    s = _ConvSettings.parse(rest[-1].tolist(), n)
+    return [
+        torch.convolution(
+            x, weight, bias, s.stride, s.padding, s.dilation, False, [0] * n, s.groups
+        )
+    ]
+
+
+def _conv_backward(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    grad, x, weight, params = inputs
+    assert grad is not None and x is not None and weight is not None and params is not None
+    n = weight.dim() - 2
+    s = _ConvSettings.parse(params.tolist(), n)
+    mask = ["x" in overload, True, "b" in overload]
+    grads = torch.ops.aten.convolution_backward(
+        grad,
+        x,
+        weight,
+        [weight.shape[0]] if mask[2] else None,
+        s.stride,
+        s.padding,
+        s.dilation,
+        False,
+        [0] * n,
+        s.groups,
+        mask,
+    )
+    return [g for g, wanted in zip(grads, mask, strict=True) if wanted]
+
+
+register_aten_function(CONV, AtenFunction(_conv, _all_tensors))
+register_aten_function(CONV_BACKWARD, AtenFunction(_conv_backward, _all_tensors))
+for _overload in _CONV_OVERLOADS:
+    _params = "I(3)" if "b" in _overload else "I(2)"
+    register_aten_gradient(
+        CONV,
+        _overload,
+        [
+            GradientNode.aten(
+                CONV_BACKWARD,
+                ["GO(0)", "I(0)", "I(1)", _params],
+                [f"GI({i})" for i, c in enumerate("xwb") if c in _overload],
+                overload=_overload,
+            )
+        ],
+    )
+    register_stop_gradient_edges(CONV, _overload, [int(_params[2])])
+
+
+def _ints_const(g: Any, values: Sequence[int]) -> Any:
+    return g.op("Constant", value_t=torch.tensor(list(values), dtype=torch.int64))
+
+
+def _convolution_symbolic(default: Callable[..., Any], g: Any, *args: Any) -> Any:
+    x, weight, bias, stride, padding, dilation, transposed = args[:7]
+    groups = args[8]
+    dtype = _dtype(x)
+    weight_sizes = sh._get_tensor_sizes(weight)
+    if (
+        dtype != "Float"
+        or _dtype(weight) != "Float"
+        or sh._maybe_get_const(transposed, "i")
+        or weight_sizes is None
+        or any(s is None for s in weight_sizes)
+        or len(weight_sizes) < 3
+    ):
+        return default(g, *args)
+    n = len(weight_sizes) - 2
+    has_bias = not sh._is_none(bias)
+    try:
+        settings = _ConvSettings(
+            tuple(_per_dim(sh._maybe_get_const(stride, "is"), n, 1)),
+            tuple(_per_dim(sh._maybe_get_const(padding, "is"), n, 0)),
+            tuple(_per_dim(sh._maybe_get_const(dilation, "is"), n, 1)),
+            int(sh._maybe_get_const(groups, "i")),
+        )
+    except (TypeError, ValueError):  # a setting only known at run time
+        return default(g, *args)
+    traced = _traced(g)
+    if traced is None or not traced.input_needs_grad:
+        return default(g, *args)
+    input_shape = traced.sizes[0] if traced.sizes else None
+    op = (
+        f"conv(weight={'x'.join(map(str, weight_sizes))},stride={settings.stride},"
+        f"padding={settings.padding},dilation={settings.dilation},groups={settings.groups},"
+        f"bias={int(has_bias)})"
+    )
+    if input_shape is None or len(input_shape) != n + 2:
+        # the cost depends on the spatial sizes: without them nothing can be measured
+        route = _decide(op, dtype, None, lambda: (0.0, math.inf))
+    else:
+        route = _decide(
+            op,
+            dtype,
+            tuple(input_shape),
+            lambda: measure_conv(
+                input_shape,
+                weight_sizes,
+                settings.stride,
+                settings.padding,
+                settings.dilation,
+                settings.groups,
+                has_bias,
+            ),
+        )
+    if route != "torch":
+        return default(g, *args)
+    params = _ints_const(g, settings.params())
+    inputs = [x, weight, bias, params] if has_bias else [x, weight, params]
+    overload = "xwb" if has_bias else "xw"
+    out = g.op(
+        f"{ATEN_DOMAIN}::ATen", *inputs, operator_s=CONV, overload_name_s=overload, outputs=1
+    )
+    out.setType(x.type().with_sizes([None, int(weight_sizes[0]), *([None] * n)]))
+    return out
+
+
+def _per_dim(values: Any, n: int, fill: int) -> list[int]:
+    values = [int(v) for v in values] if values is not None else []
+    if not values:
+        return [fill] * n
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise ValueError(f"{values} does not give {n} dims")
+    return values
+
+
+def _default_convolution() -> Callable[..., Any]:
+    from torch.onnx import symbolic_opset9
+
+    fn: Callable[..., Any] = symbolic_opset9._convolution
+    return fn
+
+
+# -- 2-d max pooling ----------------------------------------------------------------------------------
+
+
+def _pool_settings(params: torch.Tensor) -> tuple[list[int], list[int], list[int], list[int], bool]:
+    p = params.tolist()
+    return p[0:2], p[2:4], p[4:6], p[6:8], bool(p[8])
+
+
+def _max_pool2d(_overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    x, params = inputs
+    assert x is not None and params is not None
+    values, indices = torch.ops.aten.max_pool2d_with_indices(x, *_pool_settings(params))
+    return [values, indices]
+
+
+def _max_pool2d_backward(
+    _overload: str, inputs: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    grad, x, indices, params = inputs
+    assert grad is not None and x is not None and indices is not None and params is not None
+    return [
+        torch.ops.aten.max_pool2d_with_indices_backward(grad, x, *_pool_settings(params), indices)
+    ]
+
+
+register_aten_function(MAX_POOL2D, AtenFunction(_max_pool2d, _all_tensors))
+register_aten_function(MAX_POOL2D_BACKWARD, AtenFunction(_max_pool2d_backward, _all_tensors))
+register_aten_gradient(
+    MAX_POOL2D,
+    "",
+    [GradientNode.aten(MAX_POOL2D_BACKWARD, ["GO(0)", "I(0)", "O(1)", "I(1)"], ["GI(0)"])],
+)
+register_stop_gradient_edges(MAX_POOL2D, "", [1])
+
+
+def _max_pool2d_symbolic(with_indices: bool) -> Callable[..., Any]:
+    def symbolic(
+        default: Callable[..., Any],
+        g: Any,
+        x: Any,
+        kernel: Any,
+        stride: Any,
+        padding: Any,
+        dilation: Any,
+        ceil_mode: Any,
+    ) -> Any:
+        args = (x, kernel, stride, padding, dilation, ceil_mode)
+        dtype = _dtype(x)
+        if dtype != "Float":
+            return default(g, *args)
+        try:
+            k = _per_dim(sh._maybe_get_const(kernel, "is"), 2, 1)
+            s = _per_dim(sh._maybe_get_const(stride, "is"), 2, 0)
+            if not any(s):  # eager: an empty stride is the kernel
+                s = list(k)
+            p = _per_dim(sh._maybe_get_const(padding, "is"), 2, 0)
+            d = _per_dim(sh._maybe_get_const(dilation, "is"), 2, 1)
+            ceil = bool(sh._maybe_get_const(ceil_mode, "i"))
+        except (TypeError, ValueError):
+            return default(g, *args)
+        traced = _traced(g)
+        if traced is None or not traced.input_needs_grad:
+            return default(g, *args)
+        input_shape = traced.sizes[0] if traced.sizes else None
+        op = f"max_pool2d(kernel={k},stride={s},padding={p},dilation={d},ceil_mode={int(ceil)})"
+        if input_shape is None or len(input_shape) not in (3, 4):
+            route = _decide(op, dtype, None, lambda: (0.0, math.inf))
+        else:
+            shape = tuple(input_shape)
+            route = _decide(op, dtype, shape, lambda: measure_max_pool2d(shape, k, s, p, d, ceil))
+        if route != "torch":
+            return default(g, *args)
+        params = _ints_const(g, [*k, *s, *p, *d, int(ceil)])
+        values, indices = g.op(
+            f"{ATEN_DOMAIN}::ATen",
+            x,
+            params,
+            operator_s=MAX_POOL2D,
+            overload_name_s="",
+            outputs=2,
+        )
+        rank = len(input_shape) if input_shape is not None else sh._get_tensor_rank(x) or 4
+        sizes = sh._get_tensor_sizes(x) or [None] * rank
+        spatial = [*sizes[:-2], None, None]  # the leading dims stay, the pooled ones are dynamic
+        values.setType(x.type().with_sizes(spatial))
+        indices.setType(x.type().with_sizes(spatial).with_dtype(torch.int64))
+        return (values, indices) if with_indices else values
+
+    return symbolic
+
+
+def _no_previous(name: str) -> Callable[[], Callable[..., Any]]:
+    def fallback() -> Callable[..., Any]:
+        raise RuntimeError(f"kernel choice: no symbolic to fall back to for {name}")
+
+    return fallback
+
+
+register_kernel_choice(CoveredOperator("aten::gelu", _gelu_symbolic, _opset9("gelu")))
+register_kernel_choice(CoveredOperator("aten::relu", _relu_symbolic, _opset9("relu")))
+register_kernel_choice(
+    CoveredOperator("aten::_convolution", _convolution_symbolic, _default_convolution)
+)
+# the exporter's own max-pool symbolics (symbolics/pooling.py) are what the engine route uses
+register_kernel_choice(
+    CoveredOperator(
+        "aten::max_pool2d", _max_pool2d_symbolic(False), _no_previous("aten::max_pool2d")
+    )
+)
+register_kernel_choice(
+    CoveredOperator(
+        "aten::max_pool2d_with_indices",
+        _max_pool2d_symbolic(True),
+        _no_previous("aten::max_pool2d_with_indices"),
+    )
+)

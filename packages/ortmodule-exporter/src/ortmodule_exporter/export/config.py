@@ -55,6 +55,9 @@ class ExportConfig:
     aten_embedding: bool = False
     #: ``kernel_choice.MODES``: which operators run on PyTorch's kernels (``ORTMODULE_KERNEL_CHOICE``)
     kernel_choice: str = "engine"
+    #: PyTorch's threads while the engine runs PyTorch-run nodes (``ORTMODULE_TORCH_THREADS_IN_ENGINE``;
+    #: 0: PyTorch's count): the kernel choice times PyTorch's kernels at this count
+    kernel_choice_threads: int = 0
 
     @classmethod
     def from_switches(cls, opset: int = DEFAULT_OPSET) -> ExportConfig:
@@ -70,6 +73,7 @@ class ExportConfig:
             efficient_attention=routes.efficient_attention,
             aten_embedding=routes.embedding,
             kernel_choice=kernel_choice.current_mode(),
+            kernel_choice_threads=kernel_choice.current_torch_threads(),
         )
 
     @contextlib.contextmanager
@@ -90,7 +94,7 @@ class ExportConfig:
             efficient_attention=self.efficient_attention,
             embedding=self.aten_embedding,
         )
-        kernel_choice.configure_kernel_choice(self.kernel_choice)
+        kernel_choice.configure_kernel_choice(self.kernel_choice, self.kernel_choice_threads)
 
     def fingerprint(self) -> str:
         """A SHA-256 of this config and of everything registered that the export consults

@@ -26,7 +26,7 @@ import torch
 from ortmodule_pytree import Schema, flatten, unflatten
 
 from .. import onnx_graph, python_op
-from ..aten import empty_tensors
+from ..aten import empty_tensors, kernel_choice
 from ..aten import routes as aten_routes
 from ..errors import ExportError, UnsupportedOutputError
 from ..op_location import locate_operator
@@ -322,6 +322,7 @@ def _export(
             symbolics_applied(opset),
             aten_routes.untrainable_ops_routed(),
             empty_tensors.example_inputs(tensors),
+            kernel_choice.recording_traced_sizes(),
             python_op.exporting_copy_of(module, target),
             warnings.catch_warnings(),
         ):
