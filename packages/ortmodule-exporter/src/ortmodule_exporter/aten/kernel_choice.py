@@ -263,8 +263,8 @@ def _complete_sizes(value: Any) -> tuple[int, ...] | None:
 @contextlib.contextmanager
 def recording_traced_sizes() -> Iterator[None]:
     """For one export: remember the concrete sizes each operator had while it was traced, so
-    the symbolics can class it (the exported graph's dims are dynamic). Does nothing unless the
-    mode is ``engine``."""
+    the symbolics can class it (the exported graph's dims are dynamic). Does nothing in mode
+    ``engine``, where no symbolic reads them."""
     if _MODE[0] == "engine":
         yield
         return
