@@ -69,12 +69,16 @@ def gradient_gap_reasons(node: Any, inputs: Sequence[Any], emitted: Sequence[Any
     """The gaps among the ONNX nodes ``emitted`` for ``node`` (see the module docstring)."""
     gaps = [gap for n in emitted if (gap := _gap(n)) is not None]
     clips = any(n.kind() == "onnx::Clip" for n in emitted)
-    if clips and node.kind() in _CLAMPS and any(
-        v.type().kind() == "TensorType"
-        and _constant(v) is None
-        and v.node().kind() != "prim::Constant"
-        and traced_requires_grad(v)
-        for v in list(node.inputs())[1:]
+    if (
+        clips
+        and node.kind() in _CLAMPS
+        and any(
+            v.type().kind() == "TensorType"
+            and _constant(v) is None
+            and v.node().kind() != "prim::Constant"
+            and traced_requires_grad(v)
+            for v in list(node.inputs())[1:]
+        )
     ):
         gaps.append("clamp with a bound that needs a gradient (Clip's is for its input only)")
     return gaps

@@ -347,9 +347,7 @@ def _unpack_list_outputs(graph: onnx.GraphProto) -> int:
             dropped.add(id(use))
         del node.output[:]
         # the executor hands back the list's first max(index) + 1 elements
-        node.output.extend(
-            names.get(i, f"{sequence}__unread{i}") for i in range(max(indices) + 1)
-        )
+        node.output.extend(names.get(i, f"{sequence}__unread{i}") for i in range(max(indices) + 1))
     if not copies:
         return 0
     nodes: list[onnx.NodeProto] = []
