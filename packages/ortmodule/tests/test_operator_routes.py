@@ -194,6 +194,15 @@ def test_an_identity_graph_trains() -> None:
     check(lambda a: a.float(), _x())
 
 
+@pytest.mark.parametrize("shape", [(5,), (2, 5)], ids=["1d", "2d"])
+def test_vstack_of_a_tuple_trains_in_the_engine(shape: tuple[int, ...]) -> None:
+    # ConcatFromSequence over a SequenceConstruct: the engine's gradient stopped at the
+    # sequence ("unreachable from the output"); it is a Concat now
+    model = check(lambda a, b, c: torch.vstack((a, b, c)), _x(*shape), _x(*shape), _x(*shape))
+    assert not _routed(model)
+    assert "ConcatFromSequence" not in _graph_ops(model)
+
+
 def test_a_node_reading_one_input_twice_trains() -> None:
     # Mul(x, x): the engine named both partial gradients x_grad
     model = check(torch.square, _x(5))

@@ -9,7 +9,8 @@
 ``attention_fusion``    ``ORTMODULE_USE_EFFICIENT_ATTENTION``: attention into one ATen node (30)
 ``aten_nodes``          make ATen nodes runnable and trainable (40)
 ``output_ranks``        scalar outputs keep rank 0 (45)
-``engine_graph_fixes``  no-op Casts removed; an input read twice goes through an Identity (45)
+``engine_graph_fixes``  no-op Casts removed; an input read twice goes through an Identity; a
+                        concatenated SequenceConstruct becomes Concat (45)
 ``density``             the label-density flag PythonOp (used by ``ortmodule.sparsity``)
 ``built_graph``         :func:`~ortmodule_exporter.passes.built_graph.register_built_graph_pass`
 ``scalar_gradients``    built-graph pass: gradients of 0-d tensors keep rank 0 (10)

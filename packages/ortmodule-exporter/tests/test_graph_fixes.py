@@ -1,0 +1,92 @@
+"""Graph rewrites for shapes the engine gets wrong: ``passes.engine_graph_fixes`` (sequence
+concatenation as Concat) and ``passes.scalar_gradients`` (0-d gradients keep rank 0)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import pytest
+from onnx import TensorProto, helper
+
+from ortmodule_exporter.engine_binding import import_onnxruntime
+from ortmodule_exporter.passes.engine_graph_fixes import fix_graph
+from ortmodule_exporter.passes.scalar_gradients import keep_scalar_gradients
+
+
+def _sequence_concat(axis: int, new_axis: int) -> onnx.ModelProto:
+    names = ["a", "b", "c"]
+    graph = helper.make_graph(
+        [
+            helper.make_node("SequenceConstruct", names, ["seq"]),
+            helper.make_node("ConcatFromSequence", ["seq"], ["y"], axis=axis, new_axis=new_axis),
+        ],
+        "stack",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in names],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    ort = import_onnxruntime()
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize(("axis", "new_axis"), [(0, 0), (1, 0), (-1, 1), (0, 1), (2, 1)])
+def test_concat_from_a_constructed_sequence_becomes_concat(axis: int, new_axis: int) -> None:
+    model = _sequence_concat(axis, new_axis)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((2, 3)).astype(np.float32) for n in "abc"}
+    expected = _run(model, feeds)
+    assert fix_graph(model) == 1
+    ops = [n.op_type for n in model.graph.node]
+    assert "ConcatFromSequence" not in ops and "SequenceConstruct" not in ops
+    np.testing.assert_array_equal(_run(model, feeds), expected)
+
+
+def _training_graph(constant_readers: list[str]) -> onnx.ModelProto:
+    """A forward half, YieldOp, and backward nodes reading a (1,) float constant ``half``."""
+    nodes = [
+        helper.make_node("Sqrt", ["x"], ["y"]),
+        helper.make_node("YieldOp", ["y"], ["y_grad"], domain="com.microsoft"),
+    ]
+    for i, reader in enumerate(constant_readers):
+        if reader == "forward":
+            nodes.insert(1, helper.make_node("Mul", ["x", "half"], [f"fwd{i}"]))
+        else:
+            nodes.append(helper.make_node(reader, ["y_grad", "half"], [f"bwd{i}"]))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+        initializer=[onnx.numpy_helper.from_array(np.array([0.5], dtype=np.float32), "half")],
+    )
+    return helper.make_model(graph)
+
+
+def _dims(model: onnx.ModelProto) -> list[int]:
+    return list(next(i for i in model.graph.initializer if i.name == "half").dims)
+
+
+def test_a_backward_constant_of_shape_one_becomes_0_d() -> None:
+    model = _training_graph(["Mul", "Div"])
+    assert keep_scalar_gradients(model) == 1
+    assert _dims(model) == []
+
+
+@pytest.mark.parametrize(
+    "readers", [["forward", "Mul"], ["Reshape"]], ids=["read_by_the_forward", "not_elementwise"]
+)
+def test_other_constants_keep_their_shape(readers: list[str]) -> None:
+    model = _training_graph(readers)
+    assert keep_scalar_gradients(model) == 0
+    assert _dims(model) == [1]
+
+
+def test_an_inference_graph_is_left_alone() -> None:
+    model = _training_graph(["Mul"])
+    del model.graph.node[1:]  # no YieldOp: no backward half
+    assert keep_scalar_gradients(model) == 0
