@@ -12,6 +12,16 @@ import onnx.numpy_helper
 # ONNX Runtime 1.19 reads models up to IR version 10; onnx >= 1.17 writes newer by default.
 MAX_IR_VERSION = 10
 
+#: ONNX element types that carry a gradient
+FLOAT_TYPES = frozenset(
+    {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.DOUBLE,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.BFLOAT16,
+    }
+)
+
 
 def cap_ir_version(model: onnx.ModelProto) -> None:
     if model.ir_version > MAX_IR_VERSION:

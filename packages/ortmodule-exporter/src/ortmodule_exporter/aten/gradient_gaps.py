@@ -25,29 +25,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .routes import maybe_float, register_untrainable_check, traced_requires_grad
+from .routes import (
+    maybe_float,
+    register_untrainable_check,
+    traced_constant,
+    traced_requires_grad,
+)
 
 __all__ = ["gradient_gap_reasons", "install"]
-
-
-def _constant(value: Any) -> Any:
-    """The tensor a value is a constant of (through Casts), or None."""
-    node = value.node()
-    while node.kind() == "onnx::Cast":
-        node = node.inputsAt(0).node()
-    if node.kind() in ("onnx::Constant", "prim::Constant") and node.hasAttribute("value"):
-        try:
-            return node.t("value")
-        except RuntimeError:
-            return None
-    return None
 
 
 def _gap(n: Any) -> str | None:
     op = n.kind().split("::", 1)[1]
     if n.inputsSize() == 0 or not maybe_float(n.inputsAt(0)):
         return None
-    if op == "Pow" and n.inputsSize() > 1 and _constant(n.inputsAt(1)) is None:
+    if op == "Pow" and n.inputsSize() > 1 and traced_constant(n.inputsAt(1)) is None:
         return "Pow's exponent (the engine has no gradient for it)"
     if op == "Pad" and n.hasAttribute("mode") and n.s("mode") != "constant":
         return f"Pad mode={n.s('mode')} (the engine's gradient is for constant mode only)"
@@ -56,7 +48,7 @@ def _gap(n: Any) -> str | None:
     if op == "Slice" and n.inputsSize() > 4:
         # only a step known to be negative (flip): a step computed at run time is, in practice,
         # 1 (rotate_half in every Llama-style attention), and routing it cost 4 PythonOps a layer
-        steps = _constant(n.inputsAt(4))
+        steps = traced_constant(n.inputsAt(4))
         if steps is not None and bool((steps < 0).any()):
             return "Slice with a negative step (the engine's SliceGrad fails)"
     return None
@@ -74,7 +66,7 @@ def gradient_gap_reasons(node: Any, inputs: Sequence[Any], emitted: Sequence[Any
         and node.kind() in _CLAMPS
         and any(
             v.type().kind() == "TensorType"
-            and _constant(v) is None
+            and traced_constant(v) is None
             and v.node().kind() != "prim::Constant"
             and traced_requires_grad(v)
             for v in list(node.inputs())[1:]

@@ -55,6 +55,7 @@ from ..engine_binding import import_onnxruntime
 from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
 from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from .gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
+from .routes import traced_sizes
 
 __all__ = [
     "ATEN_NODE_US",
@@ -253,11 +254,11 @@ class _SizeRecorder(TorchFunctionMode):
 
 
 def _complete_sizes(value: Any) -> tuple[int, ...] | None:
-    try:
-        sizes = value.type().sizes()
-    except (AttributeError, RuntimeError):
+    """A traced value's sizes when all of them are known, else None."""
+    sizes = traced_sizes(value)
+    if sizes is None or any(s is None for s in sizes):
         return None
-    return tuple(int(s) for s in sizes) if sizes is not None else None
+    return tuple(int(s) for s in sizes)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
@@ -627,13 +628,8 @@ for _approximate in ("none", "tanh"):
 
 
 def _numel(value: Any) -> int | None:
-    try:
-        sizes = value.type().sizes()
-    except (AttributeError, RuntimeError):
-        return None
-    if sizes is None or any(s is None for s in sizes):
-        return None
-    return math.prod(sizes)
+    sizes = _complete_sizes(value)
+    return math.prod(sizes) if sizes is not None else None
 
 
 def _dtype(value: Any) -> str | None:

@@ -48,6 +48,7 @@ __all__ = [
     "operator_export_type",
     "register_aten_route",
     "register_untrainable_check",
+    "traced_constant",
     "traced_requires_grad",
     "untrainable_nodes",
     "untrainable_ops_routed",
@@ -166,6 +167,22 @@ def traced_sizes(value: Any) -> list[int | None] | None:
     except (AttributeError, RuntimeError):
         return None
     return list(sizes) if sizes is not None else None
+
+
+def traced_constant(value: Any) -> torch.Tensor | None:
+    """The tensor a traced value is a constant of (through Casts; an integer constant as a 0-d
+    tensor), or None when it is computed."""
+    node = value.node()
+    while node.kind() == "onnx::Cast":
+        node = node.inputsAt(0).node()
+    if node.kind() not in ("onnx::Constant", "prim::Constant") or not node.hasAttribute("value"):
+        return None
+    kind = node.kindOf("value")
+    if kind == "t":
+        return node.t("value")
+    if kind == "i":
+        return torch.tensor(node.i("value"))
+    return None
 
 
 def _device(value: Any) -> Any:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .empty_tensors import known_sizes
-from .routes import register_untrainable_check
+from .routes import register_untrainable_check, traced_constant
 
 __all__ = ["install", "uneven_split_reasons"]
 
@@ -26,17 +26,10 @@ _SPLITS = frozenset({"aten::split", "aten::unsafe_split"})
 
 def _constant_int(value: Any) -> int | None:
     """The integer a traced constant holds (a number or a one-element integer tensor)."""
-    node = value.node()
-    if node.kind() not in ("prim::Constant", "onnx::Constant") or not node.hasAttribute("value"):
+    tensor = traced_constant(value)
+    if tensor is None or tensor.numel() != 1 or tensor.is_floating_point():
         return None
-    kind = node.kindOf("value")
-    if kind == "i":
-        return int(node.i("value"))
-    if kind == "t":
-        tensor = node.t("value")
-        if tensor.numel() == 1 and not tensor.is_floating_point():
-            return int(tensor.item())
-    return None
+    return int(tensor.item())
 
 
 def uneven_split_reasons(node: Any, inputs: Sequence[Any], emitted: Sequence[Any]) -> list[str]:

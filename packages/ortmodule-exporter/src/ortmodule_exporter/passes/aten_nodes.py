@@ -21,7 +21,7 @@ from ..aten.aten_op import AtenOp
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.gradients import has_gradient
 from ..aten.routes import EINSUM
-from ..onnx_graph import attribute
+from ..onnx_graph import FLOAT_TYPES, attribute
 from ..python_op import runner as python_op_runner
 from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 from .registry import register_post_export_pass
@@ -47,14 +47,6 @@ def _value_types(model: onnx.ModelProto) -> dict[str, int]:
                 if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     types[node.output[0]] = a.t.data_type
     return types
-
-
-_FLOATS = {
-    onnx.TensorProto.FLOAT,
-    onnx.TensorProto.DOUBLE,
-    onnx.TensorProto.FLOAT16,
-    onnx.TensorProto.BFLOAT16,
-}
 
 
 def _known(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None] | None]]:
@@ -401,9 +393,9 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
         operator = attribute(node, "operator", "")
         overload = attribute(node, "overload_name", "") or ""
         internal = operator.startswith("_ortmodule_") and operator != EINSUM
-        float_out = any(name and types.get(name) in _FLOATS for name in node.output)
+        float_out = any(name and types.get(name) in FLOAT_TYPES for name in node.output)
         elements = [m for name in node.input for m in sequences.get(name, [name])]
-        float_in = any(name and types.get(name) in _FLOATS for name in elements)
+        float_in = any(name and types.get(name) in FLOAT_TYPES for name in elements)
         # the engine's ATen kernel passes tensors only: strings and lists go through a PythonOp
         untensored = any(name in strings or name in sequences for name in node.input)
         if not internal and (

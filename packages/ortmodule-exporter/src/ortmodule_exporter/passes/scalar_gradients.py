@@ -22,20 +22,13 @@ from typing import Any
 
 import onnx
 
+from ..onnx_graph import FLOAT_TYPES
 from .built_graph import register_built_graph_pass
 
 __all__ = ["keep_scalar_gradients"]
 
 #: the node the engine puts between the forward and the backward half of a training graph
 _YIELD = "YieldOp"
-_FLOATS = frozenset(
-    {
-        onnx.TensorProto.FLOAT,
-        onnx.TensorProto.FLOAT16,
-        onnx.TensorProto.BFLOAT16,
-        onnx.TensorProto.DOUBLE,
-    }
-)
 #: elementwise operators whose output takes the broadcast shape of their inputs
 _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean"})
 
@@ -54,7 +47,7 @@ def keep_scalar_gradients(model: onnx.ModelProto) -> int:
     outputs = {vi.name for vi in graph.output}
     changed = 0
     for init in graph.initializer:
-        if list(init.dims) != [1] or init.data_type not in _FLOATS or init.name in outputs:
+        if list(init.dims) != [1] or init.data_type not in FLOAT_TYPES or init.name in outputs:
             continue
         uses = readers.get(init.name, [])
         if uses and all(
