@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ortmodule import ORTModule
-from ortmodule_exporter.engine import _TorchThreads
+from ortmodule_exporter.aten.parallel import TorchThreadsInEngine
 
 
 class _SeesThreads(torch.autograd.Function):
@@ -78,7 +78,7 @@ def test_zero_keeps_pytorchs_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_failing_run_restores_the_setting() -> None:
     before = torch.get_num_threads()
-    threads = _TorchThreads(before + 1)
+    threads = TorchThreadsInEngine(before + 1)
     with pytest.raises(RuntimeError, match="engine failed"), threads:
         assert torch.get_num_threads() == before + 1
         raise RuntimeError("engine failed")
@@ -87,7 +87,7 @@ def test_a_failing_run_restores_the_setting() -> None:
 
 def test_nested_runs_restore_in_order() -> None:
     before = torch.get_num_threads()
-    threads = _TorchThreads(before + 1)
+    threads = TorchThreadsInEngine(before + 1)
     with threads:
         with threads:  # a Function that calls the same model again
             assert torch.get_num_threads() == before + 1
@@ -100,3 +100,43 @@ def test_graphs_without_pytorch_nodes_leave_the_setting_alone() -> None:
     _steps(model)
     (graph,) = [value for _key, value in model._runner.transitions._slots.values()]
     assert graph.session._threads.threads == 0
+
+
+def _gpt_steps(monkeypatch: pytest.MonkeyPatch, cut: bool) -> tuple[list[float], list[torch.Tensor]]:
+    from ortmodule_exporter.aten import parallel
+    from ortmodule_testing.zoo import GPTConfig, GPTDecoder
+
+    size = 0 if cut else 1 << 62
+    monkeypatch.setattr(parallel, "MIN_ELEMENTS", size)
+    monkeypatch.setattr(parallel, "MIN_ELEMENTWISE", size)
+    torch.manual_seed(0)
+    model = ORTModule(GPTDecoder(GPTConfig.small()))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss, _logits = model(ids, labels=ids.clone())
+        loss.backward()
+        losses.append(loss.item())
+    return losses, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_attention_and_gelu_run_in_pieces_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ortmodule_exporter.aten import parallel
+
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")  # GELU in PyTorch at any size
+    counts: list[int] = []
+    real = parallel.run_pieces
+    monkeypatch.setattr(parallel, "run_pieces", lambda p: counts.append(len(p)) or real(p))
+    whole = _gpt_steps(monkeypatch, cut=False)
+    assert counts == []
+    cut = _gpt_steps(monkeypatch, cut=True)
+    # 2 layers x (attention, GELU) forward and backward, 2 steps, each in 2 pieces
+    assert counts == [2] * 16
+    assert cut[0] == whole[0]
+    assert len(cut[1]) == len(whole[1])
+    assert all(torch.equal(a, b) for a, b in zip(cut[1], whole[1], strict=True))

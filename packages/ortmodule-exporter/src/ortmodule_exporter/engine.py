@@ -18,6 +18,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from . import onnx_graph
+from .aten.parallel import TorchThreadsInEngine
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
 from .errors import EngineBuildError
@@ -299,37 +300,6 @@ def _to_torch(vec: Any) -> list[torch.Tensor]:
     return out
 
 
-class _TorchThreads:
-    """PyTorch's intra-op thread count set to ``threads`` for the duration of an engine run.
-
-    The engine's kernels run on its own thread pool while ATen nodes and PythonOps run PyTorch
-    code on the calling thread. PyTorch's OpenMP workers spin-wait after every parallel region
-    (GNU OpenMP's default), so each PyTorch-run node inside a run left a busy worker competing
-    with the engine's threads for the same cores. With one PyTorch thread those nodes run on the
-    calling thread alone and wake no OpenMP worker. ``threads=0`` does nothing.
-    """
-
-    __slots__ = ("threads", "saved")
-
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-        #: the count to restore, one per run in progress (a Function may call the model again)
-        self.saved: list[int] = []
-
-    def __enter__(self) -> None:
-        if self.threads:
-            current = torch.get_num_threads()
-            self.saved.append(current)
-            if current != self.threads:
-                torch.set_num_threads(self.threads)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.threads:
-            previous = self.saved.pop()
-            if previous != self.threads:
-                torch.set_num_threads(previous)
-
-
 class TrainingSession:
     """Forward and backward halves of a gradient graph through the engine's ``TrainingAgent``."""
 
@@ -337,7 +307,7 @@ class TrainingSession:
         C = _C()
         self.built = built
         self._session = _session(built.model_bytes, cfg)
-        self._threads = _TorchThreads(cfg.torch_threads)
+        self._threads = TorchThreadsInEngine(cfg.torch_threads)
         device = _ort_device(cfg.device)
         n_fw = len(built.user_output_names) + built.frontier_count
         self._agent = C.TrainingAgent(
@@ -377,7 +347,7 @@ class InferenceSession:
         self.built = built
         self._session = _session(built.model_bytes, cfg)
         self._device = cfg.device
-        self._threads = _TorchThreads(cfg.torch_threads)
+        self._threads = TorchThreadsInEngine(cfg.torch_threads)
 
     def forward(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         C = _C()

@@ -36,6 +36,7 @@ import torch
 from .. import dlpack_bridge as bridge
 from ..callback_errors import remember
 from ..engine_binding import _C
+from . import parallel
 
 __all__ = [
     "ATEN_DOMAIN",
@@ -253,7 +254,11 @@ def call_aten(
             keywords[arg.name] = read
         else:
             positional.append(read)
-    result = op.op(*positional, **keywords)
+    in_pieces = parallel.row_splitter(op_name)
+    if in_pieces is not None:
+        result = in_pieces(op.op, positional, keywords)
+    else:
+        result = op.op(*positional, **keywords)
     results = list(result) if isinstance(result, (tuple, list)) else [result]
     return [_as_output(r) for r in results]
 

@@ -54,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from ..engine_binding import import_onnxruntime
 from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
 from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+from .parallel import TorchThreadsInEngine, elementwise
 from .gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
 from .routes import traced_sizes
 
@@ -313,17 +314,10 @@ def _best_us(fn: Callable[[], Any], repeats: int = 5) -> float:
     return statistics.median(times) * 1e6
 
 
-@contextlib.contextmanager
-def _torch_threads_in_engine() -> Iterator[None]:
-    threads = _TORCH_THREADS[0]
-    before = torch.get_num_threads()
-    if threads and threads != before:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        if threads and threads != before:
-            torch.set_num_threads(before)
+def _torch_threads_in_engine() -> TorchThreadsInEngine:
+    """What an engine run sets: PyTorch's in-engine thread count and the pieces of splittable
+    nodes (a measurement runs our ATen functions, so it times the pieces too)."""
+    return TorchThreadsInEngine(_TORCH_THREADS[0])
 
 
 def _engine_us(
@@ -396,8 +390,8 @@ def measure_gelu(numel: int, approximate: str = "none") -> tuple[float, float]:
     engine_us = _engine_us("gelu", nodes, {"x": x, "dy": dy}, ["y", "dx"])
 
     def torch_route() -> None:
-        F.gelu(x, approximate=approximate)
-        torch.ops.aten.gelu_backward(dy, x, approximate=approximate)
+        _gelu(approximate, [x])
+        _gelu_backward(approximate, [dy, x])
 
     return engine_us, _torch_us(torch_route)
 
@@ -606,7 +600,7 @@ def _all_tensors(_overload: str, _index: int, _is_input: bool) -> bool:
 def _gelu(approximate: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     (x,) = inputs
     assert x is not None
-    return [F.gelu(x, approximate=approximate or "none")]
+    return [elementwise(torch.ops.aten.gelu.out, [x], approximate=approximate or "none")]
 
 
 def _gelu_backward(
@@ -614,7 +608,8 @@ def _gelu_backward(
 ) -> list[torch.Tensor | None]:
     grad, x = inputs
     assert grad is not None and x is not None
-    return [torch.ops.aten.gelu_backward(grad, x, approximate=approximate or "none")]
+    op = torch.ops.aten.gelu_backward.grad_input
+    return [elementwise(op, [grad, x], "grad_input", approximate=approximate or "none")]
 
 
 register_aten_function(GELU, AtenFunction(_gelu, _all_tensors))
