@@ -195,3 +195,93 @@ def test_a_measurement_that_raises_keeps_the_engine_kernel() -> None:
 def test_new_measurements_time_both_kernels(measure: Any) -> None:
     engine_us, torch_us = measure()
     assert engine_us > 0 and torch_us > 2 * kernel_choice.ATEN_NODE_US
+
+
+# -- LayerNorm and embedding ----------------------------------------------------------------------
+
+
+class Embedder(torch.nn.Module):
+    """Token + position embeddings (the position table broadcast over the batch), LayerNorm
+    with one frozen and one trainable instance, and a LayerNorm over two dims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(40, 8)
+        self.positions = torch.nn.Embedding(16, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.frozen = torch.nn.LayerNorm(8)
+        self.frozen.requires_grad_(False)
+        self.wide = torch.nn.LayerNorm((6, 8), eps=1e-3)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        x = self.frozen(self.norm(x))
+        return self.head(self.wide(x))
+
+
+def _train_embedder() -> ORTModule:
+    torch.manual_seed(0)
+    eager = Embedder()
+    ours = ORTModule(clone_model(eager))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, 40, (3, 6), generator=gen)
+        outs = []
+        for model in (eager, ours):
+            model.zero_grad()
+            out = model(ids)
+            out.square().mean().backward()
+            outs.append(out)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+        for (name, p_eager), p_ours in zip(
+            eager.named_parameters(), ours.parameters(), strict=True
+        ):
+            if p_eager.grad is None:
+                assert p_ours.grad is None, name
+                continue
+            assert p_ours.grad is not None, name
+            torch.testing.assert_close(p_ours.grad, p_eager.grad, rtol=1e-4, atol=1e-6)
+    return ours
+
+
+def test_layer_norm_and_embedding_on_torch_kernels_train_like_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
+    ops = _ops(_train_embedder())
+    # the frozen LayerNorm stays on the engine: its weight and bias want no gradient
+    assert ops.count(kernel_choice.LAYER_NORM) == 2 and ops.count("LayerNormalization") == 1
+    assert ops.count("embedding") == 2
+
+
+def test_engine_keeps_layer_norm_and_embedding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "ENGINE")
+    ops = _ops(_train_embedder())
+    assert not any(op.startswith("_ortmodule_") for op in ops) and "embedding" not in ops
+    assert ops.count("LayerNormalization") == 3
+
+
+def test_auto_keys_layer_norm_and_embedding_on_their_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "AUTO")
+    _train_embedder()
+    found = kernel_choice.decisions()
+    # 3 x 6 lookups; 18 rows of 8 (size class 16); 3 rows of 6 x 8 (size class 4)
+    assert ("embedding(40x8)", "Float", 16) in found
+    assert ("embedding(16x8)", "Float", 8) in found
+    assert ("layer_norm(8)", "Float", 16) in found
+    assert ("layer_norm(6x8)", "Float", 4) in found
+
+
+@pytest.mark.parametrize(
+    "measure",
+    [
+        lambda: kernel_choice.measure_layer_norm(64, [32]),
+        lambda: kernel_choice.measure_embedding(100, 16, 64),
+    ],
+)
+def test_layer_norm_and_embedding_measurements_time_both_kernels(measure: Any) -> None:
+    engine_us, torch_us = measure()
+    assert engine_us > 0 and torch_us > 2 * kernel_choice.ATEN_NODE_US

@@ -349,7 +349,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "AUTO, ENGINE or TORCH (any case)",
         _EXPORTER,
         "Per-operator kernel choice for GELU, ReLU, convolution (not transposed, input needing a "
-        "gradient) and 2-d max pooling: AUTO times the engine's kernels against PyTorch's (run as "
+        "gradient), 2-d max pooling, LayerNorm (weight and bias trained) and plain embedding "
+        "lookups: AUTO times the engine's kernels against PyTorch's (run as "
         "ATen nodes, PyTorch at ORTMODULE_TORCH_THREADS_IN_ENGINE threads) once per process and "
         "operator, dtype and size class (the sizes traced at export) and exports the faster; "
         "ENGINE or TORCH force one. Left at its default, it is ENGINE while recompute or "
@@ -406,8 +407,10 @@ VARIABLES: tuple[EnvVar, ...] = (
         "(ATen nodes, custom autograd Functions); 0 keeps PyTorch's setting. At 1 those nodes run "
         "single-threaded and PyTorch's OpenMP workers, which spin-wait after each parallel region, "
         "leave the cores to the engine's own threads (GPT-style decoder on 2 cores: 1.48x -> "
-        "1.15x eager's step time). Set it to PyTorch's thread count when the PyTorch-run nodes "
-        "dominate the step.",
+        "1.15x eager's step time). Fused attention and GELU nodes then run in pieces, one per "
+        "thread PyTorch had, on ORTModule's own helper threads that sleep between nodes "
+        "(bitwise the one-call result). Set it to PyTorch's thread count when the PyTorch-run "
+        "nodes dominate the step.",
         "0",
     ),
     EnvVar(

@@ -10,7 +10,9 @@ that meets the operator times both routes on this machine (a few milliseconds) a
 answer for the process, per (operator, dtype, size class).
 
 The covered operators are a small table (:func:`register_kernel_choice`): GELU, ReLU,
-convolution (``aten::_convolution``, not transposed) and 2-d max pooling. Each entry is a
+convolution (``aten::_convolution``, not transposed), 2-d max pooling and LayerNorm (input,
+weight and bias all trained); plain embedding lookups are covered from the exporter's own
+``embedding`` symbolic (:func:`embedding_route`). Each entry is a
 symbolic that replaces the exporter's own while the mode is ``auto`` or ``torch``, and falls
 back to it whenever the engine's kernel is chosen.
 
@@ -70,7 +72,10 @@ __all__ = [
     "current_torch_threads",
     "decisions",
     "measure_conv",
+    "embedding_route",
+    "measure_embedding",
     "measure_gelu",
+    "measure_layer_norm",
     "measure_max_pool2d",
     "measure_relu",
     "recording_traced_sizes",
@@ -91,6 +96,8 @@ RELU = "_ortmodule_relu"
 RELU_BACKWARD = "_ortmodule_relu_backward"
 CONV = "_ortmodule_conv"
 CONV_BACKWARD = "_ortmodule_conv_backward"
+LAYER_NORM = "_ortmodule_layer_norm"
+LAYER_NORM_BACKWARD = "_ortmodule_layer_norm_backward"
 MAX_POOL2D = "_ortmodule_max_pool2d"
 MAX_POOL2D_BACKWARD = "_ortmodule_max_pool2d_backward"
 
@@ -143,6 +150,9 @@ def register_kernel_choice(entry: CoveredOperator) -> None:
     """Cover ``entry.op``; it is installed by the next :func:`configure_kernel_choice`.
 
     >>> register_kernel_choice(CoveredOperator("aten::relu", _relu_symbolic, _opset9("relu")))
+register_kernel_choice(
+    CoveredOperator("aten::layer_norm", _layer_norm_symbolic, _opset9("layer_norm"), opset=17)
+)
     """
     op = entry.op
 
@@ -213,11 +223,16 @@ _TRACE = threading.local()
 
 @dataclass(frozen=True)
 class _Traced:
-    """One traced operator: its inputs' sizes and whether its first tensor input needs a
-    gradient (an ATen node's gradient definition writes every input gradient it names)."""
+    """One traced operator: its inputs' sizes (in the traced node's order) and which of its
+    tensor arguments (in the Python call's order) need a gradient (an ATen node's gradient
+    definition writes every input gradient it names, and the engine fails on one nobody needs)."""
 
     sizes: list[tuple[int, ...] | None]
-    input_needs_grad: bool
+    needs_grad: tuple[bool, ...]
+
+    @property
+    def input_needs_grad(self) -> bool:
+        return bool(self.needs_grad and self.needs_grad[0])
 
 
 class _SizeRecorder(TorchFunctionMode):
@@ -244,11 +259,11 @@ class _SizeRecorder(TorchFunctionMode):
                 self._seen.add(value.unique())
                 node = value.node()
                 key = (node.scopeName(), node.kind().rstrip("_"))
-                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                given = [*args, *(kwargs or {}).values()]
                 self.sizes.setdefault(key, []).append(
                     _Traced(
                         [_complete_sizes(v) for v in node.inputs()],
-                        bool(tensors and tensors[0].requires_grad),
+                        tuple(a.requires_grad for a in given if isinstance(a, torch.Tensor)),
                     )
                 )
         return out
@@ -547,6 +562,63 @@ def measure_max_pool2d(
     return engine_us, _torch_us(torch_route)
 
 
+def measure_layer_norm(rows: int, normalized_shape: Sequence[int]) -> tuple[float, float]:
+    """Microseconds of LayerNorm forward + backward (input, weight and bias gradients) on
+    ``rows`` rows of ``normalized_shape``: (engine, torch). Engine: ``LayerNormalization`` +
+    ``LayerNormalizationGrad``; PyTorch: ``native_layer_norm`` and its backward, two ATen
+    nodes."""
+    from onnx import helper
+
+    shape = list(normalized_shape)
+    axis = -len(shape)
+    _seeded()
+    x, dy = _randn(rows, *shape), _randn(rows, *shape)
+    w, b = _randn(*shape), _randn(*shape)
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "w", "b"], ["y", "mean", "rstd"], axis=axis),
+        helper.make_node(
+            "LayerNormalizationGrad",
+            ["dy", "x", "w", "mean", "rstd"],
+            ["dx", "dw", "db"],
+            domain="com.microsoft",
+            axis=axis,
+        ),
+    ]
+    feeds = {"x": x, "w": w, "b": b, "dy": dy}
+    engine_us = _engine_us("layer_norm", nodes, feeds, ["y", "dx", "dw", "db"])
+    params = [torch.tensor(shape), torch.tensor(1e-5, dtype=torch.float64)]
+
+    def torch_route() -> None:
+        _y, mean, rstd = _layer_norm("", [x, w, b, *params])
+        _layer_norm_backward("", [dy, x, mean, rstd, w, b, params[0]])
+
+    return engine_us, _torch_us(torch_route)
+
+
+def measure_embedding(rows: int, dim: int, lookups: int) -> tuple[float, float]:
+    """Microseconds of an embedding lookup of ``lookups`` indices into a ``rows`` x ``dim``
+    table, forward + backward (the table's gradient): (engine, torch). Engine: ``Gather`` +
+    ``GatherGrad``; PyTorch: ``embedding`` and ``embedding_backward``, two ATen nodes."""
+    from onnx import TensorProto, helper
+
+    _seeded()
+    w, dy = _randn(rows, dim), _randn(lookups, dim)
+    idx = torch.randint(0, rows, (lookups,), generator=_randn.gen)  # type: ignore[attr-defined]
+    nodes = [
+        helper.make_node("Gather", ["w", "idx"], ["y"]),
+        helper.make_node("Shape", ["w"], ["shape"]),
+        helper.make_node("GatherGrad", ["shape", "idx", "dy"], ["dw"], domain="com.microsoft"),
+    ]
+    feeds = {"w": w, "idx": idx, "dy": dy}
+    engine_us = _engine_us("embedding", nodes, feeds, ["y", "dw"], {"idx": TensorProto.INT64})
+
+    def torch_route() -> None:
+        torch.ops.aten.embedding(w, idx)
+        torch.ops.aten.embedding_backward(dy, idx, rows, -1, False, False)
+
+    return engine_us, _torch_us(torch_route)
+
+
 def _size_class(numel: int) -> int:
     return 1 << max(0, round(math.log2(max(numel, 1))))
 
@@ -833,6 +905,148 @@ def _default_convolution() -> Callable[..., Any]:
     return fn
 
 
+# -- LayerNorm ----------------------------------------------------------------------------------------
+
+
+def _layer_norm(_overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    x, weight, bias, shape, eps = inputs
+    assert x is not None and shape is not None and eps is not None
+    return list(torch.ops.aten.native_layer_norm(x, shape.tolist(), weight, bias, eps.item()))
+
+
+def _layer_norm_backward(
+    _overload: str, inputs: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    grad, x, mean, rstd, weight, bias, shape = inputs
+    assert grad is not None and x is not None and shape is not None
+    return list(
+        torch.ops.aten.native_layer_norm_backward(
+            grad, x, shape.tolist(), mean, rstd, weight, bias, [True, True, True]
+        )
+    )
+
+
+register_aten_function(LAYER_NORM, AtenFunction(_layer_norm, _all_tensors))
+register_aten_function(LAYER_NORM_BACKWARD, AtenFunction(_layer_norm_backward, _all_tensors))
+register_aten_gradient(
+    LAYER_NORM,
+    "",
+    [
+        GradientNode.aten(
+            LAYER_NORM_BACKWARD,
+            ["GO(0)", "I(0)", "O(1)", "O(2)", "I(1)", "I(2)", "I(3)"],
+            ["GI(0)", "GI(1)", "GI(2)"],
+        )
+    ],
+)
+register_stop_gradient_edges(LAYER_NORM, "", [3, 4])
+
+
+def _layer_norm_symbolic(
+    default: Callable[..., Any],
+    g: Any,
+    x: Any,
+    normalized_shape: Any,
+    weight: Any,
+    bias: Any,
+    eps: Any,
+    cudnn_enable: Any,
+) -> Any:
+    args = (x, normalized_shape, weight, bias, eps, cudnn_enable)
+    dtype = _dtype(x)
+    shape = sh._maybe_get_const(normalized_shape, "is")
+    eps_value = sh._maybe_get_const(eps, "f")
+    traced = _traced(g)
+    if (
+        dtype != "Float"
+        or sh._is_none(weight)
+        or sh._is_none(bias)
+        or not isinstance(shape, list)
+        or not isinstance(eps_value, float)
+        or traced is None
+        # input, weight and bias all need their gradient (a frozen LayerNorm stays on the engine)
+        or len(traced.needs_grad) != 3
+        or not all(traced.needs_grad)
+        or not traced.sizes
+        or traced.sizes[0] is None
+    ):
+        return default(g, *args)
+    cols = math.prod(shape)
+    rows = _size_class(math.prod(traced.sizes[0]) // max(cols, 1))
+    route = _decide(
+        f"layer_norm({'x'.join(map(str, shape))})",
+        dtype,
+        rows,
+        lambda: measure_layer_norm(rows, shape),
+    )
+    if route != "torch":
+        return default(g, *args)
+    eps_const = g.op("Constant", value_t=torch.tensor(eps_value, dtype=torch.float64))
+    y, mean, rstd = g.op(
+        f"{ATEN_DOMAIN}::ATen",
+        x,
+        weight,
+        bias,
+        _ints_const(g, shape),
+        eps_const,
+        operator_s=LAYER_NORM,
+        overload_name_s="",
+        outputs=3,
+    )
+    y.setType(x.type())
+    # the statistics keep the input's rank (size 1 in the normalized dims)
+    for stat in (mean, rstd):
+        stat.setType(x.type().with_sizes([None] * len(traced.sizes[0])))
+    return y
+
+
+# -- embedding -----------------------------------------------------------------------------------------
+
+
+def embedding_route(g: Any, weight: Any, indices: Any) -> Any:
+    """An ATen ``embedding`` node for a plain lookup (no ``padding_idx``, no
+    ``scale_grad_by_freq``) where PyTorch's kernels measured faster, else None (export the
+    engine's ``Gather``). Called by the exporter's ``embedding`` symbolic."""
+    if _MODE[0] == "engine":
+        return None
+    weight_sizes = sh._get_tensor_sizes(weight)
+    traced = _traced(g)
+    if (
+        _dtype(weight) != "Float"
+        or weight_sizes is None
+        or len(weight_sizes) != 2
+        or any(s is None for s in weight_sizes)
+        or traced is None
+        # F.embedding(indices, weight): the table's gradient must be wanted
+        or len(traced.needs_grad) != 2
+        or not traced.needs_grad[1]
+        or len(traced.sizes) < 2
+        or traced.sizes[1] is None
+    ):
+        return None
+    rows, dim = (int(s) for s in weight_sizes)
+    lookups = _size_class(math.prod(traced.sizes[1]))
+    route = _decide(
+        f"embedding({rows}x{dim})",
+        "Float",
+        lookups,
+        lambda: measure_embedding(rows, dim, lookups),
+    )
+    if route != "torch":
+        return None
+    from .routes import embedding_node
+
+    out = embedding_node(g, weight, indices, -1, False, index_rank=len(traced.sizes[1]))
+    # The engine knows no shape for an ATen node's output, whatever the graph declares, and
+    # its broadcasting gradients need one (a position embedding added to a batch of token
+    # embeddings: "GetShape(input_grad ...) was false"); a Reshape to the indices' shape plus
+    # the embedding dim, which it infers the rank of, gives it one.
+    shape = g.op("Concat", g.op("Shape", indices), _ints_const(g, [dim]), axis_i=0)
+    reshaped = g.op("Reshape", out, shape)
+    reshaped.setType(out.type())
+    return reshaped
+
+
 # -- 2-d max pooling ----------------------------------------------------------------------------------
 
 
@@ -933,6 +1147,9 @@ def _no_previous(name: str) -> Callable[[], Callable[..., Any]]:
 
 register_kernel_choice(CoveredOperator("aten::gelu", _gelu_symbolic, _opset9("gelu")))
 register_kernel_choice(CoveredOperator("aten::relu", _relu_symbolic, _opset9("relu")))
+register_kernel_choice(
+    CoveredOperator("aten::layer_norm", _layer_norm_symbolic, _opset9("layer_norm"), opset=17)
+)
 register_kernel_choice(
     CoveredOperator("aten::_convolution", _convolution_symbolic, _default_convolution)
 )

@@ -230,13 +230,24 @@ def _embedding(
         or (padding < 0 and not by_freq)
     ):
         return default(g, weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    return embedding_node(g, weight, indices, padding, bool(by_freq))
+
+
+def embedding_node(
+    g: Any, weight: Any, indices: Any, padding: int, by_freq: bool, index_rank: int | None = None
+) -> Any:
+    """An ATen ``embedding`` node (PyTorch's lookup forward, ``embedding_backward`` backward);
+    ``index_rank``: the indices' rank where the graph does not know it (the result's rank is
+    one more, which the engine's gradient builders need)."""
     out = _aten(
         g,
         "embedding",
-        [weight, indices, _const(g, padding), _const(g, bool(by_freq)), _const(g, False)],
+        [weight, indices, _const(g, padding), _const(g, by_freq), _const(g, False)],
     )
     index_sizes, weight_sizes = traced_sizes(indices), traced_sizes(weight)
     sizes = None
+    if index_sizes is None and index_rank is not None:
+        index_sizes = [None] * index_rank
     if index_sizes is not None and weight_sizes is not None and len(weight_sizes) == 2:
         sizes = [*index_sizes, weight_sizes[1]]
     return _typed(out, weight, sizes)

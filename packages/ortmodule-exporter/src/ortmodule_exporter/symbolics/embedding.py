@@ -30,10 +30,14 @@ def embedding(
     # scale_grad_by_freq is rejected. Eager gives the padding row no gradient and divides each
     # row's gradient by how often its index occurs in the batch; the forward value is always
     # the plain lookup.
-    rows = g.op("Gather", weight, indices)
     has_padding = padding_idx >= 0
     if not has_padding and not scale_grad_by_freq:
-        return rows
+        from ..aten.kernel_choice import embedding_route
+
+        # PyTorch's kernels where the kernel choice measured them faster
+        routed = embedding_route(g, weight, indices)
+        return routed if routed is not None else g.op("Gather", weight, indices)
+    rows = g.op("Gather", weight, indices)
     like = _float_type(weight)
     if has_padding:
         is_pad = g.op("Equal", indices, _const(g, padding_idx, torch.int64))
