@@ -11,6 +11,8 @@ from ortmodule import ORTModule
 from ortmodule_testing.parity import clone_model
 
 FLASH = "_scaled_dot_product_flash_attention_for_cpu"
+#: the same kernel on the token-major tensors (passes/attention_layout.py reads the Transposes)
+FLASH_BSHD = "_ortmodule_flash_attention_bshd"
 
 
 class Attention(torch.nn.Module):
@@ -93,12 +95,18 @@ def _train_both(mask: str, steps: int = 3) -> tuple[ORTModule, torch.nn.Module]:
 @pytest.mark.parametrize("mask", ["causal", "padding", "additive"])
 def test_sdpa_runs_fused_and_trains_like_eager(mask: str) -> None:
     ours, _ = _train_both(mask)
-    assert FLASH in _exported_ops(ours)
+    ops = _exported_ops(ours)
+    # fused, and the heads' Transposes read away (the kernel takes eager's strided views)
+    assert FLASH_BSHD in ops and FLASH not in ops
+    graph = ours._runner.transitions.current(True, True)
+    assert graph is not None
+    (node,) = [n for n in graph.built.exported.model.graph.node if n.op_type == "ATen"]
+    assert next(a.s for a in node.attribute if a.name == "overload_name") == b"qkvo"
 
 
 def test_a_mask_that_needs_a_gradient_stays_decomposed() -> None:
     ours, eager = _train_both("learned")
-    assert FLASH not in _exported_ops(ours)
+    assert not {FLASH, FLASH_BSHD} & set(_exported_ops(ours))
     assert eager.bias.grad is not None and ours.module.bias.grad is not None
 
 
@@ -106,4 +114,4 @@ def test_switched_off_the_engine_runs_attention(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("ORTMODULE_FUSED_ATTENTION", "0")
     ours, _ = _train_both("causal", steps=1)
     ops = _exported_ops(ours)
-    assert FLASH not in ops and "Softmax" in ops
+    assert not {FLASH, FLASH_BSHD} & set(ops) and "Softmax" in ops

@@ -17,7 +17,7 @@ the one-call result; the tests compare them.
 Covered: PyTorch's CPU flash attention forward and backward (cut along the batch, without
 dropout: dropout would draw its random numbers in another order) and elementwise operators
 written with an ``out=`` (GELU and its backward, :func:`elementwise`). Nodes smaller than
-:data:`MIN_ELEMENTS` (:data:`MIN_ELEMENTWISE`) run whole: handing a piece to a helper thread and
+:data:`MIN_ELEMENTS` (:data:`MIN_ELEMENTWISE`) of work run whole: handing a piece to a helper thread and
 back costs about 70 us.
 
 >>> with TorchThreadsInEngine(1):     # what the engine does around a run
@@ -38,14 +38,18 @@ __all__ = [
     "MIN_ELEMENTWISE",
     "TorchThreadsInEngine",
     "elementwise",
+    "in_rows",
     "register_row_split",
     "row_splitter",
     "run_pieces",
     "width",
 ]
 
-#: an attention node with fewer q/k/v (and gradient) elements than this runs whole
-MIN_ELEMENTS = 1 << 18
+#: an attention node with less work than this (batch x heads x queries x keys x head dim) runs
+#: whole: on the 2-core EPYC, PyTorch's CPU flash attention at batch 16, 4 heads, 64 tokens,
+#: head dim 32 (8M) took 0.69 ms whole and 0.81 ms in two pieces; at batch 8, 128 tokens, head
+#: dim 64 (34M) 2.9 ms whole and 1.6 ms in two pieces
+MIN_ELEMENTS = 1 << 24
 #: an elementwise node with fewer elements runs whole: handing a piece to a helper thread and
 #: back costs about 70 us on the 2-core EPYC, and GELU on 1M floats saves only about 50 us of it
 MIN_ELEMENTWISE = 1 << 20
@@ -215,51 +219,69 @@ def elementwise(
 # -- operators cut along the batch ---------------------------------------------------------------
 
 
+def in_rows(
+    op: Callable[..., Any],
+    args: list[Any],
+    kwargs: dict[str, Any],
+    rows: Sequence[int],
+    work: int,
+    mask: str = "",
+    unless: int = -1,
+) -> Any:
+    """``op(*args, **kwargs)``, cut along dim 0 of the positional arguments ``rows`` (all with
+    the same size there) when the engine's threads allow and ``work`` reaches
+    :data:`MIN_ELEMENTS`. The keyword argument ``mask`` (an attention mask) is cut too when it
+    is 4-d with that size in dim 0, and passed whole when it is broadcast over the batch (dim 0
+    of 1, or fewer dims). ``unless``: the position of an argument that, when truthy, makes the
+    node run whole (dropout). Every tensor result is concatenated along dim 0."""
+    batch = args[rows[0]].shape[0]
+    if (
+        _WIDTH[0] < 2
+        or batch < 2
+        or work < MIN_ELEMENTS
+        or (0 <= unless < len(args) and args[unless])
+        or any(args[i].shape[0] != batch for i in rows)
+    ):
+        return op(*args, **kwargs)
+    cut_mask = False
+    value = kwargs.get(mask) if mask else None
+    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[0] != 1:
+        if value.shape[0] != batch:
+            return op(*args, **kwargs)
+        cut_mask = True
+
+    def piece(start: int, stop: int) -> Callable[[], Any]:
+        part = [a[start:stop] if i in rows else a for i, a in enumerate(args)]
+        named = {**kwargs, mask: kwargs[mask][start:stop]} if cut_mask else kwargs
+        return lambda: op(*part, **named)
+
+    results = run_pieces([piece(a, b) for a, b in _bounds(batch, min(_WIDTH[0], batch))])
+    if results is None:
+        return op(*args, **kwargs)
+    if isinstance(results[0], torch.Tensor):
+        return torch.cat(results)
+    return tuple(
+        torch.cat([r[k] for r in results]) if isinstance(first, torch.Tensor) else first
+        for k, first in enumerate(results[0])
+    )
+
+
 RowSplitter = Callable[[Callable[..., Any], list[Any], dict[str, Any]], Any]
 _ROW_SPLITTERS: dict[str, RowSplitter] = {}
 
 
 def register_row_split(
-    op_name: str, rows: Sequence[int], mask: str = "", unless: int = -1
+    op_name: str,
+    rows: Sequence[int],
+    work: Callable[[list[Any]], int],
+    mask: str = "",
+    unless: int = -1,
 ) -> None:
-    """Let the aten operator ``op_name`` run cut along dim 0 of its positional arguments
-    ``rows`` (all with the same size there). The keyword argument ``mask`` (an attention mask)
-    is cut too when it is 4-d with that size in dim 0, and passed whole when it is broadcast
-    over the batch (dim 0 of 1, or fewer dims). ``unless``: the position of an argument that,
-    when truthy, makes the node run whole (dropout). Every tensor result is concatenated along
-    dim 0."""
+    """Let the aten operator ``op_name`` run through :func:`in_rows`; ``work(args)``: how much
+    work a call is, compared with :data:`MIN_ELEMENTS`."""
 
     def split(op: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
-        batch = args[rows[0]].shape[0]
-        work = sum(args[i].numel() for i in rows)
-        if (
-            batch < 2
-            or work < MIN_ELEMENTS
-            or (0 <= unless < len(args) and args[unless])
-            or any(args[i].shape[0] != batch for i in rows)
-        ):
-            return op(*args, **kwargs)
-        cut_mask = False
-        value = kwargs.get(mask) if mask else None
-        if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[0] != 1:
-            if value.shape[0] != batch:
-                return op(*args, **kwargs)
-            cut_mask = True
-
-        def piece(start: int, stop: int) -> Callable[[], Any]:
-            part = [a[start:stop] if i in rows else a for i, a in enumerate(args)]
-            named = {**kwargs, mask: kwargs[mask][start:stop]} if cut_mask else kwargs
-            return lambda: op(*part, **named)
-
-        results = run_pieces([piece(a, b) for a, b in _bounds(batch, min(_WIDTH[0], batch))])
-        if results is None:
-            return op(*args, **kwargs)
-        if isinstance(results[0], torch.Tensor):
-            return torch.cat(results)
-        return tuple(
-            torch.cat([r[k] for r in results]) if isinstance(first, torch.Tensor) else first
-            for k, first in enumerate(results[0])
-        )
+        return in_rows(op, args, kwargs, rows, work(args), mask, unless)
 
     _ROW_SPLITTERS[op_name] = split
 
@@ -271,14 +293,24 @@ def row_splitter(op_name: str) -> RowSplitter | None:
     return _ROW_SPLITTERS.get(op_name)
 
 
+def _attention_work(q: torch.Tensor, k: torch.Tensor) -> int:
+    # batch x heads x queries x head dim, times keys
+    return q.numel() * k.shape[-2]
+
+
 # q, k, v, dropout_p, is_causal, attn_mask, scale -> output, logsumexp
 register_row_split(
-    "_scaled_dot_product_flash_attention_for_cpu", rows=(0, 1, 2), mask="attn_mask", unless=3
+    "_scaled_dot_product_flash_attention_for_cpu",
+    rows=(0, 1, 2),
+    work=lambda args: _attention_work(args[0], args[1]),
+    mask="attn_mask",
+    unless=3,
 )
 # grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask, scale -> dq, dk, dv
 register_row_split(
     "_scaled_dot_product_flash_attention_for_cpu_backward",
     rows=(0, 1, 2, 3, 4, 5),
+    work=lambda args: _attention_work(args[1], args[2]),
     mask="attn_mask",
     unless=6,
 )

@@ -7,6 +7,7 @@
 ``batchnorm``           BatchNorm running statistics as graph outputs (order 10)
 ``python_op``           refuse Functions this process did not export (0); PythonOp dims (20)
 ``attention_fusion``    ``ORTMODULE_USE_EFFICIENT_ATTENTION``: attention into one ATen node (30)
+``attention_layout``    fused CPU attention reads its inputs without the heads' Transposes (35)
 ``aten_nodes``          make ATen nodes runnable and trainable (40)
 ``output_ranks``        scalar outputs keep rank 0 (45)
 ``engine_graph_fixes``  no-op Casts removed; an input read twice goes through an Identity; a
@@ -24,6 +25,7 @@ Importing this package registers the built-in post-export and built-graph passes
 from . import (  # noqa: F401 - register
     aten_nodes,
     attention_fusion,
+    attention_layout,
     batchnorm,
     engine_graph_fixes,
     output_ranks,
