@@ -7,6 +7,7 @@ without such nodes leave PyTorch's setting alone.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,3 +141,21 @@ def test_attention_and_gelu_run_in_pieces_with_the_same_bits(
     assert cut[0] == whole[0]
     assert len(cut[1]) == len(whole[1])
     assert all(torch.equal(a, b) for a, b in zip(cut[1], whole[1], strict=True))
+
+
+def test_piece_threads_do_not_stop_the_engine_context_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The release of the engine's Function contexts waits for other Python threads, which could
+    be inside the engine; the piece threads never are."""
+    from ortmodule_exporter.aten import parallel
+    from ortmodule_exporter.python_op import runner
+
+    assert parallel.run_pieces([lambda: 1, lambda: 2]) == [1, 2]  # the helpers exist now
+    assert parallel.helper_threads() >= 1
+    # this thread and the helpers alone (other tests may have left threads of their own)
+    monkeypatch.setattr(threading, "active_count", lambda: 1 + parallel.helper_threads())
+    monkeypatch.setattr(runner, "_LIVE", {})
+    before = runner.engine_context_releases()
+    assert runner.release_engine_contexts()
+    assert runner.engine_context_releases() == before + 1

@@ -337,7 +337,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         _EXPORTER,
         "Run scaled_dot_product_attention with PyTorch's fused kernels, forward and backward "
         "(as ORTMODULE_ATEN_SDPA_FALLBACK=1; a mask that needs a gradient stays decomposed); "
-        "0 lets the engine run attention as separate operators. Left at its default, it is off "
+        "on CPU the kernel reads the heads' token-major tensors as eager does, without the "
+        "Transposes around it; 0 lets the engine run attention as separate operators. Left at its default, it is off "
         "while recompute (ORTMODULE_MEMORY_OPT_LEVEL/CONFIG) or ORTMODULE_USE_TRITON is on: "
         "both need the engine's own nodes.",
     ),

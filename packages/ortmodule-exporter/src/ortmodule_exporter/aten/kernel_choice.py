@@ -54,11 +54,12 @@ from torch.onnx import symbolic_helper as sh
 from torch.overrides import TorchFunctionMode
 
 from ..engine_binding import import_onnxruntime
+from ..symbolics import embedding as embedding_symbolic
 from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
 from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from .parallel import TorchThreadsInEngine, elementwise
 from .gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
-from .routes import traced_sizes
+from .routes import embedding_node, traced_sizes
 
 __all__ = [
     "ATEN_NODE_US",
@@ -1034,8 +1035,6 @@ def embedding_route(g: Any, weight: Any, indices: Any) -> Any:
     )
     if route != "torch":
         return None
-    from .routes import embedding_node
-
     out = embedding_node(g, weight, indices, -1, False, index_rank=len(traced.sizes[1]))
     # The engine knows no shape for an ATen node's output, whatever the graph declares, and
     # its broadcasting gradients need one (a position embedding added to a batch of token
@@ -1045,6 +1044,9 @@ def embedding_route(g: Any, weight: Any, indices: Any) -> Any:
     reshaped = g.op("Reshape", out, shape)
     reshaped.setType(out.type())
     return reshaped
+
+
+embedding_symbolic.PLAIN_LOOKUP_ROUTE[0] = embedding_route
 
 
 # -- 2-d max pooling ----------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ __all__ = [
     "MIN_ELEMENTWISE",
     "TorchThreadsInEngine",
     "elementwise",
+    "helper_threads",
     "in_rows",
     "register_row_split",
     "row_splitter",
@@ -141,6 +142,11 @@ class _Helper:
 
 
 _HELPERS: list[_Helper] = []
+
+
+def helper_threads() -> int:
+    """How many helper threads exist (they run PyTorch pieces only, never the engine)."""
+    return len(_HELPERS)
 # one caller at a time uses the helpers; another thread's node meanwhile runs whole
 _BUSY = threading.Lock()
 

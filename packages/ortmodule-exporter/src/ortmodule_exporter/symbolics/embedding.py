@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +22,11 @@ from .helpers import (
 
 # -- embedding -------------------------------------------------------------------------------
 
+#: ``route(g, weight, indices)`` for a plain lookup (no padding_idx, no scale_grad_by_freq): a
+#: value that replaces the ``Gather``, or None. The kernel choice
+#: (:func:`ortmodule_exporter.aten.kernel_choice.embedding_route`) installs itself here.
+PLAIN_LOOKUP_ROUTE: list[Callable[[Any, Value, Value], Any]] = [lambda g, weight, indices: None]
+
 
 @sh.parse_args("v", "v", "i", "b", "b")
 def embedding(
@@ -32,10 +38,8 @@ def embedding(
     # the plain lookup.
     has_padding = padding_idx >= 0
     if not has_padding and not scale_grad_by_freq:
-        from ..aten.kernel_choice import embedding_route
-
         # PyTorch's kernels where the kernel choice measured them faster
-        routed = embedding_route(g, weight, indices)
+        routed = PLAIN_LOOKUP_ROUTE[0](g, weight, indices)
         return routed if routed is not None else g.op("Gather", weight, indices)
     rows = g.op("Gather", weight, indices)
     like = _float_type(weight)
