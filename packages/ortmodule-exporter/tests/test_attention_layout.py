@@ -86,16 +86,22 @@ def _graph(q_transposed: bool, out_readers: int) -> onnx.ModelProto:
     names = {}
     for t in "qkv":
         if t != "q" or q_transposed:
-            nodes.append(helper.make_node("Transpose", [f"{t}_bshd"], [f"{t}_bhsd"], perm=[0, 2, 1, 3]))
+            nodes.append(
+                helper.make_node("Transpose", [f"{t}_bshd"], [f"{t}_bhsd"], perm=[0, 2, 1, 3])
+            )
             names[t] = f"{t}_bhsd"
         else:
             nodes.append(helper.make_node("Relu", ["q_bshd"], ["q_in"]))
             names[t] = "q_in"
     nodes.append(
-        helper.make_node("Constant", [], ["dropout"], value=onnx.numpy_helper.from_array(np.array(0.0)))
+        helper.make_node(
+            "Constant", [], ["dropout"], value=onnx.numpy_helper.from_array(np.array(0.0))
+        )
     )
     nodes.append(
-        helper.make_node("Constant", [], ["causal"], value=onnx.numpy_helper.from_array(np.array(True)))
+        helper.make_node(
+            "Constant", [], ["causal"], value=onnx.numpy_helper.from_array(np.array(True))
+        )
     )
     nodes.append(
         helper.make_node(
@@ -111,7 +117,9 @@ def _graph(q_transposed: bool, out_readers: int) -> onnx.ModelProto:
     for i in range(out_readers):
         nodes.append(helper.make_node("Transpose", ["att"], [f"y{i}"], perm=[0, 2, 1, 3]))
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
-    inputs = [helper.make_tensor_value_info(f"{t}_bshd", TensorProto.FLOAT, [B, S, H, D]) for t in "qkv"]
+    inputs = [
+        helper.make_tensor_value_info(f"{t}_bshd", TensorProto.FLOAT, [B, S, H, D]) for t in "qkv"
+    ]
     return helper.make_model(helper.make_graph(nodes, "g", inputs, outputs))
 
 

@@ -155,9 +155,7 @@ def test_piece_boundaries_cover_the_range_once() -> None:
 
 def test_pieces_run_on_two_threads_and_errors_reach_the_caller() -> None:
     where: list[int] = []
-    results = parallel.run_pieces(
-        [lambda: where.append(threading.get_ident()) or "a", lambda: "b"]
-    )
+    results = parallel.run_pieces([lambda: where.append(threading.get_ident()) or "a", lambda: "b"])
     assert results == ["a", "b"]
     assert where and where[0] != threading.get_ident()
 

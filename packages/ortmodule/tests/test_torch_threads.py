@@ -103,7 +103,9 @@ def test_graphs_without_pytorch_nodes_leave_the_setting_alone() -> None:
     assert graph.session._threads.threads == 0
 
 
-def _gpt_steps(monkeypatch: pytest.MonkeyPatch, cut: bool) -> tuple[list[float], list[torch.Tensor]]:
+def _gpt_steps(
+    monkeypatch: pytest.MonkeyPatch, cut: bool
+) -> tuple[list[float], list[torch.Tensor]]:
     from ortmodule_exporter.aten import parallel
     from ortmodule_testing.zoo import GPTConfig, GPTDecoder
 

@@ -14,8 +14,6 @@ of query, key, value and output (``q``, ``k``, ``v``, ``o``) are in the token-ma
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from . import parallel
@@ -39,7 +37,11 @@ def _settings(
     dropout: torch.Tensor | None, causal: torch.Tensor | None, scale: torch.Tensor | None
 ) -> tuple[float, bool, float | None]:
     assert dropout is not None and causal is not None
-    return float(dropout.item()), bool(causal.item()), None if scale is None else float(scale.item())
+    return (
+        float(dropout.item()),
+        bool(causal.item()),
+        None if scale is None else float(scale.item()),
+    )
 
 
 def _work(q: torch.Tensor, k: torch.Tensor, flags: str) -> int:
@@ -144,7 +146,18 @@ def _register() -> None:
             [
                 GradientNode.aten(
                     FLASH_BSHD_BACKWARD,
-                    ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)", "I(5)", "I(6)"],
+                    [
+                        "GO(0)",
+                        "I(0)",
+                        "I(1)",
+                        "I(2)",
+                        "O(0)",
+                        "O(1)",
+                        "I(3)",
+                        "I(4)",
+                        "I(5)",
+                        "I(6)",
+                    ],
                     ["GI(0)", "GI(1)", "GI(2)"],
                     overload=flags,
                 )
@@ -154,4 +167,3 @@ def _register() -> None:
 
 
 _register()
-

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.onnx import symbolic_helper as sh
 from torch.overrides import TorchFunctionMode
 
@@ -57,8 +56,8 @@ from ..engine_binding import import_onnxruntime
 from ..symbolics import embedding as embedding_symbolic
 from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
 from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
-from .parallel import TorchThreadsInEngine, elementwise
 from .gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
+from .parallel import TorchThreadsInEngine, elementwise
 from .routes import embedding_node, traced_sizes
 
 __all__ = [
@@ -150,10 +149,10 @@ _WRAPPERS: dict[str, Callable[..., Any]] = {}
 def register_kernel_choice(entry: CoveredOperator) -> None:
     """Cover ``entry.op``; it is installed by the next :func:`configure_kernel_choice`.
 
-    >>> register_kernel_choice(CoveredOperator("aten::relu", _relu_symbolic, _opset9("relu")))
-register_kernel_choice(
-    CoveredOperator("aten::layer_norm", _layer_norm_symbolic, _opset9("layer_norm"), opset=17)
-)
+        >>> register_kernel_choice(CoveredOperator("aten::relu", _relu_symbolic, _opset9("relu")))
+    register_kernel_choice(
+        CoveredOperator("aten::layer_norm", _layer_norm_symbolic, _opset9("layer_norm"), opset=17)
+    )
     """
     op = entry.op
 
@@ -489,10 +488,12 @@ def measure_conv(
     feeds = {"x": x, "w": w, "dy": dy, **({"b": b} if bias else {})}
     engine_us = _engine_us("conv", nodes, feeds, ["y", *grads])
 
+    params = torch.tensor(
+        _ConvSettings(tuple(stride), tuple(padding), tuple(dilation), groups).params()
+    )
+
     def torch_route() -> None:
-        out = torch.convolution(
-            x, w, b if bias else None, stride, padding, dilation, False, [0] * n, groups
-        )
+        (out,) = _conv("xwb" if bias else "xw", [x, w, *([b] if bias else []), params])
         torch.ops.aten.convolution_backward(
             dy,
             x,
@@ -554,8 +555,10 @@ def measure_max_pool2d(
         "max_pool2d", nodes, feeds, ["y", "dflat"], {"minus_one": TensorProto.INT64}
     )
 
+    params = torch.tensor([*kernel, *stride, *padding, *dilation, int(ceil_mode)])
+
     def torch_route() -> None:
-        torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
+        _max_pool2d("", [x, params])
         torch.ops.aten.max_pool2d_with_indices_backward(
             dy, x, kernel, stride, padding, dilation, ceil_mode, indices
         )
@@ -772,6 +775,7 @@ def _conv(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor
     bias = rest[0] if "b" in overload else None
     n = weight.dim() - 2
     s = _ConvSettings.parse(rest[-1].tolist(), n)
+    # whole, not in pieces (see aten/parallel.py)
     return [
         torch.convolution(
             x, weight, bias, s.stride, s.padding, s.dilation, False, [0] * n, s.groups
@@ -1060,6 +1064,7 @@ def _pool_settings(params: torch.Tensor) -> tuple[list[int], list[int], list[int
 def _max_pool2d(_overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     x, params = inputs
     assert x is not None and params is not None
+    # whole, not in pieces (see aten/parallel.py)
     values, indices = torch.ops.aten.max_pool2d_with_indices(x, *_pool_settings(params))
     return [values, indices]
 
