@@ -37,6 +37,18 @@ def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
     return default
 
 
+def producers_and_consumers(
+    graph: onnx.GraphProto,
+) -> tuple[dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:
+    """value name -> the node that writes it, and value name -> the nodes that read it."""
+    producers = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    return producers, consumers
+
+
 def rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
     """Rename a value everywhere in ``graph`` (node inputs and outputs, graph inputs/outputs)."""
     if old == new:

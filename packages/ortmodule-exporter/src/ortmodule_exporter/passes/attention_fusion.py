@@ -15,7 +15,7 @@ import onnx
 import onnx.numpy_helper
 
 from ..aten.executor import ATEN_DOMAIN
-from ..onnx_graph import attribute
+from ..onnx_graph import attribute, producers_and_consumers
 from .registry import register_post_export_pass
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -59,11 +59,7 @@ def fuse_attention(model: onnx.ModelProto) -> int:
     """Replace ``MatMul(Softmax(MatMul(Q, Transpose(K)) {*,/} c [+ mask]), V)`` on 4-D tensors
     with PyTorch's fused attention (an ATen node); returns how many were fused."""
     graph = model.graph
-    producers = {o: n for n in graph.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    producers, consumers = producers_and_consumers(graph)
     outputs = {o.name for o in graph.output}
     ranks = _ranks(model)
 

@@ -22,7 +22,7 @@ import onnx
 
 from ..aten.attention_layout import FLASH, FLASH_BSHD
 from ..aten.executor import ATEN_DOMAIN
-from ..onnx_graph import attribute
+from ..onnx_graph import attribute, producers_and_consumers
 from .registry import register_post_export_pass
 
 __all__ = ["read_transposes_into_attention"]
@@ -44,11 +44,7 @@ def _is_swap(node: onnx.NodeProto | None) -> bool:
 def read_transposes_into_attention(model: onnx.ModelProto) -> int:
     """Rewrite the flash-attention nodes as described above; returns how many changed."""
     graph = model.graph
-    producers = {o: n for n in graph.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    producers, consumers = producers_and_consumers(graph)
     graph_outputs = {o.name for o in graph.output}
     changed = 0
     dropped: set[int] = set()
