@@ -285,3 +285,61 @@ def test_auto_keys_layer_norm_and_embedding_on_their_sizes(
 def test_layer_norm_and_embedding_measurements_time_both_kernels(measure: Any) -> None:
     engine_us, torch_us = measure()
     assert engine_us > 0 and torch_us > 2 * kernel_choice.ATEN_NODE_US
+
+
+# -- cross-entropy --------------------------------------------------------------------------------
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self, reduction: str) -> None:
+        super().__init__()
+        self.reduction = reduction
+        self.proj = torch.nn.Linear(8, 12)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(
+            self.proj(x), labels, reduction=self.reduction, ignore_index=-1
+        )
+
+
+def _train_classifier(reduction: str, ignored_share: float) -> ORTModule:
+    torch.manual_seed(0)
+    eager = Classifier(reduction)
+    ours = ORTModule(clone_model(eager))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x = torch.randn(20, 8, generator=gen)
+        labels = torch.randint(0, 12, (20,), generator=gen)
+        labels[: int(20 * ignored_share)] = -1
+        losses = []
+        for model in (eager, ours):
+            model.zero_grad()
+            loss = model(x, labels)
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+        for p_ours, p_eager in zip(ours.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p_ours.grad, p_eager.grad, rtol=1e-5, atol=1e-6)
+    return ours
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_dense_cross_entropy_on_torch_kernels_trains_like_eager(
+    reduction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
+    ops = _ops(_train_classifier(reduction, ignored_share=0.05))  # 1 of 20 ignored
+    assert kernel_choice.CROSS_ENTROPY in ops and "SoftmaxCrossEntropyLoss" not in ops
+
+
+def test_sparse_labels_keep_the_engines_loss_for_label_sparsity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
+    ops = _ops(_train_classifier("mean", ignored_share=0.5))
+    assert kernel_choice.CROSS_ENTROPY not in ops and "SoftmaxCrossEntropyLoss" in ops
+
+
+def test_cross_entropy_measurement_times_both_kernels() -> None:
+    engine_us, torch_us = kernel_choice.measure_cross_entropy(64, 32)
+    assert engine_us > 0 and torch_us > 2 * kernel_choice.ATEN_NODE_US

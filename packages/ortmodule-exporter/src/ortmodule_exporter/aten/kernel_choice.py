@@ -10,8 +10,10 @@ that meets the operator times both routes on this machine (a few milliseconds) a
 answer for the process, per (operator, dtype, size class).
 
 The covered operators are a small table (:func:`register_kernel_choice`): GELU, ReLU,
-convolution (``aten::_convolution``, not transposed), 2-d max pooling and LayerNorm (input,
-weight and bias all trained); plain embedding lookups are covered from the exporter's own
+convolution (``aten::_convolution``, not transposed), 2-d max pooling, LayerNorm (input,
+weight and bias all trained) and cross-entropy on class indices (mean or sum, no class weights
+or smoothing, and labels dense enough that label sparsity leaves the loss whole, judged on the
+traced batch as that pass judges it); plain embedding lookups are covered from the exporter's own
 ``embedding`` symbolic (:func:`embedding_route`). Each entry is a
 symbolic that replaces the exporter's own while the mode is ``auto`` or ``torch``, and falls
 back to it whenever the engine's kernel is chosen.
@@ -39,21 +41,25 @@ the engine's kernels, ``torch`` routes every covered operator to PyTorch.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.onnx import symbolic_helper as sh
 from torch.overrides import TorchFunctionMode
 
 from ..engine_binding import import_onnxruntime
+from ..label_density import DENSITY_THRESHOLD, label_density
 from ..symbolics import embedding as embedding_symbolic
+from ..symbolics import losses
 from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
 from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from .gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
@@ -72,6 +78,7 @@ __all__ = [
     "current_torch_threads",
     "decisions",
     "measure_conv",
+    "measure_cross_entropy",
     "embedding_route",
     "measure_embedding",
     "measure_gelu",
@@ -96,6 +103,8 @@ RELU = "_ortmodule_relu"
 RELU_BACKWARD = "_ortmodule_relu_backward"
 CONV = "_ortmodule_conv"
 CONV_BACKWARD = "_ortmodule_conv_backward"
+CROSS_ENTROPY = "_ortmodule_cross_entropy"
+CROSS_ENTROPY_BACKWARD = "_ortmodule_cross_entropy_backward"
 LAYER_NORM = "_ortmodule_layer_norm"
 LAYER_NORM_BACKWARD = "_ortmodule_layer_norm_backward"
 MAX_POOL2D = "_ortmodule_max_pool2d"
@@ -229,6 +238,8 @@ class _Traced:
 
     sizes: list[tuple[int, ...] | None]
     needs_grad: tuple[bool, ...]
+    #: a cross-entropy's share of labels that count (not ``ignore_index``); None for others
+    label_density: float | None = None
 
     @property
     def input_needs_grad(self) -> bool:
@@ -264,9 +275,26 @@ class _SizeRecorder(TorchFunctionMode):
                     _Traced(
                         [_complete_sizes(v) for v in node.inputs()],
                         tuple(a.requires_grad for a in given if isinstance(a, torch.Tensor)),
+                        _label_density(func, args, kwargs or {}),
                     )
                 )
         return out
+
+
+def _label_density(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float | None:
+    """The share of counted labels of a traced ``F.cross_entropy`` call (what label sparsity
+    decides on, from the same first batch); None for any other operator."""
+    if func is not F.cross_entropy:
+        return None
+    bound = _CROSS_ENTROPY_SIGNATURE.bind(*args, **kwargs)
+    target = bound.arguments.get("target")
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        return None  # class probabilities, not indices
+    ignore_index = bound.arguments.get("ignore_index", -100)
+    return label_density(target.detach().cpu().numpy(), ignore_index)
+
+
+_CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
 def _complete_sizes(value: Any) -> tuple[int, ...] | None:
@@ -595,6 +623,39 @@ def measure_layer_norm(rows: int, normalized_shape: Sequence[int]) -> tuple[floa
     def torch_route() -> None:
         _y, mean, rstd = _layer_norm("", [x, w, b, *params])
         _layer_norm_backward("", [dy, x, mean, rstd, w, b, params[0]])
+
+    return engine_us, _torch_us(torch_route)
+
+
+def measure_cross_entropy(rows: int, classes: int) -> tuple[float, float]:
+    """Microseconds of a mean cross-entropy over ``rows`` x ``classes`` logits, forward +
+    backward: (engine, torch). Engine: ``SoftmaxCrossEntropyLoss`` and its gradient; PyTorch:
+    ``log_softmax`` + ``nll_loss`` and their backwards, two ATen nodes."""
+    from onnx import TensorProto, helper
+
+    _seeded()
+    logits = _randn(rows, classes)
+    target = torch.randint(0, classes, (rows,), generator=_randn.gen)  # type: ignore[attr-defined]
+    nodes = [
+        helper.make_node(
+            "SoftmaxCrossEntropyLoss", ["x", "t"], ["loss", "log_prob"], reduction="mean"
+        ),
+        helper.make_node(
+            "SoftmaxCrossEntropyLossGrad",
+            ["dloss", "log_prob", "t"],
+            ["dx"],
+            domain="com.microsoft",
+            reduction="mean",
+        ),
+    ]
+    feeds = {"x": logits, "t": target, "dloss": torch.tensor(1.0)}
+    types = {"t": TensorProto.INT64}
+    engine_us = _engine_us("cross_entropy", nodes, feeds, ["loss", "dx"], types)
+    params = torch.tensor([_MEAN, -100])
+
+    def torch_route() -> None:
+        _loss, log_prob, total = _cross_entropy("", [logits, target, params])
+        _cross_entropy_backward("", [torch.tensor(1.0), log_prob, target, total, params])
 
     return engine_us, _torch_us(torch_route)
 
@@ -1005,6 +1066,104 @@ def _layer_norm_symbolic(
     return y
 
 
+# -- cross-entropy -------------------------------------------------------------------------------------
+
+#: ATen's reduction codes the route takes (``none`` keeps the engine's kernel)
+_MEAN, _SUM = 1, 2
+
+
+def _cross_entropy(_overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    logits, target, params = inputs
+    assert logits is not None and target is not None and params is not None
+    reduction, ignore_index = params.tolist()
+    # what F.cross_entropy runs on class indices: log_softmax, then nll_loss
+    log_prob = torch.log_softmax(logits, 1)
+    loss, total = torch.ops.aten.nll_loss_forward(log_prob, target, None, reduction, ignore_index)
+    return [loss, log_prob, total]
+
+
+def _cross_entropy_backward(
+    _overload: str, inputs: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    grad, log_prob, target, total, params = inputs
+    assert grad is not None and log_prob is not None and target is not None
+    assert total is not None and params is not None
+    reduction, ignore_index = params.tolist()
+    grad_log_prob = torch.ops.aten.nll_loss_backward(
+        grad, log_prob, target, None, reduction, ignore_index, total
+    )
+    return [torch.ops.aten._log_softmax_backward_data(grad_log_prob, log_prob, 1, log_prob.dtype)]
+
+
+register_aten_function(CROSS_ENTROPY, AtenFunction(_cross_entropy, _all_tensors))
+register_aten_function(CROSS_ENTROPY_BACKWARD, AtenFunction(_cross_entropy_backward, _all_tensors))
+register_aten_gradient(
+    CROSS_ENTROPY,
+    "",
+    [
+        GradientNode.aten(
+            CROSS_ENTROPY_BACKWARD, ["GO(0)", "O(1)", "I(1)", "O(2)", "I(2)"], ["GI(0)"]
+        )
+    ],
+)
+register_stop_gradient_edges(CROSS_ENTROPY, "", [1, 2])
+
+
+def _cross_entropy_symbolic(
+    default: Callable[..., Any],
+    g: Any,
+    logits: Any,
+    target: Any,
+    weight: Any,
+    reduction: Any,
+    ignore_index: Any,
+    label_smoothing: Any,
+) -> Any:
+    args = (logits, target, weight, reduction, ignore_index, label_smoothing)
+    mode = sh._maybe_get_const(reduction, "i")
+    ignored = sh._maybe_get_const(ignore_index, "i")
+    smoothing = sh._maybe_get_const(label_smoothing, "f")
+    traced = _traced(g)
+    if (
+        _dtype(logits) != "Float"
+        or not sh._is_none(weight)
+        or mode not in (_MEAN, _SUM)
+        or not isinstance(ignored, int)
+        or smoothing != 0.0
+        or traced is None
+        or not traced.input_needs_grad
+        # label sparsity would shrink this loss to its labelled rows: the engine's node stays
+        or traced.label_density is None
+        or traced.label_density < DENSITY_THRESHOLD
+        or len(traced.sizes) < 2
+        or traced.sizes[0] is None
+        or len(traced.sizes[0]) != 2
+        or traced.sizes[1] is None
+        or len(traced.sizes[1]) != 1
+    ):
+        return default(g, *args)
+    rows, classes = traced.sizes[0]
+    size = _size_class(rows)
+    route = _decide(
+        f"cross_entropy({classes})", "Float", size, lambda: measure_cross_entropy(size, classes)
+    )
+    if route != "torch":
+        return default(g, *args)
+    loss, log_prob, total = g.op(
+        f"{ATEN_DOMAIN}::ATen",
+        logits,
+        target,
+        _ints_const(g, [mode, ignored]),
+        operator_s=CROSS_ENTROPY,
+        overload_name_s="",
+        outputs=3,
+    )
+    loss.setType(logits.type().with_sizes([]))
+    log_prob.setType(logits.type().with_sizes([None, None]))
+    total.setType(logits.type().with_sizes([]))
+    return loss
+
+
 # -- embedding -----------------------------------------------------------------------------------------
 
 
@@ -1156,6 +1315,13 @@ register_kernel_choice(CoveredOperator("aten::gelu", _gelu_symbolic, _opset9("ge
 register_kernel_choice(CoveredOperator("aten::relu", _relu_symbolic, _opset9("relu")))
 register_kernel_choice(
     CoveredOperator("aten::layer_norm", _layer_norm_symbolic, _opset9("layer_norm"), opset=17)
+)
+register_kernel_choice(
+    CoveredOperator(
+        "aten::cross_entropy_loss",
+        _cross_entropy_symbolic,
+        lambda: losses.cross_entropy_loss,
+    )
 )
 register_kernel_choice(
     CoveredOperator("aten::_convolution", _convolution_symbolic, _default_convolution)

@@ -36,6 +36,7 @@ import onnx.numpy_helper
 import torch
 
 from ..engine_binding import import_onnxruntime
+from ..label_density import DENSITY_THRESHOLD, label_density
 from ..onnx_graph import attribute
 from ..python_op import runner as python_op_runner
 from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
@@ -65,10 +66,6 @@ logger = logging.getLogger("ortmodule.density")
 ENGINE_FLAG = "onnxruntime.training.ortmodule._runtime_inspector.FlagAndPrintDensity"
 #: the same Function under a name the engine leaves alone: print only, no graph change
 PRINT_ONLY = "ortmodule_exporter.density.PrintDensity"
-#: below this fraction of counted labels the optimization is applied (above it the gather costs more
-#: than the rows it saves)
-DENSITY_THRESHOLD = 0.9
-
 _SCE = "SoftmaxCrossEntropyLoss"
 
 
@@ -197,13 +194,6 @@ def site_labels(
 ) -> np.ndarray | None:
     """The labels ``site``'s loss reads for this batch (see :func:`tensor_value`)."""
     return tensor_value(model, site.labels, feeds)
-
-
-def label_density(labels: np.ndarray, ignore_index: int) -> float:
-    """The fraction of ``labels`` that are not ``ignore_index`` (1.0 for no labels)."""
-    if labels.size == 0:
-        return 1.0
-    return float(np.count_nonzero(labels != ignore_index)) / float(labels.size)
 
 
 # -- the flag's Function ------------------------------------------------------------------------------
