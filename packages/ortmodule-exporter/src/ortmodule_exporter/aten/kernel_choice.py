@@ -649,8 +649,7 @@ def measure_cross_entropy(rows: int, classes: int) -> tuple[float, float]:
         ),
     ]
     feeds = {"x": logits, "t": target, "dloss": torch.tensor(1.0)}
-    types = {"t": TensorProto.INT64}
-    engine_us = _engine_us("cross_entropy", nodes, feeds, ["loss", "dx"], types)
+    engine_us = _engine_us("cross_entropy", nodes, feeds, ["loss", "dx"], {"t": TensorProto.INT64})
     params = torch.tensor([_MEAN, -100])
 
     def torch_route() -> None:
