@@ -58,7 +58,7 @@ def _ours(flags: str, mask: torch.Tensor | None) -> list[torch.Tensor]:
 
 @pytest.fixture(params=[1, 2], ids=["whole", "two_pieces"])
 def pieces(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(parallel, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(parallel, "MIN_ATTENTION_WORK", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
     try:

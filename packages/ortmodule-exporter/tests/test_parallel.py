@@ -23,7 +23,7 @@ FLASH_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
 def two_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """PyTorch at two threads, as an engine run with the default option would cut in two;
     every node is large enough to cut."""
-    monkeypatch.setattr(parallel, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(parallel, "MIN_ATTENTION_WORK", 0)
     monkeypatch.setattr(parallel, "MIN_ELEMENTWISE", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -110,7 +110,7 @@ def _gpt_steps(
     from ortmodule_testing.zoo import GPTConfig, GPTDecoder
 
     size = 0 if cut else 1 << 62
-    monkeypatch.setattr(parallel, "MIN_ELEMENTS", size)
+    monkeypatch.setattr(parallel, "MIN_ATTENTION_WORK", size)
     monkeypatch.setattr(parallel, "MIN_ELEMENTWISE", size)
     torch.manual_seed(0)
     model = ORTModule(GPTDecoder(GPTConfig.small()))

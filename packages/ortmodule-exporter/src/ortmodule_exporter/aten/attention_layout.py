@@ -14,6 +14,8 @@ of query, key, value and output (``q``, ``k``, ``v``, ``o``) are in the token-ma
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import parallel
@@ -54,23 +56,10 @@ def _forward(flags: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor
     assert q is not None and k is not None and v is not None
     dropout_p, is_causal, scale_value = _settings(dropout, causal, scale)
 
-    def run(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        dropout_p: float,
-        is_causal: bool,
-        attn_mask: torch.Tensor | None = None,
-        scale: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    # transposed back inside each piece, so the pieces' outputs concatenate token-major
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **named: Any) -> Any:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _t(q, "q", flags),
-            _t(k, "k", flags),
-            _t(v, "v", flags),
-            dropout_p,
-            is_causal,
-            attn_mask=attn_mask,
-            scale=scale,
+            _t(q, "q", flags), _t(k, "k", flags), _t(v, "v", flags), *rest, **named
         )
         return _t(out, "o", flags), lse
 
@@ -98,25 +87,19 @@ def _backward(flags: str, inputs: list[torch.Tensor | None]) -> list[torch.Tenso
         k: torch.Tensor,
         v: torch.Tensor,
         out: torch.Tensor,
-        lse: torch.Tensor,
-        dropout_p: float,
-        is_causal: bool,
-        attn_mask: torch.Tensor | None = None,
-        scale: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *rest: Any,
+        **named: Any,
+    ) -> Any:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _t(grad, "o", flags),
             _t(q, "q", flags),
             _t(k, "k", flags),
             _t(v, "v", flags),
             _t(out, "o", flags),
-            lse,
-            dropout_p,
-            is_causal,
-            attn_mask=attn_mask,
-            scale=scale,
+            *rest,
+            **named,
         )
-        return _t(dq, "q", flags), _t(dk, "k", flags), _t(dv, "v", flags)
+        return tuple(_t(g, flag, flags) for g, flag in zip(grads, "qkv", strict=True))
 
     grads = parallel.in_rows(
         run,

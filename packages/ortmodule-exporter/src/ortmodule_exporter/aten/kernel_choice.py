@@ -158,10 +158,7 @@ _WRAPPERS: dict[str, Callable[..., Any]] = {}
 def register_kernel_choice(entry: CoveredOperator) -> None:
     """Cover ``entry.op``; it is installed by the next :func:`configure_kernel_choice`.
 
-        >>> register_kernel_choice(CoveredOperator("aten::relu", _relu_symbolic, _opset9("relu")))
-    register_kernel_choice(
-        CoveredOperator("aten::layer_norm", _layer_norm_symbolic, _opset9("layer_norm"), opset=17)
-    )
+    >>> register_kernel_choice(CoveredOperator("aten::relu", _relu_symbolic, _opset9("relu")))
     """
     op = entry.op
 

@@ -21,9 +21,8 @@ PyTorch's side the same way, pieces included. Convolution and max pooling stay w
 CNN benchmark's training step their pieces were slower than the whole (a convolution 1.7 ms
 against 0.6 ms, pooling 1.4-2.2 ms against 1.5 ms), though alone they were faster (2.9 against
 4.1 ms, 0.9 against 1.6 ms); a convolution's backward also sums its weight gradient over the
-batch. Nodes smaller than
-:data:`MIN_ELEMENTS` (:data:`MIN_ELEMENTWISE`) of work run whole: handing a piece to a helper thread and
-back costs about 70 us.
+batch. Nodes with less work than :data:`MIN_ATTENTION_WORK` (:data:`MIN_ELEMENTWISE`) run
+whole: handing a piece to a helper thread and back costs about 70 us.
 
 >>> with TorchThreadsInEngine(1):     # what the engine does around a run
 ...     width()                        # the pieces a splittable node is cut into
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "MIN_ELEMENTS",
+    "MIN_ATTENTION_WORK",
     "MIN_ELEMENTWISE",
     "TorchThreadsInEngine",
     "elementwise",
@@ -55,7 +54,7 @@ __all__ = [
 #: whole: on the 2-core EPYC, PyTorch's CPU flash attention at batch 16, 4 heads, 64 tokens,
 #: head dim 32 (8M) took 0.69 ms whole and 0.81 ms in two pieces; at batch 8, 128 tokens, head
 #: dim 64 (34M) 2.9 ms whole and 1.6 ms in two pieces
-MIN_ELEMENTS = 1 << 24
+MIN_ATTENTION_WORK = 1 << 24
 #: an elementwise node with fewer elements runs whole: handing a piece to a helper thread and
 #: back costs about 70 us on the 2-core EPYC, and GELU on 1M floats saves only about 50 us of it
 MIN_ELEMENTWISE = 1 << 20
@@ -243,15 +242,15 @@ def in_rows(
 ) -> Any:
     """``op(*args, **kwargs)``, cut along dim 0 of the positional arguments ``rows`` (all with
     the same size there) when the engine's threads allow and ``work`` reaches
-    :data:`MIN_ELEMENTS`. The keyword argument ``mask`` (an attention mask) is cut too when it
-    is 4-d with that size in dim 0, and passed whole when it is broadcast over the batch (dim 0
-    of 1, or fewer dims). ``unless``: the position of an argument that, when truthy, makes the
-    node run whole (dropout). Every tensor result is concatenated along dim 0."""
+    :data:`MIN_ATTENTION_WORK`. The keyword argument ``mask`` (an attention mask) is cut too
+    when it is 4-d with that size in dim 0, and passed whole when it is broadcast over the batch
+    (dim 0 of 1, or fewer dims). ``unless``: the position of an argument that, when truthy,
+    makes the node run whole (dropout). Every tensor result is concatenated along dim 0."""
     batch = args[rows[0]].shape[0]
     if (
         _WIDTH[0] < 2
         or batch < 2
-        or work < MIN_ELEMENTS
+        or work < MIN_ATTENTION_WORK
         or (0 <= unless < len(args) and args[unless])
         or any(args[i].shape[0] != batch for i in rows)
     ):
@@ -291,7 +290,7 @@ def register_row_split(
     unless: int = -1,
 ) -> None:
     """Let the aten operator ``op_name`` run through :func:`in_rows`; ``work(args)``: how much
-    work a call is, compared with :data:`MIN_ELEMENTS`."""
+    work a call is, compared with :data:`MIN_ATTENTION_WORK`."""
 
     def split(op: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
         return in_rows(op, args, kwargs, rows, work(args), mask, unless)
