@@ -127,6 +127,49 @@ def test_step_hooks_are_ordered_and_typed() -> None:
         components.register_step_hook("x", object())  # type: ignore[arg-type]
 
 
+def test_step_phases_list_only_hooks_that_apply_and_override_the_phase() -> None:
+    class Forward(StepHook):
+        def pre_forward(self, ctx: components.StepContext) -> None:
+            return None
+
+        def post_forward(self, ctx: components.StepContext, outputs: object) -> None:
+            return None
+
+    class Backward(StepHook):
+        def post_backward(self, ctx: components.StepContext) -> None:
+            return None
+
+    class OnlyWhenAsked(Forward):
+        def applies_to(self, ctx: components.StepContext) -> bool:
+            return bool(ctx.options.get("WANTED"))
+
+    first, second, backward, optional = Forward(), Forward(), Backward(), OnlyWhenAsked()
+    names = {"p-first": (first, 1), "p-second": (second, 2), "p-bw": (backward, 3)}
+    names["p-optional"] = (optional, 4)
+    for name, (hook, order) in names.items():
+        components.register_step_hook(name, hook, order=order)
+    try:
+        plain = components.StepContext(torch.nn.Linear(2, 2), {})
+        phases = components.step_phases(plain)
+        ours = {first, second, backward, optional}
+        pick = lambda hooks: [h for h in hooks if h in ours]  # noqa: E731
+        assert pick(phases.pre_forward) == [first, second]
+        assert pick(phases.post_forward) == [second, first]  # reversed
+        assert pick(phases.pre_backward) == []
+        assert pick(phases.post_backward) == [backward]
+        # nothing registered since: the same object; another context: chosen for it
+        assert components.step_phases(plain, phases) is phases
+        wanted = components.StepContext(plain.module, {"WANTED": True})
+        other = components.step_phases(wanted, phases)
+        assert pick(other.pre_forward) == [first, second, optional]
+        # a registration makes the next call choose again
+        components.unregister_step_hook("p-first")
+        assert pick(components.step_phases(plain, phases).pre_forward) == [second]
+    finally:
+        for name in names:
+            components.unregister_step_hook(name)
+
+
 def test_component_problem_reports_a_failing_check() -> None:
     def boom() -> str | None:
         raise OSError("no driver")

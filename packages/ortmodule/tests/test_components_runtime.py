@@ -89,6 +89,32 @@ def test_hooks_run_around_forward_and_backward_and_entries_reach_the_engine(
     assert recorder.events[5:] == ["pre_forward", "post_forward", "pre_backward", "post_backward"]
 
 
+class NotForThisModel(Recorder):
+    def applies_to(self, ctx: StepContext) -> bool:
+        return bool(ctx.options.get("ORTMODULE_PRINT_MEMORY_STATS"))
+
+
+def test_a_hook_that_does_not_apply_gets_only_the_session_and_a_registration_is_seen() -> None:
+    skipped = NotForThisModel()
+    components.register_step_hook("test-not-for-this", skipped)
+    late = Recorder()
+    try:
+        model = ORTModule(torch.nn.Linear(4, 3))
+        x = torch.randn(5, 4)
+        model(x).sum().backward()
+        model(x).sum().backward()
+        assert skipped.events == ["session"]
+        # registered between steps: the next step calls it
+        components.register_step_hook("test-late", late)
+        model(x).sum().backward()
+        assert late.events == ["pre_forward", "post_forward", "pre_backward", "post_backward"]
+    finally:
+        components.unregister_step_hook("test-not-for-this")
+        components.unregister_step_hook("test-late")
+    model(x).sum().backward()
+    assert len(late.events) == 4
+
+
 class HookSuspender(StepHook):
     """Takes a submodule hook out for the export and marks it as handled, as ZeRO-3 does."""
 

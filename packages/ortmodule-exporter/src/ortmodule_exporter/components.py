@@ -58,6 +58,7 @@ __all__ = [
     "SessionInfo",
     "StepContext",
     "StepHook",
+    "StepPhases",
     "component_failures",
     "handled_options",
     "has_session_contributors",
@@ -70,6 +71,7 @@ __all__ = [
     "register_step_hook",
     "session_contribution",
     "step_hooks",
+    "step_phases",
     "unregister_component",
     "unregister_session_contributor",
     "unregister_step_hook",
@@ -332,6 +334,15 @@ class StepHook:
     would run inside the trace) suspends them there.
     """
 
+    def applies_to(self, ctx: StepContext) -> bool:
+        """Whether the per-step phases do anything for the ORTModule of ``ctx``.
+
+        Asked once per ORTModule (its options do not change) and again after any hook is
+        registered or removed; a hook that answers False costs that ORTModule's steps nothing.
+        ``exporting`` and ``on_session`` are called either way.
+        """
+        return True
+
     def exporting(self, ctx: StepContext) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
@@ -388,6 +399,52 @@ def _hook_key(item: tuple[str, tuple[int, StepHook]]) -> tuple[int, str]:
 def step_hooks() -> tuple[StepHook, ...]:
     """The registered hooks in order; an empty tuple costs the hot path nothing."""
     return _HOOK_TUPLE[0]
+
+
+_PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward")
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """For one ORTModule: the hooks each per-step phase calls, in calling order.
+
+    Only hooks that apply to its context (:meth:`StepHook.applies_to`) and override the phase
+    are listed, so a step calls nothing that would do nothing. ``post_*`` are in reverse order.
+    """
+
+    ctx: StepContext
+    #: the registered hooks these were chosen from (``step_hooks()`` at the time)
+    hooks: tuple[StepHook, ...]
+    pre_forward: tuple[StepHook, ...]
+    post_forward: tuple[StepHook, ...]
+    pre_backward: tuple[StepHook, ...]
+    post_backward: tuple[StepHook, ...]
+
+
+def step_phases(ctx: StepContext, previous: StepPhases | None = None) -> StepPhases:
+    """The hooks of each per-step phase for ``ctx``: ``previous`` while no hook was registered
+    or removed since it was made, else chosen afresh.
+
+    >>> phases = step_phases(ctx)
+    >>> for hook in phases.pre_forward:
+    ...     hook.pre_forward(ctx)
+    """
+    hooks = _HOOK_TUPLE[0]
+    if previous is not None and previous.hooks is hooks and previous.ctx is ctx:
+        return previous
+    applying = [h for h in hooks if h.applies_to(ctx)]
+    chosen = {
+        phase: tuple(h for h in applying if getattr(type(h), phase) is not getattr(StepHook, phase))
+        for phase in _PHASES
+    }
+    return StepPhases(
+        ctx=ctx,
+        hooks=hooks,
+        pre_forward=chosen["pre_forward"],
+        post_forward=chosen["post_forward"][::-1],
+        pre_backward=chosen["pre_backward"],
+        post_backward=chosen["post_backward"][::-1],
+    )
 
 
 # -- submodule hooks a component stands in for -------------------------------------------------

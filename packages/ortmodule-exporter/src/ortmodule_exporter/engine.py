@@ -15,6 +15,7 @@ from typing import Any
 
 import onnx
 import torch
+from torch._C import _from_dlpack
 from torch.utils.dlpack import to_dlpack
 
 from . import onnx_graph
@@ -273,27 +274,26 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def _push(vec: Any, tensor: torch.Tensor) -> None:
-    tensor = _dense(tensor)
-    if tensor.dtype == torch.bool:
-        # DLPack has no bool in torch's exporter; the engine re-labels the uint8 buffer
-        vec.push_back(to_dlpack(tensor.view(torch.uint8)), True)
-    else:
-        vec.push_back(to_dlpack(tensor), False)
-
-
 def _feeds(tensors: Sequence[torch.Tensor]) -> Any:
-    C = _C()
-    vec = C.OrtValueVector()
+    """``tensors`` as the engine's ``OrtValueVector``, by DLPack (no copy where dense)."""
+    vec = _C().OrtValueVector()
     vec.reserve(len(tensors))
+    push = vec.push_back
+    # every step passes here once per input and parameter: _dense's checks, inlined
     for t in tensors:
-        _push(vec, t)
+        if t.requires_grad:
+            t = t.detach()
+        if not t.is_contiguous() or not t.numel():
+            t = _dense(t)
+        if t.dtype is torch.bool:
+            # DLPack has no bool in torch's exporter; the engine re-labels the uint8 buffer
+            push(to_dlpack(t.view(torch.uint8)), True)
+        else:
+            push(to_dlpack(t), False)
     return vec
 
 
 def _to_torch(vec: Any) -> list[torch.Tensor]:
-    from torch._C import _from_dlpack
-
     out: list[torch.Tensor] = vec.to_dlpacks(_from_dlpack)
     for i in vec.bool_tensor_indices():
         out[i] = out[i].to(torch.bool)
@@ -328,15 +328,16 @@ class TrainingSession:
         C = _C()
         state = C.PartialGraphExecutionState()
         outputs = C.OrtValueVector()
+        vec = _feeds(feeds)
         with user_errors(), self._threads:
-            self._agent.run_forward(_feeds(feeds), outputs, state, None)
+            self._agent.run_forward(vec, outputs, state, None)
         return _to_torch(outputs), state
 
     def backward(self, grad_outputs: Sequence[torch.Tensor], state: Any) -> list[torch.Tensor]:
-        C = _C()
-        outputs = C.OrtValueVector()
+        outputs = _C().OrtValueVector()
+        vec = _feeds(grad_outputs)
         with user_errors(), self._threads:
-            self._agent.run_backward(_feeds(grad_outputs), outputs, state)
+            self._agent.run_backward(vec, outputs, state)
         return _to_torch(outputs)
 
 

@@ -63,6 +63,9 @@ class ParamSource(StepHook):
             )
         return module
 
+    def applies_to(self, ctx: StepContext) -> bool:
+        return bool(ctx.options.get(GRAD_MGMT))
+
     def pre_forward(self, ctx: StepContext) -> None:
         self._local.module = ctx.module
 

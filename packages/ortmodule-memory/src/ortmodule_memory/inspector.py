@@ -139,6 +139,10 @@ class MemoryHook(StepHook):
         rank, world = _rank_world()
         logger.warning("%s", format_sample(step, phase, memory_sample(device), rank, world))
 
+    def applies_to(self, ctx: StepContext) -> bool:
+        # the per-step phases only print memory lines
+        return bool(ctx.options.get(PRINT_STATS))
+
     def pre_forward(self, ctx: StepContext) -> None:
         self._print(ctx, "pre_forward")
 

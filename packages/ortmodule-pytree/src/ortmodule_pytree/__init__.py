@@ -9,12 +9,13 @@
 
 from ortmodule_pytree.containers import register_container, unregister_container
 from ortmodule_pytree.difference import describe_difference
-from ortmodule_pytree.flatten import flatten, unflatten
+from ortmodule_pytree.flatten import FlattenMemo, flatten, unflatten
 from ortmodule_pytree.schema import Schema, TensorSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FlattenMemo",
     "Schema",
     "TensorSpec",
     "__version__",

@@ -80,6 +80,8 @@ class ZeroStage3Hook(StepHook):
         parameter of the module it manages, so a first parameter without ``ds_status`` means
         none (checked again next step: ``deepspeed.initialize`` may come after a first forward).
         """
+        if "deepspeed" not in sys.modules:
+            return []  # partitioned parameters are DeepSpeed's: none without it (one dict lookup)
         found = self._params.get(module)
         if found is None:
             first = next(module.parameters(), None)
@@ -126,7 +128,7 @@ class ZeroStage3Hook(StepHook):
             held.extend(p for p in missing if id(p) not in seen)
 
     def post_forward(self, ctx: StepContext, outputs: Any) -> None:
-        if ctx.module not in self._held:
+        if not self._held or ctx.module not in self._held:
             return
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in outputs):
             self._pending[ctx.module] = self._pending.get(ctx.module, 0) + 1
@@ -134,6 +136,8 @@ class ZeroStage3Hook(StepHook):
             self._release(ctx.module)
 
     def post_backward(self, ctx: StepContext) -> None:
+        if not self._pending and not self._held:
+            return  # no module of this hook's is gathered or waits for a backward (no ZeRO-3)
         left = self._pending.get(ctx.module, 0) - 1
         self._pending[ctx.module] = max(left, 0)
         if left <= 0 and ctx.module in self._held:

@@ -33,9 +33,11 @@ from ortmodule_exporter.components import (
     SessionContext,
     SessionInfo,
     StepContext,
+    StepPhases,
     has_session_contributors,
     session_contribution,
     step_hooks,
+    step_phases,
 )
 from ortmodule_exporter.engine import (
     BuiltGraph,
@@ -46,7 +48,7 @@ from ortmodule_exporter.engine import (
     build_graph,
 )
 from ortmodule_exporter.export import bind_arguments, forward_signature
-from ortmodule_pytree import flatten, unflatten
+from ortmodule_pytree import FlattenMemo, unflatten
 
 from .log import PhaseTimer, log_initialisation_summary
 from .sparsity import SparsityConfig, apply_label_sparsity
@@ -113,7 +115,8 @@ class CompiledGraph:
     key: GraphKey
     built: BuiltGraph
     session: TrainingSession | InferenceSession
-    #: for each feed: ("input", index into flat user tensors) or ("param", (owner module, attr))
+    #: for each feed: ("input", index into flat user tensors), ("extra", (input, device)) or
+    #: ("param", (owner module, attr, its _parameters or _buffers dict holding attr, or None))
     feeds: list[tuple[str, Any]]
     #: for each forward output: index into the user's flat outputs, or the buffer it updates
     output_count: int
@@ -126,6 +129,24 @@ class CompiledGraph:
     without_grad: frozenset[int] = frozenset()
     _reached: dict[frozenset[int], frozenset[str]] = field(default_factory=dict)
     _returned: dict[frozenset[int], list[int]] = field(default_factory=dict)
+    _backward_feeds: tuple[tuple[int, torch.dtype, torch.device], ...] | None = None
+
+    def backward_feeds(
+        self, outputs: Sequence[torch.Tensor] = ()
+    ) -> tuple[tuple[int, torch.dtype, torch.device], ...]:
+        """The forward outputs whose gradients the backward half takes, in its feed order,
+        with their dtype and device (fixed by the graph; taken from the first call's
+        ``outputs``): every output but the engine's non-differentiable and non-float ones."""
+        found = self._backward_feeds
+        if found is None:
+            non_diff = self.built.non_differentiable_outputs
+            found = tuple(
+                (i, out.dtype, out.device)
+                for i, out in enumerate(outputs)
+                if i not in non_diff and out.dtype in _FLOAT_TYPES
+            )
+            self._backward_feeds = found
+        return found
 
     def returned_grads(self, used: frozenset[int]) -> list[int]:
         """Per feed, the backward output handed to autograd, or -1 for None (memoised).
@@ -174,25 +195,26 @@ class _EngineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, graph: CompiledGraph, step: StepContext, *feeds: torch.Tensor
+        ctx: Any, graph: CompiledGraph, phases: StepPhases, *feeds: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         session = graph.session
         assert isinstance(session, TrainingSession)
         outputs, state = session.forward(feeds)
         ctx.graph = graph
-        ctx.step = step
+        ctx.phases = phases
         ctx.state = state
-        ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
+        # the shapes of the outputs that take a gradient, for zeros where autograd has none
+        ctx.shapes = [outputs[i].shape for i, _, _ in graph.backward_feeds(outputs)]
         ctx.set_materialize_grads(False)
         without_grad = graph.without_grad
         # one call with every such output: each call replaces the set the previous one marked
-        ctx.mark_non_differentiable(
-            *(
-                out
-                for i, out in enumerate(outputs)
-                if i in without_grad or out.dtype not in _FLOAT_TYPES
-            )
-        )
+        marked = [
+            out
+            for i, out in enumerate(outputs)
+            if i in without_grad or out.dtype not in _FLOAT_TYPES
+        ]
+        if marked:
+            ctx.mark_non_differentiable(*marked)
         return tuple(outputs)
 
     @staticmethod
@@ -206,25 +228,33 @@ class _EngineFunction(torch.autograd.Function):
             )
         ctx.state = None
         feeds = []
-        non_diff = graph.built.non_differentiable_outputs
         used = frozenset(i for i, g in enumerate(grad_outputs) if g is not None)
-        for i, grad in enumerate(grad_outputs):
-            if i in non_diff:
-                continue
-            shape, dtype, device = ctx.shapes[i]
-            if dtype not in _FLOAT_TYPES:
-                continue
+        for (i, dtype, device), shape in zip(graph.backward_feeds(), ctx.shapes, strict=True):
+            grad = grad_outputs[i]
             feeds.append(
                 grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device)
             )
         assert isinstance(graph.session, TrainingSession)
-        hooks = step_hooks()
-        for hook in hooks:
-            hook.pre_backward(ctx.step)
+        phases: StepPhases = ctx.phases
+        for hook in phases.pre_backward:
+            hook.pre_backward(phases.ctx)
         grads = graph.session.backward(feeds, state)
-        for hook in reversed(hooks):
-            hook.post_backward(ctx.step)
+        for hook in phases.post_backward:
+            hook.post_backward(phases.ctx)
         return (None, None, *[grads[j] if j >= 0 else None for j in graph.returned_grads(used)])
+
+
+# ``Function.apply`` in Python binds nothing for us (no ``setup_context``) and, outside functorch
+# transforms, only unwraps dead functorch wrappers (one C call per tensor) before the C++ apply.
+# Our feeds are the user's inputs and the parameters, never such wrappers: call the C++ apply
+# directly (about 3 µs a step) and keep the Python path wherever a functorch transform is active.
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EngineFunction)
+
+
+def _engine_apply(graph: CompiledGraph, phases: StepPhases, feeds: list[torch.Tensor]) -> Any:
+    if torch._C._are_functorch_transforms_active():
+        return _EngineFunction.apply(graph, phases, *feeds)
+    return _C_APPLY(graph, phases, *feeds)
 
 
 @dataclass(frozen=True)
@@ -318,7 +348,11 @@ class GraphRunner:
         #: attribute writes made through the wrapper (name -> value token): part of the key
         self.module_state: dict[str, Any] = {}
         self._binder: _Binder | None = None
+        self._flatten = FlattenMemo(prefix="input", static_shapes=config.static_shapes)
+        #: the previous call's (input schema, other key parts, graph)
+        self._last: tuple[Any, tuple[Any, ...], CompiledGraph] | None = None
         self.step = StepContext(module, dict(config.pass_options))
+        self._phases: StepPhases | None = None
 
     # -- the key ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -331,34 +365,59 @@ class GraphRunner:
         schema: Any,
         training_graph: bool,
         device: torch.device,
-        named: list[tuple[str, torch.nn.Parameter]],
+        params: tuple[Any, ...],
+        state: tuple[tuple[str, Any], ...],
     ) -> GraphKey:
-        params = parameter_signature(named)
         return GraphKey(
             input_schema=schema,
             training=self.module.training,
             build_gradient=training_graph,
             device=str(device),
             params=params,
-            options=(
-                ("opset", self.config.opset),
-                ("module_state", tuple(sorted(self.module_state.items()))),
-            ),
+            options=(("opset", self.config.opset), ("module_state", state)),
         )
+
+    def _graph(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        flat: list[torch.Tensor],
+        schema: Any,
+        training_graph: bool,
+        device: torch.device,
+        named: list[tuple[str, torch.nn.Parameter]],
+    ) -> CompiledGraph:
+        """The graph for this call: the previous call's when nothing in its key changed.
+
+        The previous call's key parts are kept, so a step with the same input schema (the very
+        object: ``FlattenMemo`` hands it back) skips building and comparing a ``GraphKey``; the
+        transition manager stays the judge (its current graph for the mode must still be it).
+        """
+        params = parameter_signature(named)
+        state = tuple(sorted(self.module_state.items())) if self.module_state else ()
+        training = self.module.training
+        parts = (training, training_graph, device, params, state)
+        last = self._last
+        if last is not None and last[0] is schema and last[1] == parts:
+            graph = last[2]
+            if self.transitions.current(training, training_graph) is graph:
+                return graph
+        key = self._key(schema, training_graph, device, params, state)
+        graph = self.transitions.get(key, lambda: self._compile(key, args, kwargs, flat, device))
+        self._last = (schema, parts, graph)
+        return graph
 
     # -- one call ----------------------------------------------------------------------------
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        hooks = step_hooks()
-        for hook in hooks:
+        phases = self._phases = step_phases(self.step, self._phases)
+        for hook in phases.pre_forward:
             hook.pre_forward(self.step)
         binder = self._binder
         if binder is None:
             binder = self._binder = _Binder(self.module)
         arguments = binder(args, kwargs)
         try:
-            flat, schema = flatten(
-                arguments, prefix="input", static_shapes=self.config.static_shapes
-            )
+            flat, schema = self._flatten(arguments)
         except TypeError as err:
             raise UnsupportedDataError(str(err)) from err
         named = list(self.module.named_parameters())
@@ -368,8 +427,7 @@ class GraphRunner:
             any(p.requires_grad for _, p in named) or any(t.requires_grad for t in flat)
         )
         training_graph = self.module.training and wants_grad
-        key = self._key(schema, training_graph, device, named)
-        graph = self.transitions.get(key, lambda: self._compile(key, args, kwargs, flat, device))
+        graph = self._graph(args, kwargs, flat, schema, training_graph, device, named)
         feeds = self._gather(graph, flat)
         # the engine's training BatchNorm overwrites running buffers in place: keep the old ones
         old = [
@@ -378,13 +436,13 @@ class GraphRunner:
             if u.count_index >= 0
         ]
         if training_graph:
-            outputs = _EngineFunction.apply(graph, self.step, *feeds)
+            outputs = _engine_apply(graph, phases, feeds)
         else:
             assert isinstance(graph.session, InferenceSession)
             outputs = graph.session.forward(feeds)
         if graph.buffer_updates:
             _apply_buffer_updates(graph.buffer_updates, outputs, old)
-        for hook in reversed(hooks):
+        for hook in phases.post_forward:
             hook.post_forward(self.step, outputs)
         exported = graph.built.exported
         return unflatten(
@@ -415,8 +473,11 @@ class GraphRunner:
                 extra, device = where
                 feeds.append(extra.make(device))
             else:
-                owner, attr = where
-                feeds.append(getattr(owner, attr))
+                owner, attr, table = where
+                # the module's own parameter/buffer dict: what nn.Module.__getattr__ would
+                # search, without its Python frame (one per parameter per step)
+                tensor = table.get(attr) if table is not None else None
+                feeds.append(tensor if tensor is not None else getattr(owner, attr))
         return feeds
 
     def _silenced(self) -> Any:
@@ -540,7 +601,9 @@ class GraphRunner:
             elif name in extra:
                 feeds.append(("extra", (extra[name], device)))
             else:
-                feeds.append(("param", _owner(self.module, name)))
+                owner, attr = _owner(self.module, name)
+                table = next((t for t in (owner._parameters, owner._buffers) if attr in t), None)
+                feeds.append(("param", (owner, attr, table)))
         output_names = list(built.user_output_names)
         n_user = len(exported.user_output_names)
         updates = []
