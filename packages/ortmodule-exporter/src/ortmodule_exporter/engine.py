@@ -329,15 +329,23 @@ class TrainingSession:
         state = C.PartialGraphExecutionState()
         outputs = C.OrtValueVector()
         vec = _feeds(feeds)
-        with user_errors(), self._threads:
-            self._agent.run_forward(vec, outputs, state, None)
+        if self._threads.threads:
+            with user_errors(), self._threads:
+                self._agent.run_forward(vec, outputs, state, None)
+        else:  # nothing to set: one context manager less on every step
+            with user_errors():
+                self._agent.run_forward(vec, outputs, state, None)
         return _to_torch(outputs), state
 
     def backward(self, grad_outputs: Sequence[torch.Tensor], state: Any) -> list[torch.Tensor]:
         outputs = _C().OrtValueVector()
         vec = _feeds(grad_outputs)
-        with user_errors(), self._threads:
-            self._agent.run_backward(vec, outputs, state)
+        if self._threads.threads:
+            with user_errors(), self._threads:
+                self._agent.run_backward(vec, outputs, state)
+        else:
+            with user_errors():
+                self._agent.run_backward(vec, outputs, state)
         return _to_torch(outputs)
 
 

@@ -385,7 +385,7 @@ class GraphRunner:
         schema: Any,
         training_graph: bool,
         device: torch.device,
-        named: list[tuple[str, torch.nn.Parameter]],
+        params: tuple[Any, ...],
     ) -> CompiledGraph:
         """The graph for this call: the previous call's when nothing in its key changed.
 
@@ -393,7 +393,6 @@ class GraphRunner:
         object: ``FlattenMemo`` hands it back) skips building and comparing a ``GraphKey``; the
         transition manager stays the judge (its current graph for the mode must still be it).
         """
-        params = parameter_signature(named)
         state = tuple(sorted(self.module_state.items())) if self.module_state else ()
         training = self.module.training
         parts = (training, training_graph, device, params, state)
@@ -423,11 +422,12 @@ class GraphRunner:
         named = list(self.module.named_parameters())
         device = named[0][1].device if named else self._device()
         self._check_inputs(flat, device)
+        params = parameter_signature(named)  # (name, shape, dtype, requires_grad) each
         wants_grad = torch.is_grad_enabled() and (
-            any(p.requires_grad for _, p in named) or any(t.requires_grad for t in flat)
+            any(p[3] for p in params) or any(t.requires_grad for t in flat)
         )
         training_graph = self.module.training and wants_grad
-        graph = self._graph(args, kwargs, flat, schema, training_graph, device, named)
+        graph = self._graph(args, kwargs, flat, schema, training_graph, device, params)
         feeds = self._gather(graph, flat)
         # the engine's training BatchNorm overwrites running buffers in place: keep the old ones
         old = [
