@@ -170,6 +170,21 @@ def test_relu_conv_and_max_pool_on_torch_kernels_train_like_eager(
     assert ops.count(kernel_choice.MAX_POOL2D) == 1 and "MaxPool" not in ops
 
 
+@pytest.mark.parametrize("ceil_mode", [False, True])
+def test_max_pool_on_a_channels_last_copy_trains_like_eager(
+    ceil_mode: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
+    monkeypatch.setattr(kernel_choice, "pool_layout", lambda *a: kernel_choice.CHANNELS_LAST)
+    # the pooled map is a ReLU output: ties at zero in many windows, each one's gradient
+    # must reach the same element as in eager
+    model = _train_convnet(ceil_mode, return_indices=True)
+    graph = model._runner.transitions.current(True, True).built.exported.model.graph
+    (pool,) = [n for n in graph.node if kernel_choice.MAX_POOL2D in str(n.attribute)]
+    overload = next(a.s.decode() for a in pool.attribute if a.name == "overload_name")
+    assert overload == kernel_choice.CHANNELS_LAST
+
+
 def test_engine_keeps_relu_conv_and_max_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "ENGINE")
     ops = _ops(_train_convnet(False, False))

@@ -1,0 +1,61 @@
+"""Max pooling on a channels-last copy: the same values and indices as on the input as is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ortmodule_exporter.aten import kernel_choice
+from ortmodule_exporter.aten.kernel_choice import CHANNELS_LAST, _max_pool2d, pool_layout
+
+SETTINGS = [
+    # kernel, stride, padding, dilation, ceil_mode
+    ((2, 2), (2, 2), (0, 0), (1, 1), False),
+    ((3, 3), (2, 2), (1, 1), (1, 1), True),
+    ((3, 3), (1, 1), (1, 1), (2, 2), False),
+]
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    plain = torch.randn(2, 5, 9, 11, generator=gen)
+    ties = torch.randint(0, 3, (2, 5, 9, 11), generator=gen).float()  # many equal maxima
+    nan = plain.clone()
+    nan[0, 1, 0, :3] = float("nan")  # NaN is the maximum; two in one window
+    nan[1, 4, 5, 5] = float("nan")
+    return {"plain": plain, "ties": ties, "nan": nan}
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("name", ["plain", "ties", "nan"])
+def test_channels_last_copy_gives_the_same_values_and_indices(
+    settings: tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int], bool],
+    name: str,
+) -> None:
+    x = _inputs()[name]
+    kernel, stride, padding, dilation, ceil_mode = settings
+    params = torch.tensor([*kernel, *stride, *padding, *dilation, int(ceil_mode)])
+    as_is = _max_pool2d("", [x, params])
+    copied = _max_pool2d(CHANNELS_LAST, [x, params])
+    for a, b in zip(as_is, copied, strict=True):
+        assert a is not None and b is not None
+        assert b.is_contiguous()  # the engine takes the results as they are
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+
+
+def test_the_layout_is_timed_once_per_shape_and_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[object] = []
+    real = kernel_choice._torch_us
+
+    def counting(fn: object, aten_nodes: int = 2) -> float:
+        calls.append(fn)
+        return real(fn, aten_nodes)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernel_choice, "_torch_us", counting)
+    monkeypatch.setattr(kernel_choice, "_POOL_LAYOUTS", {})
+    shape, settings = (2, 8, 16, 16), ((2, 2), (2, 2), (0, 0), (1, 1), False)
+    first = pool_layout(shape, *settings)
+    assert first in ("", CHANNELS_LAST) and len(calls) == 2  # as is, and on a copy
+    assert pool_layout(shape, *settings) == first and len(calls) == 2
+    # one channel: nothing to vectorise over, kept as is without timing
+    assert pool_layout((2, 1, 16, 16), *settings) == "" and len(calls) == 2
