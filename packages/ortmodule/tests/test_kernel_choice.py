@@ -272,6 +272,38 @@ def test_layer_norm_and_embedding_on_torch_kernels_train_like_eager(
     assert ops.count("embedding") == 2
 
 
+class PaddedEmbedder(torch.nn.Module):
+    """A table with a padding row and one scaling gradients by token frequency."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.padded = torch.nn.Embedding(40, 8, padding_idx=0)
+        self.by_freq = torch.nn.Embedding(40, 8, scale_grad_by_freq=True)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.padded(ids) * self.by_freq(ids))
+
+
+@pytest.mark.parametrize("mode", ["TORCH", "ENGINE"])
+def test_embedding_with_padding_row_or_frequency_scaling_trains_like_eager(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", mode)
+    torch.manual_seed(0)
+    eager = PaddedEmbedder()
+    gen = torch.Generator().manual_seed(0)
+    # few distinct tokens: padding (0) in every row and repeats for the frequency scaling
+    batches = [(torch.randint(0, 5, (3, 6), generator=gen),) for _ in range(2)]
+    ours = _train_like_eager(
+        eager, batches, lambda out: out.square().mean(), (1e-5, 1e-6), (1e-5, 1e-6)
+    )
+    assert ours.module.padded.weight.grad is not None
+    assert not ours.module.padded.weight.grad[0].any()  # the padding row gets no gradient
+    ops = _ops(ours)
+    assert ops.count("embedding") == (2 if mode == "TORCH" else 0)
+
+
 def test_engine_keeps_layer_norm_and_embedding(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "ENGINE")
     ops = _ops(_train_embedder())

@@ -350,8 +350,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "AUTO, ENGINE or TORCH (any case)",
         _EXPORTER,
         "Per-operator kernel choice for GELU, ReLU, convolution (not transposed, input needing a "
-        "gradient), 2-d max pooling, LayerNorm (weight and bias trained), plain embedding "
-        "lookups and cross-entropy on class indices (not where label sparsity shrinks it): AUTO times the engine's kernels against PyTorch's (run as "
+        "gradient), 2-d max pooling, LayerNorm (weight and bias trained), embedding "
+        "lookups (padding_idx included) and cross-entropy on class indices (not where label sparsity shrinks it): AUTO times the engine's kernels against PyTorch's (run as "
         "ATen nodes, PyTorch at ORTMODULE_TORCH_THREADS_IN_ENGINE threads) once per process and "
         "operator, dtype and size class (the sizes traced at export) and exports the faster; "
         "ENGINE or TORCH force one. Left at its default, it is ENGINE while recompute or "

@@ -13,8 +13,9 @@ The covered operators are a small table (:func:`register_kernel_choice`): GELU, 
 convolution (``aten::_convolution``, not transposed), 2-d max pooling, LayerNorm (input,
 weight and bias all trained) and cross-entropy on class indices (mean or sum, no class weights
 or smoothing, and labels dense enough that label sparsity leaves the loss whole, judged on the
-traced batch as that pass judges it); plain embedding lookups are covered from the exporter's own
-``embedding`` symbolic (:func:`embedding_route`). Each entry is a
+traced batch as that pass judges it); embedding lookups (``padding_idx`` and
+``scale_grad_by_freq`` included) are covered from the exporter's own ``embedding`` symbolic
+(:func:`embedding_route`). Each entry is a
 symbolic that replaces the exporter's own while the mode is ``auto`` or ``torch``, and falls
 back to it whenever the engine's kernel is chosen.
 
@@ -1164,10 +1165,18 @@ def _cross_entropy_symbolic(
 # -- embedding -----------------------------------------------------------------------------------------
 
 
-def embedding_route(g: Any, weight: Any, indices: Any) -> Any:
-    """An ATen ``embedding`` node for a plain lookup (no ``padding_idx``, no
-    ``scale_grad_by_freq``) where PyTorch's kernels measured faster, else None (export the
-    engine's ``Gather``). Called by the exporter's ``embedding`` symbolic."""
+def embedding_route(
+    g: Any, weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False
+) -> Any:
+    """An ATen ``embedding`` node (PyTorch's lookup and ``embedding_backward``, with
+    ``padding_idx`` and ``scale_grad_by_freq`` as eager has them) where PyTorch's kernels
+    measured faster, else None (the exporter's own form). Called by the exporter's
+    ``embedding`` symbolic.
+
+    Timed on the plain lookup (``Gather`` + ``GatherGrad`` against PyTorch's pair): the
+    engine's form with a padding row or frequency scaling adds nodes to that (an ``Equal``,
+    a ``Where`` and a second ``Gather``; a ``ScatterElements`` count), PyTorch's pair stays
+    one kernel each, so where PyTorch wins the plain lookup it wins these too."""
     if _MODE[0] == "engine":
         return None
     weight_sizes = sh._get_tensor_sizes(weight)
@@ -1195,7 +1204,9 @@ def embedding_route(g: Any, weight: Any, indices: Any) -> Any:
     )
     if route != "torch":
         return None
-    out = embedding_node(g, weight, indices, -1, False, index_rank=len(traced.sizes[1]))
+    out = embedding_node(
+        g, weight, indices, padding_idx, scale_grad_by_freq, index_rank=len(traced.sizes[1])
+    )
     # The engine knows no shape for an ATen node's output, whatever the graph declares, and
     # its broadcasting gradients need one (a position embedding added to a batch of token
     # embeddings: "GetShape(input_grad ...) was false"); a Reshape to the indices' shape plus
@@ -1206,7 +1217,7 @@ def embedding_route(g: Any, weight: Any, indices: Any) -> Any:
     return reshaped
 
 
-embedding_symbolic.PLAIN_LOOKUP_ROUTE[0] = embedding_route
+embedding_symbolic.LOOKUP_ROUTE[0] = embedding_route
 
 
 # -- 2-d max pooling ----------------------------------------------------------------------------------

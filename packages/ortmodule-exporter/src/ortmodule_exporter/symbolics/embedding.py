@@ -22,10 +22,13 @@ from .helpers import (
 
 # -- embedding -------------------------------------------------------------------------------
 
-#: ``route(g, weight, indices)`` for a plain lookup (no padding_idx, no scale_grad_by_freq): a
-#: value that replaces the ``Gather``, or None. The kernel choice
-#: (:func:`ortmodule_exporter.aten.kernel_choice.embedding_route`) installs itself here.
-PLAIN_LOOKUP_ROUTE: list[Callable[[Any, Value, Value], Any]] = [lambda g, weight, indices: None]
+#: ``route(g, weight, indices, padding_idx, scale_grad_by_freq)``: a value that replaces the
+#: exported lookup (PyTorch's own, padding row and frequency scaling included), or None. The
+#: kernel choice (:func:`ortmodule_exporter.aten.kernel_choice.embedding_route`) installs
+#: itself here.
+LOOKUP_ROUTE: list[Callable[[Any, Value, Value, int, bool], Any]] = [
+    lambda g, weight, indices, padding_idx, scale_grad_by_freq: None
+]
 
 
 @sh.parse_args("v", "v", "i", "b", "b")
@@ -36,11 +39,13 @@ def embedding(
     # scale_grad_by_freq is rejected. Eager gives the padding row no gradient and divides each
     # row's gradient by how often its index occurs in the batch; the forward value is always
     # the plain lookup.
+    # PyTorch's kernels where the kernel choice measured them faster
+    routed = LOOKUP_ROUTE[0](g, weight, indices, padding_idx, scale_grad_by_freq)
+    if routed is not None:
+        return routed
     has_padding = padding_idx >= 0
     if not has_padding and not scale_grad_by_freq:
-        # PyTorch's kernels where the kernel choice measured them faster
-        routed = PLAIN_LOOKUP_ROUTE[0](g, weight, indices)
-        return routed if routed is not None else g.op("Gather", weight, indices)
+        return g.op("Gather", weight, indices)
     rows = g.op("Gather", weight, indices)
     like = _float_type(weight)
     if has_padding:
