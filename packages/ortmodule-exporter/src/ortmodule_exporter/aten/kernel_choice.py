@@ -33,7 +33,9 @@ PyTorch-run nodes (``ORTMODULE_TORCH_THREADS_IN_ENGINE``, passed in by
 engine's sessions get).
 
 ``mode`` (``ORTMODULE_KERNEL_CHOICE``): ``auto`` measures, ``engine`` keeps every operator on
-the engine's kernels, ``torch`` routes every covered operator to PyTorch.
+the engine's kernels, ``torch`` routes every covered operator to PyTorch. The measurements
+time CPU kernels, so ``auto`` keeps the engine's kernels in an export that traced tensors on
+another device (CUDA).
 
 >>> from ortmodule_exporter.aten.kernel_choice import configure_kernel_choice, decisions
 >>> configure_kernel_choice("auto", torch_threads=1)
@@ -251,6 +253,8 @@ class _SizeRecorder(TorchFunctionMode):
         super().__init__()
         self.sizes: dict[tuple[str, str], list[_Traced]] = {}
         self._seen: set[int] = set()
+        #: whether a traced operator had a tensor off the CPU (the timings are CPU ones)
+        self.off_cpu = False
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -269,6 +273,8 @@ class _SizeRecorder(TorchFunctionMode):
                 node = value.node()
                 key = (node.scopeName(), node.kind().rstrip("_"))
                 given = [*args, *(kwargs or {}).values()]
+                if any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in given):
+                    self.off_cpu = True
                 self.sizes.setdefault(key, []).append(
                     _Traced(
                         [_complete_sizes(v) for v in node.inputs()],
@@ -690,6 +696,10 @@ def _decide(op: str, dtype: str, size: Any, measure: Callable[[], tuple[float, f
     mode = _MODE[0]
     if mode != "auto":
         return mode
+    recorder = getattr(_TRACE, "recorder", None)
+    if recorder is not None and recorder.off_cpu:
+        # the measurements time CPU kernels; on CUDA the engine's stay until they time CUDA
+        return "engine"
     key = (op, dtype, size)
     with _LOCK:
         found = _DECISIONS.get(key)

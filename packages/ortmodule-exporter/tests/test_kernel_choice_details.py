@@ -1,4 +1,5 @@
-"""Max pooling on a channels-last copy: the same values and indices as on the input as is."""
+"""Kernel-choice details: max pooling on a channels-last copy (the same values and indices
+as on the input as is), and CPU timings kept to CPU exports."""
 
 from __future__ import annotations
 
@@ -59,3 +60,21 @@ def test_the_layout_is_timed_once_per_shape_and_kept(monkeypatch: pytest.MonkeyP
     assert pool_layout(shape, *settings) == first and len(calls) == 2
     # one channel: nothing to vectorise over, kept as is without timing
     assert pool_layout((2, 1, 16, 16), *settings) == "" and len(calls) == 2
+
+
+def test_auto_keeps_the_engine_kernel_in_an_export_traced_off_the_cpu() -> None:
+    before = kernel_choice.current_mode()
+    kernel_choice.configure_kernel_choice("auto")
+
+    def torch_faster(numel: int) -> tuple[float, float]:
+        return 100.0, 1.0
+
+    try:
+        with kernel_choice.recording_traced_sizes():
+            assert kernel_choice.choose("test-op-cpu", "Float", 64, torch_faster) == "torch"
+            # what the recorder notes when a traced operator had a CUDA tensor
+            kernel_choice._TRACE.recorder.off_cpu = True
+            assert kernel_choice.choose("test-op-cuda", "Float", 64, torch_faster) == "engine"
+        assert ("test-op-cuda", "Float", 64) not in kernel_choice.decisions()  # nothing timed
+    finally:
+        kernel_choice.configure_kernel_choice(before)
