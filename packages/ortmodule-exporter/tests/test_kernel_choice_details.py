@@ -54,12 +54,12 @@ def test_the_layout_is_timed_once_per_shape_and_kept(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(kernel_choice, "_torch_us", counting)
     monkeypatch.setattr(kernel_choice, "_POOL_LAYOUTS", {})
-    shape, settings = (2, 8, 16, 16), ((2, 2), (2, 2), (0, 0), (1, 1), False)
-    first = pool_layout(shape, *settings)
+    shape, settings = (2, 8, 16, 16), [2, 2, 2, 2, 0, 0, 1, 1, 0]
+    first = pool_layout(shape, settings)
     assert first in ("", CHANNELS_LAST) and len(calls) == 2  # as is, and on a copy
-    assert pool_layout(shape, *settings) == first and len(calls) == 2
+    assert pool_layout(shape, settings) == first and len(calls) == 2
     # one channel: nothing to vectorise over, kept as is without timing
-    assert pool_layout((2, 1, 16, 16), *settings) == "" and len(calls) == 2
+    assert pool_layout((2, 1, 16, 16), settings) == "" and len(calls) == 2
 
 
 def test_auto_keeps_the_engine_kernel_in_an_export_traced_off_the_cpu() -> None:

@@ -587,8 +587,9 @@ def measure_max_pool2d(
         "max_pool2d", nodes, feeds, ["y", "dflat"], {"minus_one": TensorProto.INT64}
     )
 
-    params = torch.tensor([*kernel, *stride, *padding, *dilation, int(ceil_mode)])
-    layout = pool_layout(input_shape, kernel, stride, padding, dilation, ceil_mode)
+    settings = [*kernel, *stride, *padding, *dilation, int(ceil_mode)]
+    params = torch.tensor(settings)
+    layout = pool_layout(input_shape, settings)
 
     def torch_route() -> None:
         _max_pool2d(layout, [x, params])
@@ -1243,17 +1244,11 @@ CHANNELS_LAST = "channels_last"
 _POOL_LAYOUTS: dict[tuple[Any, ...], str] = {}
 
 
-def pool_layout(
-    input_shape: Sequence[int],
-    kernel: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    ceil_mode: bool = False,
-) -> str:
+def pool_layout(input_shape: Sequence[int], settings: Sequence[int]) -> str:
     """The faster way for PyTorch to max-pool a contiguous (N, C, H, W) input of this shape:
     ``""`` (as is) or :data:`CHANNELS_LAST` (pool a channels-last copy, hand back contiguous
-    results), timed once per shape and settings at the in-engine thread count.
+    results), timed once per shape and ``settings`` (kernel, stride, padding, dilation,
+    ceil_mode, flat: the ATen node's parameter tensor) at the in-engine thread count.
 
     PyTorch's kernel for contiguous NCHW input walks one plane at a time; the channels-last
     one vectorises over channels. At (16, 16, 32, 32), one thread: 1417 us as is, 498 us with
@@ -1261,8 +1256,7 @@ def pool_layout(
     same first-maximum-in-window rule, NaN taken as the maximum), so the choice changes no
     result; the backward stays on the NCHW kernel, which is the fast one there (58 us).
     """
-    key = (tuple(input_shape), tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
-    key += (ceil_mode,)
+    key = (tuple(input_shape), tuple(settings))
     with _LOCK:
         found = _POOL_LAYOUTS.get(key)
     if found is not None:
@@ -1271,7 +1265,7 @@ def pool_layout(
     if len(input_shape) == 4 and input_shape[1] > 1:
         _seeded()
         x = _randn(*input_shape)
-        params = torch.tensor([*kernel, *stride, *padding, *dilation, int(ceil_mode)])
+        params = torch.tensor(list(settings))
         as_is = _torch_us(lambda: _max_pool2d("", [x, params]), 0)
         copied = _torch_us(lambda: _max_pool2d(CHANNELS_LAST, [x, params]), 0)
         found = CHANNELS_LAST if copied < as_is else ""
@@ -1357,8 +1351,9 @@ def _max_pool2d_symbolic(with_indices: bool) -> Callable[..., Any]:
             route = _decide(op, dtype, shape, lambda: measure_max_pool2d(shape, k, s, p, d, ceil))
         if route != "torch":
             return default(g, *args)
-        layout = pool_layout(tuple(input_shape), k, s, p, d, ceil) if input_shape else ""
-        params = _ints_const(g, [*k, *s, *p, *d, int(ceil)])
+        settings = [*k, *s, *p, *d, int(ceil)]
+        layout = pool_layout(tuple(input_shape), settings) if input_shape else ""
+        params = _ints_const(g, settings)
         values, indices = g.op(
             f"{ATEN_DOMAIN}::ATen",
             x,
