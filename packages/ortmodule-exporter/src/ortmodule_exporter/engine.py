@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,6 +300,18 @@ def _to_torch(vec: Any) -> list[torch.Tensor]:
     return out
 
 
+def _run(threads: TorchThreadsInEngine, call: Callable[..., Any], *args: Any) -> None:
+    """One engine call: a callback's exception replaces the engine's error, and PyTorch's
+    thread count is set for it where the graph has PyTorch-run nodes (elsewhere the context
+    is left out: it sits on every step's path and would set nothing)."""
+    if threads.threads:
+        with user_errors(), threads:
+            call(*args)
+    else:
+        with user_errors():
+            call(*args)
+
+
 class TrainingSession:
     """Forward and backward halves of a gradient graph through the engine's ``TrainingAgent``."""
 
@@ -328,24 +340,12 @@ class TrainingSession:
         C = _C()
         state = C.PartialGraphExecutionState()
         outputs = C.OrtValueVector()
-        vec = _feeds(feeds)
-        if self._threads.threads:
-            with user_errors(), self._threads:
-                self._agent.run_forward(vec, outputs, state, None)
-        else:  # nothing to set: one context manager less on every step
-            with user_errors():
-                self._agent.run_forward(vec, outputs, state, None)
+        _run(self._threads, self._agent.run_forward, _feeds(feeds), outputs, state, None)
         return _to_torch(outputs), state
 
     def backward(self, grad_outputs: Sequence[torch.Tensor], state: Any) -> list[torch.Tensor]:
         outputs = _C().OrtValueVector()
-        vec = _feeds(grad_outputs)
-        if self._threads.threads:
-            with user_errors(), self._threads:
-                self._agent.run_backward(vec, outputs, state)
-        else:
-            with user_errors():
-                self._agent.run_backward(vec, outputs, state)
+        _run(self._threads, self._agent.run_backward, _feeds(grad_outputs), outputs, state)
         return _to_torch(outputs)
 
 
@@ -371,6 +371,5 @@ class InferenceSession:
         device = _ort_device(self._device)
         for name in self.built.fetch_names:
             binding.bind_output(name, device)
-        with user_errors(), self._threads:
-            self._session._sess.run_with_iobinding(binding, None)
+        _run(self._threads, self._session._sess.run_with_iobinding, binding, None)
         return _to_torch(binding.get_outputs())
