@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ortmodule_exporter.aten.parallel import ThreadTrial
 from ortmodule_testing.zoo import CNN, MLP, bert_benchmark, gpt_benchmark, masked_lm_benchmark
 
 __all__ = ["DEFAULT_MODELS", "LABEL_SPARSITY_MODELS", "WORKLOADS", "Workload"]
@@ -51,6 +52,11 @@ class Workload:
 
     def steps(self, full: bool) -> tuple[int, int]:
         return self.full_steps if full else self.quick_steps
+
+
+#: warm-up steps: every step of the in-engine thread trial (ORTMODULE_TORCH_THREADS_IN_ENGINE=auto
+#: measures 1 thread against PyTorch's count on a graph's first steps) is past before timing
+WARMUP = ThreadTrial.WARMUP + 2 * ThreadTrial.ROUNDS
 
 
 def _gen(step: int) -> torch.Generator:
@@ -183,8 +189,8 @@ WORKLOADS: dict[str, Workload] = {
             _gpt_model,
             _gpt_batch,
             _first,
-            (2, 8),
-            (3, 30),
+            (WARMUP, 8),
+            (WARMUP, 30),
         ),
         Workload(
             "bert",
@@ -193,8 +199,8 @@ WORKLOADS: dict[str, Workload] = {
             _bert_model,
             _bert_batch,
             _loss_entry,
-            (2, 8),
-            (3, 30),
+            (WARMUP, 8),
+            (WARMUP, 30),
         ),
         Workload(
             "masked_lm",
@@ -203,8 +209,8 @@ WORKLOADS: dict[str, Workload] = {
             _masked_lm_model,
             _masked_lm_batch,
             _loss_entry,
-            (2, 8),
-            (3, 30),
+            (WARMUP, 8),
+            (WARMUP, 30),
         ),
         Workload(
             "mlp_many_small",
@@ -212,8 +218,8 @@ WORKLOADS: dict[str, Workload] = {
             _mlp_model,
             _mlp_batch,
             _mlp_loss,
-            (3, 30),
-            (5, 100),
+            (WARMUP, 30),
+            (WARMUP, 100),
         ),
         Workload(
             "cnn",
@@ -222,8 +228,8 @@ WORKLOADS: dict[str, Workload] = {
             _cnn_model,
             _cnn_batch,
             _cnn_loss,
-            (3, 20),
-            (5, 60),
+            (WARMUP, 20),
+            (WARMUP, 60),
         ),
         Workload(
             "llama",
@@ -232,8 +238,8 @@ WORKLOADS: dict[str, Workload] = {
             _llama(None),
             _llama_batch,
             _hf_loss,
-            (2, 8),
-            (3, 30),
+            (WARMUP, 8),
+            (WARMUP, 30),
         ),
         Workload(
             "llama_no_cache",
@@ -241,8 +247,8 @@ WORKLOADS: dict[str, Workload] = {
             _llama(False),
             _llama_batch,
             _hf_loss,
-            (2, 8),
-            (3, 30),
+            (WARMUP, 8),
+            (WARMUP, 30),
         ),
     )
 }

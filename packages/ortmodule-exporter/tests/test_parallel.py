@@ -6,6 +6,7 @@ here is bitwise (``torch.equal``), against the same operator run in one call.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Iterator
 
@@ -155,7 +156,15 @@ def test_piece_boundaries_cover_the_range_once() -> None:
 
 def test_pieces_run_on_two_threads_and_errors_reach_the_caller() -> None:
     where: list[int] = []
-    results = parallel.run_pieces([lambda: where.append(threading.get_ident()) or "a", lambda: "b"])
+    started = threading.Event()
+
+    def first() -> str:
+        where.append(threading.get_ident())
+        started.set()
+        return "a"
+
+    # the caller's piece (the last) waits for the first to start: a helper must have taken it
+    results = parallel.run_pieces([first, lambda: started.wait(10) and "b"])
     assert results == ["a", "b"]
     assert where and where[0] != threading.get_ident()
 
@@ -166,6 +175,21 @@ def test_pieces_run_on_two_threads_and_errors_reach_the_caller() -> None:
         with pytest.raises(ValueError, match="piece failed"):
             parallel.run_pieces(pieces)
     assert parallel.run_pieces([lambda: 1, lambda: 2]) == [1, 2]  # the helpers still work
+
+
+def test_a_late_helper_leaves_its_piece_to_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper that does not wake (its core taken) holds nothing up: the caller runs every
+    piece, and the helper finds the job done when it does wake."""
+    parallel.run_pieces([lambda: 1, lambda: 2, lambda: 3])  # two helpers exist
+    held: queue.SimpleQueue[parallel._Job] = queue.SimpleQueue()
+    monkeypatch.setattr(parallel, "_JOBS", held)  # the helper waits on the real queue
+    where: list[int] = []
+    pieces = [lambda i=i: where.append(threading.get_ident()) or i for i in range(3)]
+    assert parallel.run_pieces(pieces) == [0, 1, 2]
+    assert where == [threading.get_ident()] * 3
+    stale = [held.get_nowait() for _ in range(2)]  # one per helper
+    stale[0].run(from_end=False)  # what a late helper does: nothing is left
+    assert where == [threading.get_ident()] * 3
 
 
 def test_helpers_busy_with_another_caller_mean_whole() -> None:

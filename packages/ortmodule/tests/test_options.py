@@ -88,7 +88,12 @@ def _valid(tmp: str, a_file: str) -> dict[str, list[tuple[str, Any]]]:
         "ORTMODULE_MEMORY_OPT_CONFIG": [(a_file, a_file)],
         "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT": on_off,
         "ORTMODULE_ENABLE_ZERO_STAGE3": on_off,
-        "ORTMODULE_TORCH_THREADS_IN_ENGINE": [("0", 0), ("1", 1), (" 4 ", 4)],
+        "ORTMODULE_TORCH_THREADS_IN_ENGINE": [
+            ("0", "0"),
+            ("1", "1"),
+            (" 4 ", "4"),
+            ("auto", "AUTO"),
+        ],
         "ORTMODULE_CONV_ALGO_SEARCH": [
             ("HEURISTIC", "HEURISTIC"),
             ("exhaustive", "EXHAUSTIVE"),

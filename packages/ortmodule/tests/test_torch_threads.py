@@ -2,12 +2,14 @@
 
 The engine calls back into PyTorch for ATen nodes and custom autograd Functions; those calls run
 with the option's thread count, and PyTorch's own setting is back once the run returns. Graphs
-without such nodes leave PyTorch's setting alone.
+without such nodes leave PyTorch's setting alone. ``AUTO`` (the default) measures per graph
+which of 1 and PyTorch's count makes the step faster.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,17 +17,22 @@ import pytest
 import torch
 
 from ortmodule import ORTModule
-from ortmodule_exporter.aten.parallel import TorchThreadsInEngine
+from ortmodule_exporter.aten.parallel import ThreadTrial, TorchThreadsInEngine
 
 
 class _SeesThreads(torch.autograd.Function):
     """Identity that records PyTorch's thread count each time its forward or backward runs."""
 
     seen: list[tuple[str, int]] = []
+    #: seconds the forward sleeps when it runs at this thread count (a slow setting)
+    slow_at: tuple[int, float] = (0, 0.0)
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        _SeesThreads.seen.append(("forward", torch.get_num_threads()))
+        threads = torch.get_num_threads()
+        _SeesThreads.seen.append(("forward", threads))
+        if threads == _SeesThreads.slow_at[0]:
+            time.sleep(_SeesThreads.slow_at[1])
         return x * 1.0
 
     @staticmethod
@@ -52,6 +59,7 @@ def two_threads() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+        _SeesThreads.slow_at = (0, 0.0)
 
 
 def _steps(model: torch.nn.Module, n: int = 2) -> None:
@@ -60,7 +68,10 @@ def _steps(model: torch.nn.Module, n: int = 2) -> None:
 
 
 @pytest.mark.usefixtures("two_threads")
-def test_pytorch_code_in_the_engine_runs_on_one_thread_and_the_setting_comes_back() -> None:
+def test_pytorch_code_in_the_engine_runs_on_one_thread_and_the_setting_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ORTMODULE_TORCH_THREADS_IN_ENGINE", "1")
     model = ORTModule(_Net())
     _steps(model)
     # the export traced the Function once in eager (2 threads); every engine run saw 1
@@ -75,6 +86,56 @@ def test_zero_keeps_pytorchs_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     model = ORTModule(_Net())
     _steps(model)
     assert _SeesThreads.seen[-4:] == [("forward", 2), ("backward", 2)] * 2
+
+
+def _forward_threads() -> list[int]:
+    return [threads for phase, threads in _SeesThreads.seen if phase == "forward"]
+
+
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize(("slow", "kept"), [(2, 1), (1, 2)])
+def test_auto_keeps_the_thread_count_whose_steps_were_faster(slow: int, kept: int) -> None:
+    """The default measures the graph's engine runs: 2 warm-up steps at 1 thread, then 1 and
+    PyTorch's 2 take turns for 5 steps each; the faster stays, for forward and backward."""
+    _SeesThreads.slow_at = (slow, 0.02)
+    model = ORTModule(_Net())
+    trial = ThreadTrial.WARMUP + 2 * ThreadTrial.ROUNDS
+    _steps(model, trial + 3)
+    seen = _forward_threads()[-(trial + 3) :]
+    assert seen[: ThreadTrial.WARMUP] == [1] * ThreadTrial.WARMUP
+    assert seen[ThreadTrial.WARMUP : trial] == [1, 2] * ThreadTrial.ROUNDS
+    assert seen[trial:] == [kept] * 3
+    assert _SeesThreads.seen[-2:] == [("forward", kept), ("backward", kept)]
+    assert torch.get_num_threads() == 2
+    (graph,) = [value for _key, value in model._runner.transitions._slots.values()]
+    assert graph.session._trial is None  # decided: nothing more is timed
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_auto_with_one_pytorch_thread_has_nothing_to_measure() -> None:
+    torch.set_num_threads(1)
+    model = ORTModule(_Net())
+    _steps(model, 3)
+    (graph,) = [value for _key, value in model._runner.transitions._slots.values()]
+    assert graph.session._trial is None
+    assert graph.session._threads.threads == 1
+
+
+def test_thread_trial_schedule_and_choice() -> None:
+    trial = ThreadTrial("graph")
+    picked = []
+    # a step's engine runs take 3 s at 1 thread, 2 s at PyTorch's count (one outlier of 9 s);
+    # the forward and the backward are added into one sample
+    for step in range(ThreadTrial.WARMUP + 2 * ThreadTrial.ROUNDS + 2):
+        setting = trial.next()
+        picked.append(setting.threads)
+        seconds = 9.0 if step == ThreadTrial.WARMUP + 1 else (3.0 if setting.threads == 1 else 2.0)
+        trial.add(seconds / 2)
+        trial.add(seconds / 2)
+    assert picked[: ThreadTrial.WARMUP] == [1] * ThreadTrial.WARMUP
+    assert picked[ThreadTrial.WARMUP : -2] == [1, 0] * ThreadTrial.ROUNDS
+    assert trial.chosen is trial.candidates[1]
+    assert picked[-2:] == [0, 0]
 
 
 def test_a_failing_run_restores_the_setting() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from torch._C import _from_dlpack
 from torch.utils.dlpack import to_dlpack
 
 from . import onnx_graph
-from .aten.parallel import TorchThreadsInEngine
+from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
 from .errors import EngineBuildError
@@ -191,7 +192,8 @@ class SessionConfig:
     extra_provider_options: tuple[tuple[str, str], ...] = ()
     #: ``add_session_config_entry`` pairs from component session contributors
     config_entries: tuple[tuple[str, str], ...] = ()
-    #: PyTorch's intra-op threads while a run is in the engine (0: PyTorch's setting stays)
+    #: PyTorch's intra-op threads while a run is in the engine (0: PyTorch's setting stays;
+    #: ``THREADS_AUTO``: 1 or PyTorch's count, whichever the graph's first steps ran faster at)
     torch_threads: int = 0
 
 
@@ -300,6 +302,19 @@ def _to_torch(vec: Any) -> list[torch.Tensor]:
     return out
 
 
+def _thread_setting(
+    cfg: SessionConfig, label: str
+) -> tuple[TorchThreadsInEngine, ThreadTrial | None]:
+    """The in-engine thread setting a session starts with, and its trial under ``auto``
+    (none where PyTorch has one thread: both candidates are the same then)."""
+    if cfg.torch_threads != THREADS_AUTO:
+        return TorchThreadsInEngine(cfg.torch_threads), None
+    if torch.get_num_threads() < 2:
+        return TorchThreadsInEngine(1), None
+    trial = ThreadTrial(label)
+    return trial.candidates[0], trial
+
+
 def _run(threads: TorchThreadsInEngine, call: Callable[..., Any], *args: Any) -> None:
     """One engine call: a callback's exception replaces the engine's error, and PyTorch's
     thread count is set for it where the graph has PyTorch-run nodes (elsewhere the context
@@ -312,14 +327,45 @@ def _run(threads: TorchThreadsInEngine, call: Callable[..., Any], *args: Any) ->
             call(*args)
 
 
-class TrainingSession:
+class _ThreadedRuns:
+    """Engine calls at the session's in-engine thread setting, measured while a
+    :class:`ThreadTrial` is choosing it (``ORTMODULE_TORCH_THREADS_IN_ENGINE=auto``)."""
+
+    _threads: TorchThreadsInEngine
+    _trial: ThreadTrial | None
+
+    def _first_run(self, call: Callable[..., Any], *args: Any) -> None:
+        """A step's first run (its forward): the step's setting is picked here, and its
+        backward keeps it."""
+        trial = self._trial
+        if trial is None:
+            _run(self._threads, call, *args)
+            return
+        self._threads = trial.next()
+        if trial.chosen is not None:
+            self._trial = None
+        self._later_run(call, *args, trial=trial)
+
+    def _later_run(
+        self, call: Callable[..., Any], *args: Any, trial: ThreadTrial | None = None
+    ) -> None:
+        trial = trial or self._trial
+        if trial is None:
+            _run(self._threads, call, *args)
+            return
+        start = time.perf_counter()
+        _run(self._threads, call, *args)
+        trial.add(time.perf_counter() - start)
+
+
+class TrainingSession(_ThreadedRuns):
     """Forward and backward halves of a gradient graph through the engine's ``TrainingAgent``."""
 
     def __init__(self, built: BuiltGraph, cfg: SessionConfig) -> None:
         C = _C()
         self.built = built
         self._session = _session(built.model_bytes, cfg)
-        self._threads = TorchThreadsInEngine(cfg.torch_threads)
+        self._threads, self._trial = _thread_setting(cfg, "training graph")
         device = _ort_device(cfg.device)
         n_fw = len(built.user_output_names) + built.frontier_count
         self._agent = C.TrainingAgent(
@@ -340,23 +386,23 @@ class TrainingSession:
         C = _C()
         state = C.PartialGraphExecutionState()
         outputs = C.OrtValueVector()
-        _run(self._threads, self._agent.run_forward, _feeds(feeds), outputs, state, None)
+        self._first_run(self._agent.run_forward, _feeds(feeds), outputs, state, None)
         return _to_torch(outputs), state
 
     def backward(self, grad_outputs: Sequence[torch.Tensor], state: Any) -> list[torch.Tensor]:
         outputs = _C().OrtValueVector()
-        _run(self._threads, self._agent.run_backward, _feeds(grad_outputs), outputs, state)
+        self._later_run(self._agent.run_backward, _feeds(grad_outputs), outputs, state)
         return _to_torch(outputs)
 
 
-class InferenceSession:
+class InferenceSession(_ThreadedRuns):
     """The inference graph, run with IO binding so inputs and outputs cross by DLPack."""
 
     def __init__(self, built: BuiltGraph, cfg: SessionConfig) -> None:
         self.built = built
         self._session = _session(built.model_bytes, cfg)
         self._device = cfg.device
-        self._threads = TorchThreadsInEngine(cfg.torch_threads)
+        self._threads, self._trial = _thread_setting(cfg, "inference graph")
 
     def forward(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         C = _C()
@@ -371,5 +417,5 @@ class InferenceSession:
         device = _ort_device(self._device)
         for name in self.built.fetch_names:
             binding.bind_output(name, device)
-        _run(self._threads, self._session._sess.run_with_iobinding, binding, None)
+        self._first_run(self._session._sess.run_with_iobinding, binding, None)
         return _to_torch(binding.get_outputs())

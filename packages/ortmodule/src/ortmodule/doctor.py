@@ -179,11 +179,12 @@ def _kernel_choice(report: Report) -> None:
     from ortmodule_exporter.aten import kernel_choice as kc
 
     from .options import VARIABLES
+    from .runner_config import kernel_choice_threads
 
     # the PyTorch side runs at the thread count it has inside the engine
     (var,) = [v for v in VARIABLES if v.name == "ORTMODULE_TORCH_THREADS_IN_ENGINE"]
     before = kc.current_torch_threads()
-    kc.configure_kernel_choice(kc.current_mode(), var.default)
+    kc.configure_kernel_choice(kc.current_mode(), kernel_choice_threads(var.default))
     try:
         _measure_kernels(lines)
     finally:
@@ -244,7 +245,7 @@ def _threads(report: Report, environ: Mapping[str, str]) -> None:
         in_engine = f"{text!r} (invalid, see Settings)"
     lines.append(
         f"PyTorch threads while the engine runs PyTorch-run nodes: {in_engine} "
-        f"({var.name}; 0 keeps PyTorch's setting)"
+        f"({var.name}; 0 keeps PyTorch's setting, AUTO measures 1 against it per graph)"
     )
     openmp = "OpenMP" in torch.__config__.parallel_info()
     policy = environ.get("OMP_WAIT_POLICY")

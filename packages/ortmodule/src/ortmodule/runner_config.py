@@ -6,6 +6,7 @@ import logging
 import os
 
 from ortmodule_exporter import ExportConfig, SaveOptions
+from ortmodule_exporter.aten.parallel import THREADS_AUTO
 
 from .execution import RunnerConfig
 from .log import engine_severity, exporter_verbose
@@ -32,9 +33,20 @@ def runner_config(options: RuntimeOptions) -> RunnerConfig:
         engine_log_severity=engine_severity(options.log_level),
         exporter_verbose=exporter_verbose(options.log_level),
         conv_algo_search=options.conv_algo_search,
-        torch_threads_in_engine=options.torch_threads_in_engine,
+        torch_threads_in_engine=torch_threads_in_engine(options.torch_threads_in_engine),
         pass_options=component_options(options),
     )
+
+
+def torch_threads_in_engine(value: str) -> int:
+    """``ORTMODULE_TORCH_THREADS_IN_ENGINE`` as the sessions take it (``AUTO``: THREADS_AUTO)."""
+    return THREADS_AUTO if value == "AUTO" else int(value)
+
+
+def kernel_choice_threads(value: str) -> int:
+    """The thread count the kernel choice times PyTorch's side at: under ``AUTO`` the count a
+    graph's steps start with (1)."""
+    return 1 if value == "AUTO" else int(value)
 
 
 def export_config(options: RuntimeOptions) -> ExportConfig:
@@ -58,7 +70,7 @@ def export_config(options: RuntimeOptions) -> ExportConfig:
         aten_sdpa_fallback=options.aten_sdpa_fallback or fused_attention,
         efficient_attention=options.use_efficient_attention,
         kernel_choice=kernel_choice,
-        kernel_choice_threads=options.torch_threads_in_engine,
+        kernel_choice_threads=kernel_choice_threads(options.torch_threads_in_engine),
     )
 
 

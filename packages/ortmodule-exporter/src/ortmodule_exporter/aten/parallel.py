@@ -24,6 +24,13 @@ against 0.6 ms, pooling 1.4-2.2 ms against 1.5 ms), though alone they were faste
 batch. Nodes with less work than :data:`MIN_ATTENTION_WORK` (:data:`MIN_ELEMENTWISE`) run
 whole: handing a piece to a helper thread and back costs about 70 us.
 
+Which count is faster depends on the graph: one thread (pieces on helper threads) kept a
+GPT-style decoder at 1.10x eager's step where PyTorch's own two threads gave 1.44x (the engine's
+GEMMs run between the PyTorch-run nodes and lost a core to spinning OpenMP workers), while a CNN
+whose convolutions and pooling are PyTorch-run went from 1.25-1.30x at one thread to 1.02x at
+two. ``ORTMODULE_TORCH_THREADS_IN_ENGINE=auto`` (:data:`THREADS_AUTO`, the default) therefore
+measures it per graph on the graph's own first training steps (:class:`ThreadTrial`).
+
 >>> with TorchThreadsInEngine(1):     # what the engine does around a run
 ...     width()                        # the pieces a splittable node is cut into
 2
@@ -31,6 +38,9 @@ whole: handing a piece to a helper thread and back costs about 70 us.
 
 from __future__ import annotations
 
+import logging
+import queue
+import statistics
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +50,8 @@ import torch
 __all__ = [
     "MIN_ATTENTION_WORK",
     "MIN_ELEMENTWISE",
+    "THREADS_AUTO",
+    "ThreadTrial",
     "TorchThreadsInEngine",
     "elementwise",
     "helper_threads",
@@ -60,6 +72,11 @@ MIN_ATTENTION_WORK = 1 << 24
 MIN_ELEMENTWISE = 1 << 20
 #: piece boundaries of elementwise operators fall on multiples of this (vector loops stay whole)
 _ALIGN = 64
+
+logger = logging.getLogger("ortmodule.exporter")
+
+#: ``ORTMODULE_TORCH_THREADS_IN_ENGINE=auto``: the count is measured per graph (:class:`ThreadTrial`)
+THREADS_AUTO = -1
 
 #: pieces per splittable node in the engine run in progress (1: no cutting)
 _WIDTH = [1]
@@ -100,52 +117,133 @@ class TorchThreadsInEngine:
                 torch.set_num_threads(previous)
 
 
+class ThreadTrial:
+    """Which in-engine PyTorch thread count makes one graph's engine runs faster, measured on
+    the graph's own steps: one thread (with pieces) or PyTorch's count (left as it is).
+
+    :meth:`next` is called at every forward run of the graph and returns the
+    :class:`TorchThreadsInEngine` for it and its backward; :meth:`add` is given the wall time
+    of each of those runs. The first :attr:`WARMUP` steps run at one thread (first-call costs),
+    then the two candidates take turns for :attr:`ROUNDS` steps each; a step's sample is its
+    forward and backward run time. The candidate with the lower median stays and
+    :attr:`chosen` is set. Only engine time is compared: the wall time between forward runs
+    would also hold the user's own code, whose pattern (two micro-batches per optimizer step,
+    another model's step in between) can fall on one candidate's turns only."""
+
+    WARMUP = 2
+    ROUNDS = 5
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.candidates = (TorchThreadsInEngine(1), TorchThreadsInEngine(0))
+        self.chosen: TorchThreadsInEngine | None = None
+        self._steps = 0
+        self._current = -1  # the candidate of the step running (-1: a warm-up step)
+        self._sample = 0.0
+        self._times: tuple[list[float], list[float]] = ([], [])
+
+    def next(self) -> TorchThreadsInEngine:
+        """The thread setting for the step whose forward run starts now."""
+        if self.chosen is not None:
+            return self.chosen
+        if self._current >= 0:
+            self._times[self._current].append(self._sample)
+        self._sample = 0.0
+        step = self._steps
+        self._steps += 1
+        if step < self.WARMUP:
+            self._current = -1
+            return self.candidates[0]
+        if min(len(t) for t in self._times) >= self.ROUNDS:
+            return self._decide()
+        self._current = (step - self.WARMUP) % 2
+        return self.candidates[self._current]
+
+    def add(self, seconds: float) -> None:
+        """One engine run of the current step took ``seconds``."""
+        self._sample += seconds
+
+    def _decide(self) -> TorchThreadsInEngine:
+        one, own = (statistics.median(t) for t in self._times)
+        self.chosen = self.candidates[1 if own < one else 0]
+        self._current = -1
+        logger.info(
+            "%s: PyTorch-run nodes at %s (median engine time per step %.2f ms at 1 thread, "
+            "%.2f ms at PyTorch's %d)",
+            self.label,
+            "PyTorch's thread count" if self.chosen.threads == 0 else "1 thread",
+            one * 1e3,
+            own * 1e3,
+            torch.get_num_threads(),
+        )
+        return self.chosen
+
+
 # -- helper threads ---------------------------------------------------------------------------------
 
 
-class _Helper:
-    """One daemon thread that runs a piece when told and sleeps otherwise."""
+class _Job:
+    """One node's pieces, claimed one at a time by whichever thread is free: the calling thread
+    from the end, helper threads from the front. A helper that wakes late (a core still held
+    by a spinning OpenMP worker: 1-4 ms at the start of a training step) finds its piece done
+    by the caller instead of holding the node up."""
 
-    def __init__(self) -> None:
-        self._go = threading.Lock()
-        self._go.acquire()
+    __slots__ = ("pieces", "results", "error", "_front", "_back", "_left", "_lock", "_done")
+
+    def __init__(self, pieces: Sequence[Callable[[], Any]]) -> None:
+        self.pieces = pieces
+        self.results: list[Any] = [None] * len(pieces)
+        self.error: BaseException | None = None
+        self._front = 0
+        self._back = len(pieces)
+        self._left = len(pieces)
+        self._lock = threading.Lock()
         self._done = threading.Lock()
         self._done.acquire()
-        self._job: Callable[[], Any] | None = None
-        self._result: Any = None
-        self._error: BaseException | None = None
-        threading.Thread(target=self._loop, name="ortmodule-aten-piece", daemon=True).start()
 
-    def _loop(self) -> None:
+    def run(self, from_end: bool) -> None:
+        """Run unclaimed pieces until none is left."""
         while True:
-            self._go.acquire()
-            job, self._job = self._job, None
+            with self._lock:
+                if self._front >= self._back:
+                    return
+                if from_end:
+                    self._back -= 1
+                    index = self._back
+                else:
+                    index = self._front
+                    self._front += 1
             try:
-                # a helper's first PyTorch call takes the process's count, which is
-                # the in-engine one while a run is in progress; keep it at one all the same
-                if torch.get_num_threads() != 1:
-                    torch.set_num_threads(1)
-                assert job is not None
-                self._result = job()
+                self.results[index] = self.pieces[index]()
             except BaseException as err:  # noqa: BLE001 - handed to the caller
-                self._error = err
-            del job
-            self._done.release()
+                self.error = self.error or err
+            with self._lock:
+                self._left -= 1
+                if not self._left:
+                    self._done.release()
 
-    def start(self, job: Callable[[], Any]) -> None:
-        self._job = job
-        self._go.release()
-
-    def wait(self) -> Any:
+    def wait(self) -> list[Any]:
+        """Every piece's result once all have run (they read the caller's inputs)."""
         self._done.acquire()
-        result, self._result = self._result, None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-        return result
+        if self.error is not None:
+            raise self.error
+        return self.results
 
 
-_HELPERS: list[_Helper] = []
+def _helper_loop(jobs: queue.SimpleQueue[_Job]) -> None:
+    """A helper thread: sleeps on the queue, runs what is left of each job it is handed."""
+    while True:
+        job = jobs.get()
+        # a helper's first PyTorch call takes the process's count, which is the in-engine
+        # one while a run is in progress; keep it at one all the same
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
+        job.run(from_end=False)
+        del job
+
+
+_JOBS: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+_HELPERS: list[threading.Thread] = []
 
 
 def helper_threads() -> int:
@@ -158,31 +256,23 @@ _BUSY = threading.Lock()
 
 
 def run_pieces(pieces: Sequence[Callable[[], Any]]) -> list[Any] | None:
-    """Run the pieces at once (the last on the calling thread) and return their results in
-    order; None when the helpers are busy with another caller's node (run it whole then)."""
+    """Run the pieces at once, on the calling thread and ``len(pieces) - 1`` helper threads,
+    and return their results in order; None when the helpers are busy with another caller's
+    node (run it whole then)."""
     if not _BUSY.acquire(blocking=False):
         return None
     try:
         while len(_HELPERS) < len(pieces) - 1:
-            _HELPERS.append(_Helper())
-        started = []
-        try:
-            for helper, piece in zip(_HELPERS, pieces[:-1], strict=False):
-                helper.start(piece)
-                started.append(helper)
-            last = pieces[-1]()
-        finally:
-            # every started piece is waited for, also when one failed: they read our inputs
-            results = []
-            error: BaseException | None = None
-            for helper in started:
-                try:
-                    results.append(helper.wait())
-                except BaseException as err:  # noqa: BLE001
-                    error = error or err
-            if error is not None:
-                raise error
-        return [*results, last]
+            helper = threading.Thread(
+                target=_helper_loop, args=(_JOBS,), name="ortmodule-aten-piece", daemon=True
+            )
+            helper.start()
+            _HELPERS.append(helper)
+        job = _Job(pieces)
+        for _ in range(len(pieces) - 1):
+            _JOBS.put(job)
+        job.run(from_end=True)
+        return job.wait()
     finally:
         _BUSY.release()
 
