@@ -1,15 +1,17 @@
 """PyTorch-run nodes cut into pieces across the engine's threads, without OpenMP workers.
 
 While the engine runs a graph that holds ATen nodes, PyTorch runs at
-``ORTMODULE_TORCH_THREADS_IN_ENGINE`` threads (default 1, :class:`TorchThreadsInEngine`):
+``ORTMODULE_TORCH_THREADS_IN_ENGINE`` threads (:class:`TorchThreadsInEngine`; see the end for
+its default):
 GNU OpenMP's workers spin after every parallel region, and a spinning PyTorch worker took a core
 from the engine's own thread pool (GPT 1.44x eager's step with PyTorch's two threads, 1.15-1.28x
 with one). One thread, though, left the heaviest PyTorch-run nodes, fused attention and GELU, on
 one core while eager uses all of them.
 
-So a node that separates by rows runs in pieces, one per thread PyTorch would have had: the
-calling thread runs one piece and ORTModule's own helper threads the others, each at one PyTorch
-thread. Helper threads wait on a lock between nodes, asleep, never spinning. Each piece computes
+So a node that separates by rows runs in pieces, one per thread PyTorch would have had. The
+calling thread and ORTModule's own helper threads (each at one PyTorch thread, asleep on a queue
+between nodes, never spinning) claim the pieces (:class:`_Job`): a helper that wakes late finds
+its piece done by the caller instead of holding the node up. Each piece computes
 exactly what the whole computes for its rows (attention: whole batch rows; elementwise: whole
 runs of 64 elements, so every element takes the same vectorised path), so the result is bitwise
 the one-call result; the tests compare them.
@@ -28,7 +30,7 @@ Which count is faster depends on the graph: one thread (pieces on helper threads
 GPT-style decoder at 1.10x eager's step where PyTorch's own two threads gave 1.44x (the engine's
 GEMMs run between the PyTorch-run nodes and lost a core to spinning OpenMP workers), while a CNN
 whose convolutions and pooling are PyTorch-run went from 1.25-1.30x at one thread to 1.02x at
-two. ``ORTMODULE_TORCH_THREADS_IN_ENGINE=auto`` (:data:`THREADS_AUTO`, the default) therefore
+two. ``ORTMODULE_TORCH_THREADS_IN_ENGINE=AUTO`` (:data:`THREADS_AUTO`, the default) therefore
 measures it per graph on the graph's own first training steps (:class:`ThreadTrial`).
 
 >>> with TorchThreadsInEngine(1):     # what the engine does around a run
