@@ -112,6 +112,21 @@ def test_auto_keeps_the_thread_count_whose_steps_were_faster(slow: int, kept: in
 
 
 @pytest.mark.usefixtures("two_threads")
+def test_auto_measures_an_inference_graph_too() -> None:
+    """Without gradients the engine runs the inference graph; each forward is a step."""
+    _SeesThreads.slow_at = (1, 0.02)
+    model = ORTModule(_Net()).eval()
+    trial = ThreadTrial.WARMUP + 2 * ThreadTrial.ROUNDS
+    with torch.no_grad():
+        for _ in range(trial + 2):
+            model(torch.randn(3, 4))
+    seen = _forward_threads()[-(trial + 2) :]
+    assert seen[ThreadTrial.WARMUP : trial] == [1, 2] * ThreadTrial.ROUNDS
+    assert seen[trial:] == [2, 2]
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.usefixtures("two_threads")
 def test_auto_with_one_pytorch_thread_has_nothing_to_measure() -> None:
     torch.set_num_threads(1)
     model = ORTModule(_Net())
