@@ -127,6 +127,22 @@ def test_auto_measures_an_inference_graph_too() -> None:
 
 
 @pytest.mark.usefixtures("two_threads")
+def test_auto_under_deterministic_algorithms_stays_at_one_thread() -> None:
+    """A choice made by timing could differ between two runs, and the thread count changes
+    how PyTorch's kernels sum: deterministic runs keep 1 thread, measured or not."""
+    _SeesThreads.slow_at = (1, 0.02)  # the trial would pick PyTorch's 2
+    torch.use_deterministic_algorithms(True)
+    try:
+        model = ORTModule(_Net())
+        _steps(model, ThreadTrial.WARMUP + 2 * ThreadTrial.ROUNDS + 2)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert set(_forward_threads()[1:]) == {1}  # the first forward is the export's, in eager
+    (graph,) = [value for _key, value in model._runner.transitions._slots.values()]
+    assert graph.session._trial is None
+
+
+@pytest.mark.usefixtures("two_threads")
 def test_auto_with_one_pytorch_thread_has_nothing_to_measure() -> None:
     torch.set_num_threads(1)
     model = ORTModule(_Net())

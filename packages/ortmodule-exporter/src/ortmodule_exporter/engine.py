@@ -305,11 +305,13 @@ def _to_torch(vec: Any) -> list[torch.Tensor]:
 def _thread_setting(
     cfg: SessionConfig, label: str
 ) -> tuple[TorchThreadsInEngine, ThreadTrial | None]:
-    """The in-engine thread setting a session starts with, and its trial under ``auto``
-    (none where PyTorch has one thread: both candidates are the same then)."""
+    """The in-engine thread setting a session starts with, and its trial under ``auto``. No
+    trial where PyTorch has one thread (both candidates are the same then) or where
+    deterministic algorithms are on: the thread count changes how PyTorch's kernels sum, and a
+    choice made by timing could differ from one run to the next."""
     if cfg.torch_threads != THREADS_AUTO:
         return TorchThreadsInEngine(cfg.torch_threads), None
-    if torch.get_num_threads() < 2:
+    if torch.get_num_threads() < 2 or cfg.deterministic:
         return TorchThreadsInEngine(1), None
     trial = ThreadTrial(label)
     return trial.candidates[0], trial

@@ -420,8 +420,9 @@ VARIABLES: tuple[EnvVar, ...] = (
         "(bitwise the one-call result). Where the PyTorch-run nodes dominate the step, PyTorch's "
         "own count is faster (a CNN: 1.25-1.30x -> 1.02x). AUTO measures it per graph: after "
         "2 warm-up steps, 1 and PyTorch's count take turns for 5 steps each and the lower "
-        "median step time (forward to next forward, the user's code included) stays; the kernel "
-        "choice times PyTorch's side at 1 thread then.",
+        "median engine time per step stays (1 under torch.use_deterministic_algorithms: a choice "
+        "made by timing could differ between runs); the kernel choice times PyTorch's side at "
+        "1 thread then.",
         "1",
     ),
     EnvVar(

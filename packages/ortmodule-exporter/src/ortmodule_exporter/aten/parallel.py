@@ -31,7 +31,8 @@ GPT-style decoder at 1.10x eager's step where PyTorch's own two threads gave 1.4
 GEMMs run between the PyTorch-run nodes and lost a core to spinning OpenMP workers), while a CNN
 whose convolutions and pooling are PyTorch-run went from 1.25-1.30x at one thread to 1.02x at
 two. ``ORTMODULE_TORCH_THREADS_IN_ENGINE=AUTO`` (:data:`THREADS_AUTO`, the default) therefore
-measures it per graph on the graph's own first training steps (:class:`ThreadTrial`).
+measures it per graph on the graph's own first training steps (:class:`ThreadTrial`); under
+deterministic algorithms it stays at 1, as a choice made by timing could differ between runs.
 
 >>> with TorchThreadsInEngine(1):     # what the engine does around a run
 ...     width()                        # the pieces a splittable node is cut into
