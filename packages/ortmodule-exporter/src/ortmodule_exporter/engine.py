@@ -346,18 +346,23 @@ class _ThreadedRuns:
         self._threads = trial.next()
         if trial.chosen is not None:
             self._trial = None
-        self._later_run(call, *args, trial=trial)
+        _timed_run(trial, self._threads, call, *args)
 
-    def _later_run(
-        self, call: Callable[..., Any], *args: Any, trial: ThreadTrial | None = None
-    ) -> None:
-        trial = trial or self._trial
+    def _later_run(self, call: Callable[..., Any], *args: Any) -> None:
+        trial = self._trial
         if trial is None:
             _run(self._threads, call, *args)
-            return
-        start = time.perf_counter()
-        _run(self._threads, call, *args)
-        trial.add(time.perf_counter() - start)
+        else:
+            _timed_run(trial, self._threads, call, *args)
+
+
+def _timed_run(
+    trial: ThreadTrial, threads: TorchThreadsInEngine, call: Callable[..., Any], *args: Any
+) -> None:
+    """:func:`_run`, its wall time handed to the trial."""
+    start = time.perf_counter()
+    _run(threads, call, *args)
+    trial.add(time.perf_counter() - start)
 
 
 class TrainingSession(_ThreadedRuns):
