@@ -74,6 +74,119 @@ class BuiltGraph:
         return onnx.load_from_string(self.model_bytes)
 
 
+#: ATen operators whose outputs symbolic shape inference may guess: each output keeps its first
+#: input's leading dims (elementwise, LayerNorm, attention on the query's layout) or is the
+#: lookup's indices plus the row (embedding), or a loss. The inference merges a guessed dim with
+#: the dim it meets in a broadcasting op, which is right for these; for an operator that
+#: reduces to a broadcast dim (``normalize``'s norm, 1 at run time) the merge was wrong and the
+#: gradient came back unreduced.
+SHAPE_KEEPING_ATEN = frozenset(
+    {
+        "embedding",
+        "gelu",
+        "_ortmodule_gelu",
+        "_ortmodule_layer_norm",
+        "_ortmodule_cross_entropy",
+        "_ortmodule_flash_attention_bshd",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    }
+)
+
+
+def _unshaped_nodes(model: onnx.ModelProto) -> set[str]:
+    """Custom nodes whose output shapes symbolic inference would guess (see
+    :data:`SHAPE_KEEPING_ATEN`): ATen nodes of other operators, PythonOps."""
+    unknown = set()
+    for node in model.graph.node:
+        if node.domain == "org.pytorch.aten":
+            name = str(onnx_graph.attribute(node, "operator", ""))
+            if name not in SHAPE_KEEPING_ATEN:
+                unknown.add(f"ATen {name}")
+        elif node.op_type == "PythonOp":
+            unknown.add("PythonOp")
+    return unknown
+
+
+def _named_dims(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``model`` with a symbolic dim on every tensor, for the gradient build; None when symbolic
+    shape inference fails or would change what a graph input declares.
+
+    The engine's gradient builder can tell that both operands of an ``Add`` or ``Mul`` have the
+    output's shape only from dims with the same name. The exporter names the graph inputs'
+    dynamic dims, but ONNX shape inference loses the names behind ATen nodes and behind
+    ``Reshape``s whose shape is computed at run time (``view(batch, seq, heads, dim)``), and the
+    builder then reduces every such operand's gradient through ``Shape``,
+    ``BroadcastGradientArgs`` and a ``ReduceSum`` that copies when nothing is broadcast (85
+    ``ReduceSum`` nodes in the tiny Llama's training graph, 1 with named dims). A graph input
+    whose dims the inference would change (a dynamic dim made fixed, or two inputs' dims made
+    one) keeps the graph as exported: the engine would then check fed shapes against them.
+    """
+    unknown = _unshaped_nodes(model)
+    if unknown:
+        logger.info(
+            "building the graph as exported, without named dims: symbolic shape inference would "
+            "guess the output shapes of %s",
+            ", ".join(sorted(unknown)),
+        )
+        return None
+    try:
+        named = density.infer_symbolic_shapes(model)
+    except Exception as err:  # noqa: BLE001 - named dims only make the graph faster
+        logger.info(
+            "symbolic shape inference failed (%s: %s); building the graph as exported",
+            type(err).__name__,
+            err,
+        )
+        return None
+
+    def declared(m: onnx.ModelProto) -> list[tuple[str, list[str | int]]]:
+        return [
+            (vi.name, [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim])
+            for vi in m.graph.input
+        ]
+
+    if declared(named) != declared(model):
+        logger.info(
+            "symbolic shape inference changed the graph inputs' dims; building the "
+            "graph as exported"
+        )
+        return None
+    return named
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[str | int] | None:
+    tensor = value.type.tensor_type
+    if not tensor.HasField("shape"):
+        return None
+    return [d.dim_param or d.dim_value for d in tensor.shape.dim]
+
+
+def _outputs_kept(named: onnx.ModelProto, builder: Any) -> bool:
+    """Every user output of the built gradient graph has the rank and dims the named forward
+    graph declares for it.
+
+    Engine workaround: with named dims, the engine's compute optimizer (1.19.2) can move a
+    ``Slice`` and ``Reshape`` that feed the loss above the ``MatMul`` whose output is also a
+    user output, which then comes back sliced and flattened (the zoo GPT's logits: (60, 128)
+    instead of (4, 16, 128)). Such a graph is not used.
+    """
+    built = onnx.load_from_string(builder.get_gradient_model())
+    declared = {
+        vi.name: _dims(vi)
+        for vi in (*built.graph.value_info, *built.graph.output, *built.graph.input)
+    }
+    for output in named.graph.output:
+        want, got = _dims(output), declared.get(output.name)
+        if want is None or got is None:
+            continue
+        if len(want) != len(got):
+            return False
+        for a, b in zip(want, got, strict=True):
+            if type(a) is type(b) and a and b and a != b:
+                return False
+    return True
+
+
 def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     """Run ``OrtModuleGraphBuilder`` on an exported model.
 
@@ -118,9 +231,34 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
             builder.build(transformer)
         return builder
 
+    named = _named_dims(exported.model) if config.build_gradient else None
     try:
         try:
-            builder = run_builder(exported.model)
+            try:
+                builder = run_builder(named if named is not None else exported.model)
+                if named is not None and not _outputs_kept(named, builder):
+                    if not transformer.enable_compute_optimizer:
+                        raise RuntimeError("a user output's shape changed in the engine's build")
+                    logger.info(
+                        "the engine's compute optimizer changed a user output's shape on the "
+                        "graph with named dims; building it without the compute optimizer"
+                    )
+                    transformer.enable_compute_optimizer = False
+                    try:
+                        builder = run_builder(named)
+                    finally:
+                        transformer.enable_compute_optimizer = config.enable_compute_optimizer
+                    if not _outputs_kept(named, builder):
+                        raise RuntimeError("a user output's shape changed in the engine's build")
+            except RuntimeError as err:
+                if named is None:
+                    raise
+                logger.info(
+                    "the engine could not build this graph with named dims (%s); building it "
+                    "as exported",
+                    err,
+                )
+                builder = run_builder(exported.model)
         except RuntimeError as err:
             if not config.enable_compute_optimizer:
                 raise

@@ -1,0 +1,158 @@
+"""The gradient build gets a graph with named dims: no broadcast reductions where none happen."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx
+import pytest
+import torch
+from conftest import assert_engine_matches_eager
+
+from ortmodule_exporter import export
+from ortmodule_exporter.engine import GraphConfig, SessionConfig, TrainingSession, build_graph
+from ortmodule_exporter.passes import density
+from ortmodule_exporter.passes.registry import run_post_export_passes
+
+BROADCAST_OPS = ("BroadcastGradientArgs", "ReduceSum")
+
+
+class _Block(torch.nn.Module):
+    """Token ids in, as a language model takes them; heads split with ``view`` on runtime sizes,
+    merged back, a residual ``Add`` and a ``Mul``."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(10, dim)
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+        self.out = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, s, d = x.shape
+        h = self.proj(x).view(b, s, self.heads, d // self.heads).transpose(1, 2)
+        h = torch.tanh(h).transpose(1, 2).reshape(b, s, d)
+        y = x + self.out(h)
+        return y * torch.sigmoid(y)
+
+
+def _ids(*shape: int) -> torch.Tensor:
+    return torch.randint(0, 10, shape)
+
+
+def _gradient_ops(module: torch.nn.Module, x: torch.Tensor) -> tuple[Counter[str], object]:
+    exported = export(module, (x,), training=True)
+    run_post_export_passes(exported)
+    built = build_graph(
+        exported, GraphConfig(build_gradient=True, params_to_train=tuple(exported.param_names))
+    )
+    model = onnx.load_from_string(built.model_bytes)
+    return Counter(n.op_type for n in model.graph.node if n.op_type in BROADCAST_OPS), built
+
+
+def test_same_shape_operands_get_no_broadcast_reduction() -> None:
+    torch.manual_seed(0)
+    ops, _ = _gradient_ops(_Block(), _ids(2, 5))
+    assert ops == Counter(), ops
+
+
+def test_without_named_dims_the_engine_reduces_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the named dims save: with inference failing, the builder reduces through
+    ``BroadcastGradientArgs`` (the graph is still built and right)."""
+
+    def fail(_model: onnx.ModelProto) -> onnx.ModelProto:
+        raise RuntimeError("no inference")
+
+    monkeypatch.setattr(density, "infer_symbolic_shapes", fail)
+    torch.manual_seed(0)
+    ops, _ = _gradient_ops(_Block(), _ids(2, 5))
+    assert ops["BroadcastGradientArgs"] > 0 and ops["ReduceSum"] > 0
+    torch.manual_seed(0)
+    assert_engine_matches_eager(_Block(), (_ids(2, 5),))
+
+
+def test_named_dims_train_like_eager_at_other_shapes() -> None:
+    """One graph, built at (2, 5), runs batches of other sizes: the names fix no dim."""
+    torch.manual_seed(0)
+    block = _Block()
+    _, built = _gradient_ops(block, _ids(2, 5))
+    session = TrainingSession(built, SessionConfig())
+    params = dict(block.named_parameters())
+    for shape in ((2, 5), (3, 7), (1, 1)):
+        x = _ids(*shape)
+        feeds = [
+            x if n == built.exported.user_input_names[0] else params[n] for n in built.feed_names
+        ]
+        outputs, state = session.forward(feeds)
+        grad_out = torch.randn(*shape, 16)
+        grads = session.backward([grad_out], state)
+        by_name = {
+            built.grad_of[f]: grads[j]
+            for j, f in enumerate(built.fetch_names)
+            if f in built.grad_of
+        }
+        block.zero_grad()
+        eager = block(x)
+        eager.backward(grad_out)
+        torch.testing.assert_close(outputs[0], eager.detach())
+        for name, p in params.items():
+            torch.testing.assert_close(
+                by_name[name], p.grad, msg=lambda m, n=name, s=shape: f"{n} at {s}: {m}"
+            )
+
+
+def test_a_float_input_whose_dim_a_weight_fixes_keeps_its_graph() -> None:
+    """Inference would make the feature dim of a float input the weight's 16 (ONNX Runtime
+    would then check it); the graph is built as exported and trains like eager."""
+
+    class Residual(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.linear(x)
+
+    torch.manual_seed(0)
+    _, built = _gradient_ops(Residual(), torch.randn(3, 16))
+    model = onnx.load_from_string(built.model_bytes)  # type: ignore[attr-defined]
+    assert [d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim] == [
+        "input.x_dim0",
+        "input.x_dim1",
+    ]
+    assert_engine_matches_eager(Residual(), (torch.randn(3, 16, requires_grad=True),))
+
+
+def test_inference_that_changes_an_input_dim_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dynamic input dim made fixed would make the engine refuse other sizes."""
+    real = density.infer_symbolic_shapes
+
+    def fixing(model: onnx.ModelProto) -> onnx.ModelProto:
+        named = real(model)
+        named.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+        return named
+
+    monkeypatch.setattr(density, "infer_symbolic_shapes", fixing)
+    torch.manual_seed(0)
+    ops, built = _gradient_ops(_Block(), _ids(2, 5))
+    assert ops["BroadcastGradientArgs"] > 0
+    model = onnx.load_from_string(built.model_bytes)  # type: ignore[attr-defined]
+    dim = model.graph.input[0].type.tensor_type.shape.dim[0]
+    assert not dim.HasField("dim_value")
+
+
+def test_a_named_graph_the_engine_refuses_is_built_as_exported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = density.infer_symbolic_shapes
+
+    def broken(model: onnx.ModelProto) -> onnx.ModelProto:
+        named = real(model)
+        named.graph.node.append(onnx.helper.make_node("NoSuchOperator", ["x"], ["unused"]))
+        return named
+
+    monkeypatch.setattr(density, "infer_symbolic_shapes", broken)
+    torch.manual_seed(0)
+    ops, _ = _gradient_ops(_Block(), _ids(2, 5))
+    assert ops["BroadcastGradientArgs"] > 0
