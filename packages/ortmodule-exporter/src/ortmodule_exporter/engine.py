@@ -20,6 +20,9 @@ from torch._C import _from_dlpack
 from torch.utils.dlpack import to_dlpack
 
 from . import onnx_graph
+from .aten.attention_layout import FLASH, FLASH_BSHD
+from .aten.executor import ATEN_DOMAIN
+from .aten.kernel_choice import CROSS_ENTROPY, GELU, LAYER_NORM
 from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
@@ -82,13 +85,13 @@ class BuiltGraph:
 #: gradient came back unreduced.
 SHAPE_KEEPING_ATEN = frozenset(
     {
-        "embedding",
+        "embedding",  # the lookup's own ATen node (aten/routes.py, embedding_node)
         "gelu",
-        "_ortmodule_gelu",
-        "_ortmodule_layer_norm",
-        "_ortmodule_cross_entropy",
-        "_ortmodule_flash_attention_bshd",
-        "_scaled_dot_product_flash_attention_for_cpu",
+        GELU,
+        LAYER_NORM,
+        CROSS_ENTROPY,
+        FLASH,
+        FLASH_BSHD,
     }
 )
 
@@ -98,13 +101,20 @@ def _unshaped_nodes(model: onnx.ModelProto) -> set[str]:
     :data:`SHAPE_KEEPING_ATEN`): ATen nodes of other operators, PythonOps."""
     unknown = set()
     for node in model.graph.node:
-        if node.domain == "org.pytorch.aten":
+        if node.domain == ATEN_DOMAIN:
             name = str(onnx_graph.attribute(node, "operator", ""))
             if name not in SHAPE_KEEPING_ATEN:
                 unknown.add(f"ATen {name}")
         elif node.op_type == "PythonOp":
             unknown.add("PythonOp")
     return unknown
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[str | int] | None:
+    tensor = value.type.tensor_type
+    if not tensor.HasField("shape"):
+        return None
+    return [d.dim_param or d.dim_value for d in tensor.shape.dim]
 
 
 def _named_dims(model: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -139,26 +149,13 @@ def _named_dims(model: onnx.ModelProto) -> onnx.ModelProto | None:
         )
         return None
 
-    def declared(m: onnx.ModelProto) -> list[tuple[str, list[str | int]]]:
-        return [
-            (vi.name, [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim])
-            for vi in m.graph.input
-        ]
-
-    if declared(named) != declared(model):
+    if [_dims(vi) for vi in named.graph.input] != [_dims(vi) for vi in model.graph.input]:
         logger.info(
             "symbolic shape inference changed the graph inputs' dims; building the "
             "graph as exported"
         )
         return None
     return named
-
-
-def _dims(value: onnx.ValueInfoProto) -> list[str | int] | None:
-    tensor = value.type.tensor_type
-    if not tensor.HasField("shape"):
-        return None
-    return [d.dim_param or d.dim_value for d in tensor.shape.dim]
 
 
 def _outputs_kept(named: onnx.ModelProto, builder: Any) -> bool:
@@ -185,6 +182,40 @@ def _outputs_kept(named: onnx.ModelProto, builder: Any) -> bool:
             if type(a) is type(b) and a and b and a != b:
                 return False
     return True
+
+
+def _build_named(
+    named: onnx.ModelProto, run_builder: Callable[[onnx.ModelProto], Any], transformer: Any
+) -> Any:
+    """The engine's builder for the graph with named dims, or None (build it as exported) when
+    the engine refuses it or a user output's shape changes in it (:func:`_outputs_kept`; with
+    the compute optimizer on, it is first tried once more without)."""
+    with_optimizer = transformer.enable_compute_optimizer
+    try:
+        builder = run_builder(named)
+        if _outputs_kept(named, builder):
+            return builder
+        if with_optimizer:
+            logger.info(
+                "the engine's compute optimizer changed a user output's shape on the graph with "
+                "named dims; building it without the compute optimizer"
+            )
+            transformer.enable_compute_optimizer = False
+            try:
+                builder = run_builder(named)
+            finally:
+                transformer.enable_compute_optimizer = with_optimizer
+            if _outputs_kept(named, builder):
+                return builder
+        logger.info(
+            "a user output's shape changed in the engine's build; building the graph as exported"
+        )
+    except RuntimeError as err:
+        logger.info(
+            "the engine could not build this graph with named dims (%s); building it as exported",
+            err,
+        )
+    return None
 
 
 def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
@@ -234,30 +265,8 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     named = _named_dims(exported.model) if config.build_gradient else None
     try:
         try:
-            try:
-                builder = run_builder(named if named is not None else exported.model)
-                if named is not None and not _outputs_kept(named, builder):
-                    if not transformer.enable_compute_optimizer:
-                        raise RuntimeError("a user output's shape changed in the engine's build")
-                    logger.info(
-                        "the engine's compute optimizer changed a user output's shape on the "
-                        "graph with named dims; building it without the compute optimizer"
-                    )
-                    transformer.enable_compute_optimizer = False
-                    try:
-                        builder = run_builder(named)
-                    finally:
-                        transformer.enable_compute_optimizer = config.enable_compute_optimizer
-                    if not _outputs_kept(named, builder):
-                        raise RuntimeError("a user output's shape changed in the engine's build")
-            except RuntimeError as err:
-                if named is None:
-                    raise
-                logger.info(
-                    "the engine could not build this graph with named dims (%s); building it "
-                    "as exported",
-                    err,
-                )
+            builder = None if named is None else _build_named(named, run_builder, transformer)
+            if builder is None:
                 builder = run_builder(exported.model)
         except RuntimeError as err:
             if not config.enable_compute_optimizer:
