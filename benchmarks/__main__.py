@@ -22,7 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .models import DEFAULT_MODELS, LABEL_SPARSITY_MODELS, WORKLOADS
+from .models import (
+    DEFAULT_MODELS,
+    LABEL_SPARSITY_MODELS,
+    PADDING_ELIMINATION,
+    PADDING_MODELS,
+    WORKLOADS,
+)
 from .report import Report, machine_info, machine_slug, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                             [*base, *steps],
                             {"ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER": "0"},
                         )
+                    if model in PADDING_MODELS:
+                        report.runs[(model, "ortmodule-padding")] = runner.run(
+                            f"{mode} (padding elimination on)", [*base, *steps], PADDING_ELIMINATION
+                        )
                 elif mode == "compile":
                     # a fresh inductor cache: its first step is a cold compile, like ours is a cold export
                     env = {"TORCHINDUCTOR_CACHE_DIR": str(runner.tmp / f"inductor-{model}")}
@@ -203,9 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_interleaved and "eager" in args.modes and len(args.modes) > 1:
             print("interleaved: the modes take turns, one process per model", flush=True)
             for model in args.models:
-                report.interleaved[model] = runner.run(
-                    model, ["ratio", "--model", model, "--modes", *args.modes]
-                )
+                ratio = ["ratio", "--model", model, "--modes", *args.modes]
+                report.interleaved[model] = runner.run(model, ratio)
+                if model in PADDING_MODELS and "ortmodule" in args.modes:
+                    padded = f"{model}, padding elimination on"
+                    report.interleaved[padded] = runner.run(padded, ratio, PADDING_ELIMINATION)
         if not args.no_overhead:
             print("overhead: Linear(8, 8) on a 4x8 batch, forward + backward", flush=True)
             for mode in ("eager", "ortmodule"):

@@ -23,7 +23,14 @@ from torch import nn
 from ortmodule_exporter.aten.parallel import ThreadTrial
 from ortmodule_testing.zoo import CNN, MLP, bert_benchmark, gpt_benchmark, masked_lm_benchmark
 
-__all__ = ["DEFAULT_MODELS", "LABEL_SPARSITY_MODELS", "WORKLOADS", "Workload"]
+__all__ = [
+    "DEFAULT_MODELS",
+    "LABEL_SPARSITY_MODELS",
+    "PADDING_ELIMINATION",
+    "PADDING_MODELS",
+    "WORKLOADS",
+    "Workload",
+]
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -258,6 +265,9 @@ DEFAULT_MODELS = tuple(name for name in WORKLOADS if name != "llama_no_cache")
 
 #: workloads also run with ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER=0 (the on/off comparison)
 LABEL_SPARSITY_MODELS = ("masked_lm",)
+#: workloads also run with padding elimination on (off by default), per process and interleaved
+PADDING_MODELS = ("masked_lm",)
+PADDING_ELIMINATION = {"ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER": "1"}
 
 #: the overhead workload: one Linear(8, 8) on a 4x8 batch, where nearly all time is per-step work
 TINY = Workload(

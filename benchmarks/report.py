@@ -19,6 +19,7 @@ MODE_TITLES = {
     "ortmodule": "ORTModule",
     "ortmodule-warm": "ORTModule, warm cache",
     "ortmodule-label-off": "ORTModule, label sparsity off",
+    "ortmodule-padding": "ORTModule, padding elimination on",
 }
 
 
@@ -169,7 +170,7 @@ class Report:
             "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         for model in WORKLOADS:
-            for mode in ("eager", "compile", "ortmodule", "ortmodule-warm", "ortmodule-label-off"):
+            for mode in MODE_TITLES:
                 run = self.runs.get((model, mode))
                 if run is None:
                     continue
@@ -180,7 +181,7 @@ class Report:
                     continue
                 warm = mode == "ortmodule-warm"
                 ratio = self.ratio(model, mode)
-                compared = ("compile", "ortmodule", "ortmodule-label-off")
+                compared = ("compile", "ortmodule", "ortmodule-label-off", "ortmodule-padding")
                 diff = self.loss_diff(model, mode) if mode in compared else None
                 first = _seconds(run.get("first_step_s"))
                 if mode == "compile":

@@ -51,7 +51,7 @@ from ortmodule_exporter.export import bind_arguments, forward_signature
 from ortmodule_pytree import FlattenMemo, unflatten
 
 from .log import PhaseTimer, log_initialisation_summary
-from .sparsity import SparsityConfig, apply_label_sparsity
+from .sparsity import SparsityConfig, apply_label_sparsity, apply_padding_elimination
 
 logger = logging.getLogger("ortmodule")
 
@@ -272,6 +272,8 @@ class RunnerConfig:
     print_input_density: bool = False
     #: compute optimizer, sparse optimizer and label sparse optimizer all on
     label_sparsity: bool = True
+    #: compute optimizer, sparse optimizer and embedding sparse optimizer all on
+    padding_elimination: bool = False
     engine_log_severity: int = 3
     exporter_verbose: bool = False
     conv_algo_search: str = "HEURISTIC"
@@ -520,12 +522,21 @@ class GraphRunner:
             )
             run_post_export_passes(exported, dict(cfg.pass_options))
             names = list(exported.input_schema.names)
-            apply_label_sparsity(
-                exported,
-                {name: flat[i] for i, name in enumerate(names)},
-                SparsityConfig(label=cfg.label_sparsity, print_density=cfg.print_input_density),
-                training=key.build_gradient,
+            batch = {name: flat[i] for i, name in enumerate(names)}
+            sparsity = SparsityConfig(
+                label=cfg.label_sparsity,
+                print_density=cfg.print_input_density,
+                padding=cfg.padding_elimination,
             )
+            if sparsity.padding:
+                state = {
+                    **dict(self.module.named_parameters()),
+                    **dict(self.module.named_buffers()),
+                }
+                apply_padding_elimination(
+                    exported, {**state, **batch}, sparsity, training=key.build_gradient
+                )
+            apply_label_sparsity(exported, batch, sparsity, training=key.build_gradient)
         if exported.from_cache:
             logger.info("export skipped: loaded from the export cache %s", cfg.cache_dir)
         else:

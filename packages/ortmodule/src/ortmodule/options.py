@@ -301,7 +301,9 @@ VARIABLES: tuple[EnvVar, ...] = (
         "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER",
         False,
         _RUNTIME,
-        "Skip padding tokens in embedding inputs when their density is low.",
+        "Run token-wise layers (projections, feed-forward, LayerNorm) on the tokens the attention "
+        "mask keeps when under 90% of the first batch's tokens are kept; training graphs, exact "
+        "(refused, with the reason logged, where that cannot be shown).",
     ),
     _switch(
         "ORTMODULE_PRINT_INPUT_DENSITY",
@@ -533,9 +535,6 @@ NEEDS_COMPONENT: Mapping[str, str] = MappingProxyType(
 #: variables nothing in this build acts on (unless a component declares it): variable -> why
 NO_EFFECT_IN_THIS_BUILD: Mapping[str, str] = MappingProxyType(
     {
-        "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER": "embedding padding elimination needs the "
-        "engine's padding-elimination pass, which only its CUDA build has, and ORTModule does not "
-        "wire it yet",
         "ORTMODULE_SKIPCHECK_POLICY": "ORTModule runs its per-call checks (device, gradient "
         "build) on every call; skipping them is not built",
     }

@@ -30,6 +30,9 @@ def runner_config(options: RuntimeOptions) -> RunnerConfig:
         label_sparsity=options.enable_compute_optimizer
         and options.enable_sparse_optimizer
         and options.enable_label_sparse_optimizer,
+        padding_elimination=options.enable_compute_optimizer
+        and options.enable_sparse_optimizer
+        and options.enable_embedding_sparse_optimizer,
         engine_log_severity=engine_severity(options.log_level),
         exporter_verbose=exporter_verbose(options.log_level),
         conv_algo_search=options.conv_algo_search,

@@ -9,7 +9,13 @@ the ``ignore_index`` rows are dropped, and those contribute nothing to the loss)
 
 ``ORTMODULE_PRINT_INPUT_DENSITY=1`` logs the label density of every step, with or without the
 optimization, and the density of every embedding lookup with a ``padding_idx`` (the share of
-tokens that are not padding; printed only, the CPU engine has no padding elimination).
+tokens that are not padding).
+
+``ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER=1`` (with the compute optimizer and
+``ORTMODULE_ENABLE_SPARSE_OPTIMIZER`` on) runs the token-wise layers of a training graph on the
+tokens the attention mask keeps (:func:`apply_padding_elimination`, built in
+``ortmodule_exporter.passes.padding``, which proves on the exporting batch that the left-out rows
+are never read). Like label sparsity it is decided once per exported graph.
 """
 
 from __future__ import annotations
@@ -35,10 +41,18 @@ from ortmodule_exporter.passes.density import (
     strip_density_flags,
     tensor_value,
 )
+from ortmodule_exporter.passes.padding import PaddingDecision, eliminate_padding
 
 logger = logging.getLogger("ortmodule")
 
-__all__ = ["DENSITY_THRESHOLD", "LabelDecision", "SparsityConfig", "apply_label_sparsity"]
+__all__ = [
+    "DENSITY_THRESHOLD",
+    "LabelDecision",
+    "PaddingDecision",
+    "SparsityConfig",
+    "apply_label_sparsity",
+    "apply_padding_elimination",
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,8 @@ class SparsityConfig:
     label: bool = True
     print_density: bool = False
     threshold: float = DENSITY_THRESHOLD
+    #: padding elimination (``ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER``)
+    padding: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,3 +180,30 @@ def _apply(
             d.reason,
         )
     return decisions
+
+
+def apply_padding_elimination(
+    exported: ExportedModel,
+    feeds: Mapping[str, torch.Tensor],
+    config: SparsityConfig,
+    training: bool,
+) -> PaddingDecision | None:
+    """Run the token-wise layers of ``exported.model`` on the kept tokens only (in place).
+
+    ``feeds`` maps graph input names to this batch's tensors, parameters included. Only training
+    (gradient) graphs; ``None`` when the option is off. The decision is logged at INFO.
+    """
+    if not (config.padding and training):
+        return None
+    decision = eliminate_padding(
+        exported.model, feeds, frozenset(exported.user_input_names), config.threshold
+    )
+    shown = "" if decision.density is None else f", {decision.density:.1%} of tokens kept"
+    logger.info(
+        "padding elimination %s%s: %s%s",
+        "on" if decision.applied else "off",
+        f" (mask {decision.mask_input})" if decision.mask_input else "",
+        decision.reason,
+        shown,
+    )
+    return decision

@@ -35,6 +35,7 @@ import onnx
 import onnx.numpy_helper
 import torch
 
+from ..aten.token_rows import PUT_ROWS, TAKE_ROWS
 from ..engine_binding import import_onnxruntime
 from ..label_density import DENSITY_THRESHOLD, label_density
 from ..onnx_graph import attribute
@@ -444,12 +445,42 @@ def strip_density_flags(model: onnx.ModelProto, keep_printing: bool = True) -> i
 
 def infer_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with named (symbolic) dims on every tensor the engine's shape inference leaves
-    anonymous; the engine's gather insertion needs them. Raises if inference fails."""
+    anonymous; the engine's gather insertion needs them. Raises if inference fails.
+
+    ONNX Runtime's ``SymbolicShapeInference.infer_shapes``, with the output shapes of our
+    row-moving ATen nodes (:mod:`ortmodule_exporter.aten.token_rows`) added (it would guess
+    them as the first input's rank), and without the file it writes into the working directory
+    when inference is incomplete."""
 
     import_onnxruntime()  # the engine package, without its slow training self-check
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    from onnxruntime.tools import symbolic_shape_infer as ssi
 
-    inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
-    if inferred is None:
-        raise RuntimeError("symbolic shape inference returned no model")
+    inference = ssi.SymbolicShapeInference(2**31 - 1, True, True, 0)
+
+    def rows_shape(take: bool) -> Any:
+        def infer(node: onnx.NodeProto) -> None:
+            data = inference._get_sympy_shape(node, 0)
+            if take:  # (batch, seq, ...) -> (rows, ...)
+                shape = [*inference._get_sympy_shape(node, 1)[:1], *data[2:]]
+            else:  # (rows, ...) -> (batch, seq, ...), the grid being the inverse index's shape
+                shape = [*inference._get_sympy_shape(node, 2), *data[1:]]
+            elem = inference.known_vi_[node.input[0]].type.tensor_type.elem_type
+            inference.known_vi_[node.output[0]].CopyFrom(
+                onnx.helper.make_tensor_value_info(
+                    node.output[0], elem, ssi.get_shape_from_sympy_shape(shape)
+                )
+            )
+
+        return infer
+
+    inference.aten_op_dispatcher_[TAKE_ROWS] = rows_shape(True)
+    inference.aten_op_dispatcher_[PUT_ROWS] = rows_shape(False)
+    inference._preprocess(model)
+    complete = False
+    while inference.run_:
+        complete = inference._infer_impl()
+    inference._update_output_from_vi()
+    if not complete:
+        raise RuntimeError("symbolic shape inference left some shapes unknown")
+    inferred: onnx.ModelProto = inference.out_mp_
     return inferred

@@ -1,0 +1,81 @@
+"""The row moves of padding elimination: what they compute, that each is the other's gradient,
+and the shapes symbolic inference gives them (it would otherwise guess the input's rank)."""
+
+from __future__ import annotations
+
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+from ortmodule_exporter.aten.executor import ATEN_DOMAIN
+from ortmodule_exporter.aten.token_rows import PUT_ROWS, TAKE_ROWS, put_rows, take_rows
+from ortmodule_exporter.passes.density import infer_symbolic_shapes
+
+
+def _indices(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = keep.reshape(-1)
+    rows = flat.nonzero().squeeze(1)
+    inverse = torch.where(flat, flat.long().cumsum(0) - 1, rows.numel()).view(keep.shape)
+    return rows, inverse
+
+
+def test_take_then_put_keeps_the_kept_rows_and_zeros_the_rest() -> None:
+    torch.manual_seed(0)
+    keep = torch.rand(3, 5) < 0.6
+    rows, inverse = _indices(keep)
+    x = torch.randn(3, 5, 4, 2)
+    taken = take_rows(x, rows)
+    assert taken.shape == (int(keep.sum()), 4, 2)
+    torch.testing.assert_close(taken, x[keep])
+    back = put_rows(taken, inverse)
+    torch.testing.assert_close(back, x * keep[..., None, None])
+    torch.testing.assert_close(take_rows(back, rows), taken)
+
+
+def test_each_move_is_the_others_gradient() -> None:
+    """<put(y), x> == <y, take(x)>: the gradient of one is the other, which is what the
+    registered gradient definitions say."""
+    torch.manual_seed(1)
+    keep = torch.rand(4, 6) < 0.5
+    rows, inverse = _indices(keep)
+    x = torch.randn(4, 6, 3, requires_grad=True)
+    y = torch.randn(int(keep.sum()), 3, requires_grad=True)
+    (take_rows(x, rows) * y.detach()).sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, put_rows(y.detach(), inverse))
+    (put_rows(y, inverse) * x.detach()).sum().backward()
+    assert y.grad is not None
+    torch.testing.assert_close(y.grad, take_rows(x.detach(), rows))
+
+
+def test_symbolic_inference_knows_their_shapes() -> None:
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "ATen", ["x", "rows", "inverse"], ["taken"], domain=ATEN_DOMAIN, operator=TAKE_ROWS
+            ),
+            helper.make_node("Relu", ["taken"], ["relu"]),
+            helper.make_node(
+                "ATen", ["relu", "rows", "inverse"], ["back"], domain=ATEN_DOMAIN, operator=PUT_ROWS
+            ),
+        ],
+        "rows",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8]),
+            helper.make_tensor_value_info("rows", TensorProto.INT64, ["kept"]),
+            helper.make_tensor_value_info("inverse", TensorProto.INT64, ["batch", "seq"]),
+        ],
+        [helper.make_tensor_value_info("back", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ATEN_DOMAIN, 1)]
+    )
+    inferred = infer_symbolic_shapes(model)
+    dims = {
+        vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+        for vi in (*inferred.graph.value_info, *inferred.graph.output)
+    }
+    assert dims["taken"] == ["kept", 8]
+    assert dims["relu"] == ["kept", 8]
+    assert dims["back"] == ["batch", "seq", 8]
+    assert onnx.checker.check_model(inferred) is None

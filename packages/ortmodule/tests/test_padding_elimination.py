@@ -1,0 +1,228 @@
+"""Padding elimination (``ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER=1``): token-wise layers run
+on the tokens the attention mask keeps, training stays eager's, and where that cannot be shown
+the graph is left as exported and the log says why."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as tf
+
+from ortmodule import ORTModule
+from ortmodule_exporter.aten.token_rows import PUT_ROWS, TAKE_ROWS
+from ortmodule_exporter.onnx_graph import attribute
+from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
+from ortmodule_testing.zoo import ZOO
+from ortmodule_testing.zoo.bert import BertConfig, BertEncoder
+from ortmodule_testing.zoo.registry import ZooCase
+
+OPTION = "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER"
+CASE = ZOO["masked_lm"]
+
+
+@pytest.fixture
+def padding_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(OPTION, "1")
+
+
+def _row_moves(wrapped: ORTModule) -> list[str]:
+    compiled = wrapped._runner.transitions.current(training=True, build_gradient=True)
+    assert compiled is not None
+    return [
+        attribute(n, "operator", "")
+        for n in compiled.built.model.graph.node
+        if attribute(n, "operator", "") in (TAKE_ROWS, PUT_ROWS)
+    ]
+
+
+def _decisions(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "padding elimination" in r.getMessage()]
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    # eps 1e-6 as in test_hf_zoo.py: gradients that are 0 up to rounding (attention key biases,
+    # rarely seen tokens) would otherwise take AdamW steps of random sign
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+
+
+def _trains_like_eager(case: ZooCase, steps: int, caplog: pytest.LogCaptureFixture) -> ORTModule:
+    model = case.build(seed=0)
+    eager = train_steps(clone_model(model), case, steps, _adamw)
+    wrapped = ORTModule(clone_model(model))
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        record = train_steps(wrapped, case, steps, _adamw)
+    assert_same_training(eager, record, *case.tolerance)
+    return wrapped
+
+
+def test_applied_to_the_masked_lm_and_training_matches_eager(
+    padding_on: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    wrapped = _trains_like_eager(CASE, 5, caplog)
+    (decision,) = _decisions(caplog)
+    assert decision.startswith("padding elimination on (mask input.attention_mask)"), decision
+    moves = _row_moves(wrapped)
+    # into the region once per layer input, out of it for the attention's query, key and value
+    assert moves.count(TAKE_ROWS) >= 2 and moves.count(PUT_ROWS) >= 3, moves
+
+
+def test_off_by_default(caplog: pytest.LogCaptureFixture) -> None:
+    wrapped = _trains_like_eager(CASE, 2, caplog)
+    assert _row_moves(wrapped) == [] and _decisions(caplog) == []
+
+
+def _edge_batch(step: int) -> Any:
+    """Batches the kept-row rules exist for: labelled tokens at padding positions, one of them in
+    a sequence that is all padding (its keys are all masked, so eager's attention averages the
+    padding rows, which must then all be computed), and batch and sequence sizes that change
+    from step to step."""
+    batch, seq = (4, 16) if step % 2 == 0 else (3, 12)
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(2, seq // 2, (batch,), generator=gen)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(2, 128, (batch, seq), generator=gen) * mask
+    labels = torch.where(mask.bool() & (torch.rand(batch, seq, generator=gen) < 0.5), ids, -100)
+    labels[0, 0] = 7
+    if step > 0:  # not in the batch the pass checks itself on: the graph must get these right
+        mask[1] = 0
+        labels[1, 3] = 11  # a label in the sequence that is all padding
+        labels[2, seq - 1] = 9  # a label where the mask says padding
+    return (ids, mask), {"labels": labels}
+
+
+def test_all_padding_sequences_labelled_padding_and_new_shapes_train_like_eager(
+    padding_on: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    case = ZooCase("masked_lm_edges", CASE.make_model, _edge_batch, CASE.loss_fn)
+    wrapped = _trains_like_eager(case, 4, caplog)
+    assert _decisions(caplog)[0].startswith("padding elimination on"), _decisions(caplog)
+    assert TAKE_ROWS in _row_moves(wrapped)
+
+
+def test_refused_when_the_model_returns_logits(
+    padding_on: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The logits at padding positions would be zeros: the user's output would change."""
+    case = ZooCase(
+        "bert_logits", lambda: BertEncoder(BertConfig.small()), CASE.make_batch, CASE.loss_fn
+    )
+    wrapped = _trains_like_eager(case, 2, caplog)
+    (decision,) = _decisions(caplog)
+    assert "padding elimination off" in decision and "graph output" in decision, decision
+    assert _row_moves(wrapped) == []
+
+
+class _MeanPooled(torch.nn.Module):
+    """Attention over a padded batch, then a mean over every position, padding included: the
+    padding rows count, so they may not be skipped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.embed(ids)
+        q, k, v = (t.view(b, s, 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        additive = (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=additive)
+        pooled = y.transpose(1, 2).reshape(b, s, 32).mean(dim=1)
+        return F.cross_entropy(self.head(pooled), labels)
+
+
+def _pooled_batch(step: int) -> Any:
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(2, 6, (4,), generator=gen)
+    mask = (torch.arange(12)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(1, 64, (4, 12), generator=gen) * mask
+    return (ids, mask, torch.randint(0, 3, (4,), generator=gen)), {}
+
+
+def test_refused_when_padding_rows_reach_a_mean_over_positions(
+    padding_on: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    case = ZooCase("mean_pooled", _MeanPooled, _pooled_batch, lambda out, args, kwargs: out)
+    wrapped = _trains_like_eager(case, 3, caplog)
+    (decision,) = _decisions(caplog)
+    assert "padding elimination off" in decision and "ReduceMean" in decision, decision
+    assert _row_moves(wrapped) == []
+
+
+class _LossOnly(torch.nn.Module):
+    """A Hugging Face masked LM returning only its loss, as a training wrapper does."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        return out.loss  # type: ignore[no-any-return]
+
+
+_SMALL = dict(vocab_size=128, max_position_embeddings=64)
+HF_ENCODERS = {
+    "bert": lambda: tf.BertForMaskedLM(
+        tf.BertConfig(
+            **_SMALL,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    ),
+    "roberta": lambda: tf.RobertaForMaskedLM(
+        tf.RobertaConfig(
+            **_SMALL,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    ),
+    "distilbert": lambda: tf.DistilBertForMaskedLM(
+        tf.DistilBertConfig(
+            **_SMALL,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=128,
+            dropout=0.0,
+            attention_dropout=0.0,
+        )
+    ),
+}
+
+
+def _hf_batch(step: int) -> Any:
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(6, 25, (4,), generator=gen)
+    mask = (torch.arange(24)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(5, 128, (4, 24), generator=gen) * mask
+    labels = torch.where((torch.rand(4, 24, generator=gen) < 0.3) & mask.bool(), ids, -100)
+    labels[0, 0] = int(ids[0, 0])
+    return (ids, mask, labels), {}
+
+
+@pytest.mark.parametrize("name", sorted(HF_ENCODERS))
+def test_hugging_face_masked_lms_train_like_eager(
+    name: str, padding_on: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    make = HF_ENCODERS[name]
+    case = ZooCase(f"hf_{name}", lambda: _LossOnly(make()), _hf_batch, lambda out, a, k: out)
+    wrapped = _trains_like_eager(case, 4, caplog)
+    (decision,) = _decisions(caplog)
+    assert decision.startswith("padding elimination on (mask input.attention_mask)"), decision
+    assert TAKE_ROWS in _row_moves(wrapped)
