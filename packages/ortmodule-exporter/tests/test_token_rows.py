@@ -3,12 +3,14 @@ and the shapes symbolic inference gives them (it would otherwise guess the input
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
 
 from ortmodule_exporter.aten.executor import ATEN_DOMAIN
 from ortmodule_exporter.aten.token_rows import PUT_ROWS, TAKE_ROWS, put_rows, take_rows
+from ortmodule_exporter.passes import padding
 from ortmodule_exporter.passes.density import infer_symbolic_shapes
 
 
@@ -79,3 +81,19 @@ def test_symbolic_inference_knows_their_shapes() -> None:
     assert dims["relu"] == ["kept", 8]
     assert dims["back"] == ["batch", "seq", 8]
     assert onnx.checker.check_model(inferred) is None
+
+
+def test_only_products_with_a_weight_count_as_token_wise() -> None:
+    """``scores @ values`` (both (batch, seq, ...)) mixes tokens; ``x @ weight`` does not."""
+    grid = (2, 5)
+    values = {
+        "x": np.zeros((2, 5, 4), np.float32),
+        "scores": np.zeros((2, 5, 5), np.float32),
+        "w": np.zeros((4, 3), np.float32),
+        "xw": np.zeros((2, 5, 3), np.float32),
+        "mixed": np.zeros((2, 5, 4), np.float32),
+    }
+    by_weight = helper.make_node("MatMul", ["x", "w"], ["xw"])
+    over_tokens = helper.make_node("MatMul", ["scores", "x"], ["mixed"])
+    assert padding._token_wise(by_weight, values, {}, grid)
+    assert not padding._token_wise(over_tokens, values, {}, grid)

@@ -155,7 +155,7 @@ def test_refused_when_padding_rows_reach_a_mean_over_positions(
 
 
 class _LossOnly(torch.nn.Module):
-    """A Hugging Face masked LM returning only its loss, as a training wrapper does."""
+    """A Hugging Face model returning only its loss, as a training wrapper does."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -169,7 +169,18 @@ class _LossOnly(torch.nn.Module):
 
 
 _SMALL = dict(vocab_size=128, max_position_embeddings=64)
-HF_ENCODERS = {
+#: encoders, and a decoder whose padding mask is merged with its causal mask (the loss shifts
+#: the labels, not the logits, so rows still pair up)
+HF_MODELS = {
+    "llama": lambda: tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            **_SMALL,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+        )
+    ),
     "bert": lambda: tf.BertForMaskedLM(
         tf.BertConfig(
             **_SMALL,
@@ -216,11 +227,11 @@ def _hf_batch(step: int) -> Any:
     return (ids, mask, labels), {}
 
 
-@pytest.mark.parametrize("name", sorted(HF_ENCODERS))
-def test_hugging_face_masked_lms_train_like_eager(
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_hugging_face_models_train_like_eager(
     name: str, padding_on: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    make = HF_ENCODERS[name]
+    make = HF_MODELS[name]
     case = ZooCase(f"hf_{name}", lambda: _LossOnly(make()), _hf_batch, lambda out, a, k: out)
     wrapped = _trains_like_eager(case, 4, caplog)
     (decision,) = _decisions(caplog)

@@ -11,6 +11,7 @@
 ``kernel_choice``     per operator and size, the engine's kernel or PyTorch's, by timing both
 ``parallel``          PyTorch-run attention and GELU nodes in pieces across the engine's threads
 ``attention_layout``  CPU flash attention on token-major tensors (no Transposes around it)
+``token_rows``        padding elimination's row moves: (batch, seq, ...) <-> kept tokens' rows
 ``overloads``         which overload a routed operator calls, from its traced inputs
 ``empty_tensors``     operators on zero-element tensors run in PyTorch (an untrainable check)
 ``gradient_gaps``     ONNX nodes whose engine gradient fails for some inputs (an untrainable check)

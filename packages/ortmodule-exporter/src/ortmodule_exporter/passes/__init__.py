@@ -13,6 +13,8 @@
 ``engine_graph_fixes``  no-op Casts removed; an input read twice goes through an Identity; a
                         concatenated SequenceConstruct becomes Concat (45)
 ``density``             the label-density flag PythonOp (used by ``ortmodule.sparsity``)
+``padding``             padding elimination: token-wise nodes on the kept tokens (used by
+                        ``ortmodule.sparsity``)
 ``built_graph``         :func:`~ortmodule_exporter.passes.built_graph.register_built_graph_pass`
 ``scalar_gradients``    built-graph pass: gradients of 0-d tensors keep rank 0 (10)
 ======================  =========================================================================

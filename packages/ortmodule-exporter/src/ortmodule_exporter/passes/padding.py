@@ -9,10 +9,12 @@ a ``(real tokens, features)`` tensor:
 * the rows kept are the tokens whose attention-mask value is not 0, every token a loss counts
   (a label that is not ``ignore_index``), and every token of a sequence without a single real
   token (keys that are all masked average over every row, so nothing there may change);
-* a tensor of shape ``(batch, seq, ...)`` entering a token-wise node is flattened and gathered
-  (``Reshape`` + ``Gather``); one leaving the token-wise region for anything else (the heads'
-  ``Reshape`` before attention) is scattered back to ``(batch, seq, ...)`` with zero rows for
-  the tokens left out (``Pad`` + ``Gather`` with an inverse index, both differentiable);
+* a tensor of shape ``(batch, seq, ...)`` entering a token-wise node is gathered into kept
+  rows (:data:`~ortmodule_exporter.aten.token_rows.TAKE_ROWS`); one leaving the token-wise
+  region for anything else (the heads' ``Reshape`` before attention) is put back into
+  ``(batch, seq, ...)`` with zero rows for the tokens left out
+  (:data:`~ortmodule_exporter.aten.token_rows.PUT_ROWS`); each move is the other's gradient;
+* a ``Shape`` of a region tensor becomes the padded shape (the mask's dims, then the rows');
 * a ``SoftmaxCrossEntropyLoss`` reading ``reshape(logits, (-1, vocab))`` reads the kept rows of
   the logits and of its labels instead; only rows whose label is ignored are left out, so the
   loss is the same.
@@ -20,8 +22,10 @@ a ``(real tokens, features)`` tensor:
 Rows left out are zeros after the scatter. That is exact only where nothing reads them, and the
 pass proves it before it changes anything, refusing (and saying why) otherwise:
 
-* every scattered tensor reaches the graph's outputs only through layout nodes that keep the
-  ``(batch, seq)`` leading dims, fused attention nodes, and the gather back into the region;
+* every scattered tensor reaches the graph's outputs only through layout nodes that keep track
+  of the ``(batch, seq)`` axes (``Reshape`` keeping the leading dims, ``Transpose``), fused
+  attention nodes (on their token axis) and the gather back into the region; where a tensor
+  leaks elsewhere, the node writing it computes on the padded tokens instead, and so on back;
 * every such attention node has an additive mask computed from one user input (the attention
   mask) alone, and that mask is below :data:`MASKED` at every key left out, on the batch that
   caused the export and on a random probe mask: those keys get a softmax weight of exactly 0;
@@ -270,9 +274,8 @@ def _token_wise(
         if node.op_type in _ELEMENTWISE:
             return all(_small(values, constants, i, 1) for _, i in others)
         if node.op_type == "MatMul":
-            return node.input[0] in tokens and all(
-                k == 1 and _small(values, constants, i, 2) for k, i in others
-            )
+            # a 2-d right operand; two token tensors would be a product over the tokens
+            return tokens == [node.input[0]] and _small(values, constants, node.input[1], 2)
         if node.op_type == "Dropout":
             return node.input[0] in tokens and all(
                 _small(values, constants, i, 0) for _, i in others
