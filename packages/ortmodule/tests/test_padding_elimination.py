@@ -237,3 +237,43 @@ def test_hugging_face_models_train_like_eager(
     (decision,) = _decisions(caplog)
     assert decision.startswith("padding elimination on (mask input.attention_mask)"), decision
     assert TAKE_ROWS in _row_moves(wrapped)
+
+
+def _first_step_rng(
+    padding: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> Any:
+    monkeypatch.setenv(OPTION, "1" if padding else "0")
+    config = tf.BertConfig(
+        **_SMALL,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        hidden_dropout_prob=0.1,  # attention dropout stays 0: with it, attention is not fused
+        attention_probs_dropout_prob=0.0,
+    )
+    case = ZooCase(
+        "hf_bert_dropout",
+        lambda: _LossOnly(tf.BertForMaskedLM(config)),
+        _hf_batch,
+        lambda out, a, k: out,
+    )
+    wrapped = ORTModule(case.build(seed=0))
+    torch.manual_seed(123)
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        train_steps(wrapped, case, 1, _adamw)
+    return torch.get_rng_state(), _row_moves(wrapped)
+
+
+def test_applied_with_dropout_and_the_users_generator_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Dropout draws differently on every run, so the pass's checks run the graph without it;
+    and its runs draw nothing from PyTorch's generator."""
+    on_state, on_moves = _first_step_rng(True, monkeypatch, caplog)
+    (decision,) = _decisions(caplog)
+    assert decision.startswith("padding elimination on"), decision
+    assert TAKE_ROWS in on_moves
+    off_state, off_moves = _first_step_rng(False, monkeypatch, caplog)
+    assert off_moves == []
+    assert torch.equal(on_state, off_state)

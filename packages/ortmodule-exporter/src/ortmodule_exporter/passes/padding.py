@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,8 @@ _ELEMENTWISE = frozenset(
 )  # fmt: skip
 _LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Cast"})
 _SHAPE_ONLY = frozenset({"Shape", "Size"})
+_DROPOUT = frozenset({"Dropout", "BitmaskDropout"})
+_NO_TRAINING = f"{_PREFIX}/probe_training_mode_false"
 
 
 @dataclass
@@ -121,6 +123,13 @@ def evaluate_graph(
         inferred = infer_symbolic_shapes(model).graph
         types = {vi.name: vi.type.tensor_type.elem_type for vi in inferred.value_info}
     known = {**(types or {}), **known}
+    # dropout off: two runs must give the same outputs to be compared
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array(False), _NO_TRAINING))
+    for node in graph.node:
+        if node.op_type in _DROPOUT:
+            inputs = [*node.input[:2], *[""] * (2 - len(node.input[:2])), _NO_TRAINING]
+            del node.input[:]
+            node.input.extend(inputs)
     del graph.output[:]
     del graph.value_info[:]
     graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
@@ -149,7 +158,10 @@ def evaluate_graph(
     session = ort.InferenceSession(
         probe.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
-    return {**values, **dict(zip(names, session.run(names, values), strict=True))}
+    # PyTorch-run nodes may draw from the user's generators; the probe leaves them as they were
+    with torch.random.fork_rng(devices=[]):
+        results = session.run(names, values)
+    return {**values, **dict(zip(names, results, strict=True))}
 
 
 class _Refused(Exception):
@@ -161,7 +173,6 @@ def eliminate_padding(
     feeds: Mapping[str, Any],
     user_inputs: set[str] | frozenset[str],
     threshold: float = 0.9,
-    evaluate: Callable[..., dict[str, np.ndarray]] = evaluate_graph,
 ) -> PaddingDecision:
     """Rewrite ``model`` (in place) so token-wise nodes skip padding; see the module docstring.
 
@@ -171,7 +182,7 @@ def eliminate_padding(
     original = onnx.ModelProto()
     original.CopyFrom(model)
     try:
-        return _eliminate(model, feeds, user_inputs, threshold, evaluate)
+        return _eliminate(model, feeds, user_inputs, threshold)
     except _Refused as why:
         model.CopyFrom(original)
         return PaddingDecision(False, str(why))
@@ -425,9 +436,12 @@ def _eliminate(
     feeds: Mapping[str, Any],
     user_inputs: set[str] | frozenset[str],
     threshold: float,
-    evaluate: Callable[..., dict[str, np.ndarray]],
 ) -> PaddingDecision:
     graph = model.graph
+    calls = sorted({attribute(n, "func_name", "?") for n in graph.node if n.op_type == "PythonOp"})
+    if calls:
+        # the checks run the forward graph; the user's Python code must not run outside a step
+        raise _Refused(f"the graph calls Python code (PythonOp {', '.join(calls)})")
     attention = [
         n
         for n in graph.node
@@ -439,7 +453,7 @@ def _eliminate(
     if "" in masks:
         raise _Refused("an attention node has no mask, so padding tokens are attended to")
     source = _mask_source(graph, masks, user_inputs)
-    values = evaluate(model, feeds)
+    values = evaluate_graph(model, feeds)
     types = {
         name: onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
         for name, value in values.items()
@@ -482,7 +496,7 @@ def _eliminate(
     rng = np.random.default_rng(0)
     probe_mask = (rng.random(grid) < 0.7).astype(mask_value.dtype)
     probe_mask[:, 0] = 1
-    probe_values = evaluate(model, {**feeds, source: probe_mask}, outputs=masks, types=types)
+    probe_values = evaluate_graph(model, {**feeds, source: probe_mask}, outputs=masks, types=types)
     _check_masked(probe_values, masks, probe_mask == 0)
     region_nodes = {id(n) for n in region.nodes}
     loss_nodes = {id(node) for node, _, _ in losses}
@@ -582,7 +596,7 @@ def _eliminate(
 
     # -- the rewrite computes the same outputs on this batch -------------------------------------
     names = [o.name for o in graph.output]
-    after = evaluate(model, feeds, outputs=names, types=types)
+    after = evaluate_graph(model, feeds, outputs=names, types=types)
     for name in names:
         if not np.allclose(after[name], values[name], rtol=1e-4, atol=1e-5, equal_nan=True):
             raise _Refused(
