@@ -168,44 +168,25 @@ class _LossOnly(torch.nn.Module):
         return out.loss  # type: ignore[no-any-return]
 
 
-_SMALL = dict(vocab_size=128, max_position_embeddings=64)
+_SMALL = dict(
+    vocab_size=128,
+    max_position_embeddings=64,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+)
+_NO_DROPOUT = dict(_SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 #: encoders, and a decoder whose padding mask is merged with its causal mask (the loss shifts
 #: the labels, not the logits, so rows still pair up)
 HF_MODELS = {
-    "llama": lambda: tf.LlamaForCausalLM(
-        tf.LlamaConfig(
-            **_SMALL,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-        )
-    ),
-    "bert": lambda: tf.BertForMaskedLM(
-        tf.BertConfig(
-            **_SMALL,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    ),
-    "roberta": lambda: tf.RobertaForMaskedLM(
-        tf.RobertaConfig(
-            **_SMALL,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    ),
+    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**_SMALL)),
+    "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(**_NO_DROPOUT)),
+    "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(**_NO_DROPOUT)),
     "distilbert": lambda: tf.DistilBertForMaskedLM(
         tf.DistilBertConfig(
-            **_SMALL,
+            vocab_size=128,
+            max_position_embeddings=64,
             dim=64,
             n_layers=2,
             n_heads=4,
@@ -243,15 +224,8 @@ def _first_step_rng(
     padding: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> Any:
     monkeypatch.setenv(OPTION, "1" if padding else "0")
-    config = tf.BertConfig(
-        **_SMALL,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        hidden_dropout_prob=0.1,  # attention dropout stays 0: with it, attention is not fused
-        attention_probs_dropout_prob=0.0,
-    )
+    # hidden dropout on; attention dropout stays 0 (with it, attention is not fused)
+    config = tf.BertConfig(**dict(_NO_DROPOUT, hidden_dropout_prob=0.1))
     case = ZooCase(
         "hf_bert_dropout",
         lambda: _LossOnly(tf.BertForMaskedLM(config)),

@@ -87,9 +87,13 @@ def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
 
 
 def _cone(
-    graph: onnx.GraphProto, tensor: str, producer: Mapping[str, onnx.NodeProto] | None = None
+    graph: onnx.GraphProto,
+    tensor: str,
+    producer: Mapping[str, onnx.NodeProto] | None = None,
+    stop: frozenset[str] = frozenset(),
 ) -> tuple[list[onnx.NodeProto], set[str]]:
-    """The nodes computing ``tensor`` (in graph order) and the graph inputs they read."""
+    """The nodes computing ``tensor`` (in graph order) and the graph inputs they read; the
+    inputs of ``stop`` operators (``Shape``, say, to follow values only) are not followed."""
     producer = producer if producer is not None else _producers(graph)
     inputs = {vi.name for vi in graph.input}
     needed: set[int] = set()
@@ -108,6 +112,8 @@ def _cone(
         if node is None:
             continue  # an initializer
         needed.add(id(node))
+        if node.op_type in stop:
+            continue
         stack.extend(node.input)
         for a in node.attribute:  # names a subgraph reads from the outer scope
             if a.type == onnx.AttributeProto.GRAPH:

@@ -56,7 +56,7 @@ from ..aten.kernel_choice import GELU, LAYER_NORM
 from ..aten.token_rows import PUT_ROWS, TAKE_ROWS
 from ..engine_binding import import_onnxruntime
 from ..onnx_graph import attribute, constant_values, producers_and_consumers
-from .density import infer_symbolic_shapes
+from .density import _cone, infer_symbolic_shapes
 
 __all__ = ["MASKED", "PaddingDecision", "eliminate_padding", "evaluate_graph"]
 
@@ -191,36 +191,13 @@ def eliminate_padding(
         return PaddingDecision(False, f"{type(err).__name__}: {err}")
 
 
-def _value_sources(graph: onnx.GraphProto, tensor: str) -> set[str]:
-    """The graph inputs whose values (not just shapes) ``tensor`` is computed from."""
-    producer = {o: n for n in graph.node for o in n.output if o}
-    inputs = {vi.name for vi in graph.input}
-    sources: set[str] = set()
-    stack, seen = [tensor], set()
-    while stack:
-        name = stack.pop()
-        if not name or name in seen:
-            continue
-        seen.add(name)
-        if name in inputs:
-            sources.add(name)
-        node = producer.get(name)
-        if node is None or node.op_type in _SHAPE_ONLY:
-            continue  # an input, an initializer, or only the shape of something
-        stack.extend(node.input)
-        for a in node.attribute:  # names a subgraph reads from the outer scope
-            if a.type == onnx.AttributeProto.GRAPH:
-                stack.extend(i for n in a.g.node for i in n.input)
-    return sources
-
-
 def _mask_source(
     graph: onnx.GraphProto, masks: list[str], user_inputs: set[str] | frozenset[str]
 ) -> str:
     """The one user input every attention mask is computed from (shapes aside)."""
     sources: set[str] = set()
     for mask in masks:
-        found = _value_sources(graph, mask)
+        _, found = _cone(graph, mask, stop=_SHAPE_ONLY)  # values, not shapes
         if not found or not found <= user_inputs:
             others = sorted(found - set(user_inputs))
             raise _Refused(
