@@ -168,6 +168,35 @@ def _llama_batch(step: int, full: bool) -> Batch:
     return (), {"input_ids": ids, "labels": ids}
 
 
+def _classifier_model(full: bool) -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=128,
+        # attention dropout 0 as in every model here (dropout draws differ between engines)
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    return BertForSequenceClassification(config)
+
+
+def _classifier_batch(step: int, full: bool) -> Batch:
+    """Short sentences in 128-token rows: 16-79 real tokens, about 37% of the batch."""
+    gen = _gen(step)
+    batch = 32 if full else 16
+    lengths = torch.randint(16, 80, (batch,), generator=gen)
+    mask = (torch.arange(128)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(5, 8192, (batch, 128), generator=gen) * mask
+    labels = torch.randint(0, 3, (batch,), generator=gen)
+    return (), {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 def _hf_loss(out: Any, batch: Batch) -> torch.Tensor:
     return out.loss  # type: ignore[no-any-return]
 
@@ -249,6 +278,16 @@ WORKLOADS: dict[str, Workload] = {
             (WARMUP, 30),
         ),
         Workload(
+            "bert_classifier",
+            "Hugging Face BertForSequenceClassification (vocab 8192, hidden 256, 4 layers, "
+            "3 classes), rows of 128 tokens with 16-79 real (about 37%), batch 16 (32 with --full)",
+            _classifier_model,
+            _classifier_batch,
+            _hf_loss,
+            (WARMUP, 8),
+            (WARMUP, 30),
+        ),
+        Workload(
             "llama_no_cache",
             "the same tiny Llama with use_cache=False (no DynamicCache in its outputs)",
             _llama(False),
@@ -266,7 +305,7 @@ DEFAULT_MODELS = tuple(name for name in WORKLOADS if name != "llama_no_cache")
 #: workloads also run with ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER=0 (the on/off comparison)
 LABEL_SPARSITY_MODELS = ("masked_lm",)
 #: workloads also run with padding elimination on (off by default), per process and interleaved
-PADDING_MODELS = ("masked_lm",)
+PADDING_MODELS = ("masked_lm", "bert_classifier")
 PADDING_ELIMINATION = {"ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER": "1"}
 
 #: the overhead workload: one Linear(8, 8) on a 4x8 batch, where nearly all time is per-step work

@@ -251,3 +251,43 @@ def test_applied_with_dropout_and_the_users_generator_is_left_alone(
     off_state, off_moves = _first_step_rng(False, monkeypatch, caplog)
     assert off_moves == []
     assert torch.equal(on_state, off_state)
+
+
+_CLASSIFIERS = {
+    "bert": lambda: tf.BertForSequenceClassification(tf.BertConfig(**_NO_DROPOUT, num_labels=3)),
+    "roberta": lambda: tf.RobertaForSequenceClassification(
+        tf.RobertaConfig(**_NO_DROPOUT, num_labels=3)
+    ),
+}
+
+
+def _classifier_batch(step: int) -> Any:
+    """Short sentences in long rows (about 25% real tokens), one class label each; after the
+    first batch one sequence is padded on the left, so the position the classifier reads is
+    padding there and must be kept all the same."""
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(3, 14, (4,), generator=gen)
+    mask = (torch.arange(32)[None, :] < lengths[:, None]).long()
+    if step > 0:
+        mask[1] = mask[1].flip(0)
+    ids = torch.randint(5, 128, (4, 32), generator=gen) * mask
+    labels = torch.randint(0, 3, (4,), generator=gen)
+    return (), {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("name", sorted(_CLASSIFIERS))
+def test_sequence_classifiers_read_the_first_token_from_the_rows(
+    name: str, padding_on: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A classifier pools ``hidden[:, 0]``: that position is kept in every sequence and read
+    from the rows, so the model as it is (loss and logits out, no wrapper) skips the padding."""
+    case = ZooCase(
+        f"hf_{name}_classifier",
+        _CLASSIFIERS[name],
+        _classifier_batch,
+        lambda out, a, k: out.loss,
+    )
+    wrapped = _trains_like_eager(case, 4, caplog)
+    (decision,) = _decisions(caplog)
+    assert decision.startswith("padding elimination on (mask input.attention_mask)"), decision
+    assert TAKE_ROWS in _row_moves(wrapped)

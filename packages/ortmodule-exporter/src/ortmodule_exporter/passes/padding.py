@@ -7,8 +7,9 @@ there or not. :func:`eliminate_padding` rewrites the exported forward graph so t
 a ``(real tokens, features)`` tensor:
 
 * the rows kept are the tokens whose attention-mask value is not 0, every token a loss counts
-  (a label that is not ``ignore_index``), and every token of a sequence without a single real
-  token (keys that are all masked average over every row, so nothing there may change);
+  (a label that is not ``ignore_index``), every position a pick reads (below), and every token
+  of a sequence without a single real token (keys that are all masked average over every row,
+  so nothing there may change);
 * a tensor of shape ``(batch, seq, ...)`` entering a token-wise node is gathered into kept
   rows (:data:`~ortmodule_exporter.aten.token_rows.TAKE_ROWS`); one leaving the token-wise
   region for anything else (the heads' ``Reshape`` before attention) is put back into
@@ -17,7 +18,9 @@ a ``(real tokens, features)`` tensor:
 * a ``Shape`` of a region tensor becomes the padded shape (the mask's dims, then the rows');
 * a ``SoftmaxCrossEntropyLoss`` reading ``reshape(logits, (-1, vocab))`` reads the kept rows of
   the logits and of its labels instead; only rows whose label is ignored are left out, so the
-  loss is the same.
+  loss is the same;
+* ``x[:, i]`` at a constant position (a sequence classifier pooling its first token) keeps
+  position ``i`` of every sequence, padding or not, and reads those rows.
 
 Rows left out are zeros after the scatter. That is exact only where nothing reads them, and the
 pass proves it before it changes anything, refusing (and saying why) otherwise:
@@ -353,9 +356,14 @@ class _Builder:
 
 
 def _indices(
-    b: _Builder, mask: str, mask_dtype: np.dtype, labels: list[tuple[str, int]]
+    b: _Builder,
+    mask: str,
+    mask_dtype: np.dtype,
+    labels: list[tuple[str, int]],
+    positions: set[int],
 ) -> tuple[str, str, str]:
-    """Nodes computing the kept rows: (row indices [kept], inverse index [batch, seq], mask shape)."""
+    """Nodes computing the kept rows: (row indices [kept], inverse index [batch, seq], mask
+    shape). ``positions``: token positions kept in every sequence (those a pick reads)."""
     zero = b.const("zero", np.zeros((), dtype=mask_dtype))
     shape = b.one("Shape", [mask], "mask_shape")
     real2d = b.one("Not", [b.one("Equal", [mask, zero], "is_pad")], "is_real")
@@ -374,6 +382,20 @@ def _indices(
         "empty_rows",
     )
     keep2d = b.one("Or", [real2d, empty], "keep_real")
+    if positions:
+        seq = b.one("Gather", [shape, b.const("one_i64", np.array(1, np.int64))], "seq_len")
+        every = b.one(
+            "Range",
+            [
+                b.const("zero_pos", np.array(0, np.int64)),
+                seq,
+                b.const("step", np.array(1, np.int64)),
+            ],
+            "positions",
+        )
+        for position in sorted(positions):
+            at = b.const("picked", np.array(position, np.int64))
+            keep2d = b.one("Or", [keep2d, b.one("Equal", [every, at], "is_picked")], "keep_picked")
     flat_shape = b.const("minus_one", np.array([-1], np.int64))
     keep = b.one("Reshape", [keep2d, flat_shape], "keep_flat")
     for labels_name, ignore in labels:
@@ -448,7 +470,8 @@ def _eliminate(
     first_leak = ""
     while True:
         losses, absorbed = _losses(graph, region, values, grid, producer, consumers)
-        scatter, shapes = _exits(region, absorbed, consumers, outputs)
+        picks = _picks(graph, region, values)
+        scatter, shapes = _exits(region, absorbed, picks, consumers, outputs)
         leak = _leak(scatter, region, consumers, values, grid, outputs)
         if leak is None:
             break
@@ -464,6 +487,9 @@ def _eliminate(
     labelled = np.zeros(grid, dtype=bool)
     for node, _, ignore in losses:
         labelled |= (values[node.input[1]] != ignore).reshape(grid)
+    for position in set(picks.values()):
+        if position < grid[1]:
+            labelled[:, position] = True
     empty = ~(~dropped).any(axis=1, keepdims=True)
     dropped = dropped & ~labelled & ~empty
     density = 1.0 - float(dropped.mean())
@@ -482,7 +508,7 @@ def _eliminate(
     b = _Builder()
     mask_dtype = mask_value.dtype
     rows, inverse, mask_shape = _indices(
-        b, source, mask_dtype, [(n.input[1], ig) for n, _, ig in losses]
+        b, source, mask_dtype, [(n.input[1], ig) for n, _, ig in losses], set(picks.values())
     )
     gathered: dict[str, str] = {}
     scattered: dict[str, str] = {}
@@ -540,6 +566,13 @@ def _eliminate(
             node.input[1] = b.one("Gather", [node.input[1], rows], "gather_labels", axis=0)
         elif node.name in absorbed:
             continue
+        elif id(node) in picks:
+            # x[:, i] -> the rows of x[:, i]: the kept row of each sequence's position i
+            at = b.const("picked", np.array(picks[id(node)], np.int64))
+            node.input[1] = b.one("Gather", [inverse, at], "picked_rows", axis=1)
+            for a in node.attribute:
+                if a.name == "axis":
+                    a.i = 0
         else:
             for k, name in enumerate(node.input):
                 if name in region.flat and id(node) not in shapes:
@@ -652,9 +685,33 @@ def _losses(
     return losses, absorbed
 
 
+def _picks(
+    graph: onnx.GraphProto, region: _Region, values: Mapping[str, np.ndarray]
+) -> dict[int, int]:
+    """``x[:, i]`` of a region tensor at a constant position ``i >= 0`` (a classifier's first
+    token): node id -> ``i``. Those rows are kept, and the pick reads them from the rows."""
+    constants = constant_values(graph)
+    picks: dict[int, int] = {}
+    for node in graph.node:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or not node.input:
+            continue
+        index = constants.get(node.input[1]) if len(node.input) > 1 else None
+        rank = values[node.input[0]].ndim if node.input[0] in values else 0
+        if (
+            node.input[0] in region.flat
+            and index is not None
+            and index.ndim == 0
+            and int(index) >= 0
+            and attribute(node, "axis", 0) % max(rank, 1) == 1
+        ):
+            picks[id(node)] = int(index)
+    return picks
+
+
 def _exits(
     region: _Region,
     absorbed: set[str],
+    picks: Mapping[int, int],
     consumers: Mapping[str, list[onnx.NodeProto]],
     outputs: set[str],
 ) -> tuple[set[str], set[int]]:
@@ -667,7 +724,7 @@ def _exits(
         if name in outputs:
             scatter.add(name)
         for reader in consumers.get(name, []):
-            if id(reader) in region_nodes or reader.name in absorbed:
+            if id(reader) in region_nodes or reader.name in absorbed or id(reader) in picks:
                 continue
             if reader.op_type == "Shape" and not reader.attribute:
                 shapes.add(id(reader))
