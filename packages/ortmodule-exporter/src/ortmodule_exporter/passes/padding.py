@@ -393,8 +393,8 @@ def _indices(
             ],
             "positions",
         )
-        for position in sorted(positions):
-            at = b.const("picked", np.array(position, np.int64))
+        for picked in sorted(positions):
+            at = b.const("picked", np.array(picked, np.int64))
             keep2d = b.one("Or", [keep2d, b.one("Equal", [every, at], "is_picked")], "keep_picked")
     flat_shape = b.const("minus_one", np.array([-1], np.int64))
     keep = b.one("Reshape", [keep2d, flat_shape], "keep_flat")
