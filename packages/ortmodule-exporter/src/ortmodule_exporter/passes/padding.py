@@ -318,9 +318,11 @@ def _token_wise(
 
 
 def _region(
-    graph: onnx.GraphProto, values: Mapping[str, np.ndarray], grid: tuple[int, int]
+    graph: onnx.GraphProto,
+    values: Mapping[str, np.ndarray],
+    constants: Mapping[str, np.ndarray],
+    grid: tuple[int, int],
 ) -> _Region:
-    constants = constant_values(graph)
     nodes = [n for n in graph.node if _token_wise(n, values, constants, grid)]
     flat = {o for n in nodes for o in n.output if o}
     return _Region(nodes, flat)
@@ -462,15 +464,16 @@ def _eliminate(
     if mask_value.ndim != 2:
         raise _Refused(f"the attention mask input {source} has rank {mask_value.ndim}, not 2")
     grid = (int(mask_value.shape[0]), int(mask_value.shape[1]))
-    _, consumers = producers_and_consumers(graph)
-    producer = {o: n for n in graph.node for o in n.output if o}
+    producer, consumers = producers_and_consumers(graph)
+    # every initializer as an array: once, not in each round of the pruning below
+    constants = constant_values(graph)
 
     outputs = {o.name for o in graph.output}
-    region = _region(graph, values, grid)
+    region = _region(graph, values, constants, grid)
     first_leak = ""
     while True:
         losses, absorbed = _losses(graph, region, values, grid, producer, consumers)
-        picks = _picks(graph, region, values)
+        picks = _picks(graph, region, values, constants)
         scatter, shapes = _exits(region, absorbed, picks, consumers, outputs)
         leak = _leak(scatter, region, consumers, values, grid, outputs)
         if leak is None:
@@ -686,11 +689,13 @@ def _losses(
 
 
 def _picks(
-    graph: onnx.GraphProto, region: _Region, values: Mapping[str, np.ndarray]
+    graph: onnx.GraphProto,
+    region: _Region,
+    values: Mapping[str, np.ndarray],
+    constants: Mapping[str, np.ndarray],
 ) -> dict[int, int]:
     """``x[:, i]`` of a region tensor at a constant position ``i >= 0`` (a classifier's first
     token): node id -> ``i``. Those rows are kept, and the pick reads them from the rows."""
-    constants = constant_values(graph)
     picks: dict[int, int] = {}
     for node in graph.node:
         if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or not node.input:
