@@ -54,6 +54,9 @@ class GraphConfig:
     save: SaveOptions | None = None
     #: keys into TrainingGraphTransformerConfiguration (memory optimizer, recompute)
     transformer_options: tuple[tuple[str, Any], ...] = ()
+    #: where the built graph runs ("cpu", "cuda"): built-graph passes that time CPU kernels
+    #: (passes/row_sums.py) act on CPU graphs only
+    device_type: str = "cpu"
 
 
 @dataclass
@@ -293,10 +296,12 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
             f"graph{onnx_graph.node_location(str(err))}: {err}"
         ) from err
     info = builder.get_graph_info()
-    model_bytes = run_built_graph_passes(
-        builder.get_gradient_model() if config.build_gradient else builder.get_forward_model(),
-        config,
-    )
+    # under the export's settings: a pass may make a kernel choice (passes/row_sums.py)
+    with exported.config.applied():
+        model_bytes = run_built_graph_passes(
+            builder.get_gradient_model() if config.build_gradient else builder.get_forward_model(),
+            config,
+        )
     model = onnx.load_from_string(model_bytes)
     if config.save is not None:
         stage = "gradient" if config.build_gradient else "built"

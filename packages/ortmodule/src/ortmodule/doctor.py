@@ -211,6 +211,10 @@ def _measure_kernels(lines: list[str]) -> None:
             "MaxPool 2x2 forward+backward on 16x16x32x32",
             lambda: kc.measure_max_pool2d((16, 16, 32, 32), (2, 2), (2, 2), (0, 0), (1, 1)),
         ),
+        (
+            "Bias gradient (a sum over 4096 rows of 256 float32)",
+            lambda: kc.measure_row_sum(4096, 256),
+        ),
     ]
     for label, measure in cases:
         try:

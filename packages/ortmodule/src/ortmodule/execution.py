@@ -569,6 +569,7 @@ class GraphRunner:
             static_input_shapes=static,
             save=save,
             transformer_options=cfg.transformer_options,
+            device_type=device.type,
         )
         with times.phase("graph build"), self._silenced():
             built = build_graph(exported, graph_config)

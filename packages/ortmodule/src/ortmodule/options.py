@@ -360,9 +360,12 @@ VARIABLES: tuple[EnvVar, ...] = (
         _EXPORTER,
         "Per-operator kernel choice for GELU, ReLU, convolution (not transposed, input needing a "
         "gradient), 2-d max pooling, LayerNorm (weight and bias trained), embedding "
-        "lookups (padding_idx included) and cross-entropy on class indices (not where label sparsity shrinks it): AUTO times the engine's kernels against PyTorch's (run as "
+        "lookups (padding_idx included), cross-entropy on class indices (not where label sparsity "
+        "shrinks it) and, in the built gradient graph, bias gradients (float32 sums over the "
+        "batch's leading axes): AUTO times the engine's kernels against PyTorch's (run as "
         "ATen nodes, PyTorch at ORTMODULE_TORCH_THREADS_IN_ENGINE threads) once per process and "
-        "operator, dtype and size class (the sizes traced at export) and exports the faster; "
+        "operator, dtype and size class (the sizes traced at export; a bias gradient's width) "
+        "and uses the faster; "
         "ENGINE or TORCH force one. Left at its default, it is ENGINE while recompute or "
         "ORTMODULE_USE_TRITON is on (the engine recomputes and fuses only its own nodes).",
         "ENGINE",

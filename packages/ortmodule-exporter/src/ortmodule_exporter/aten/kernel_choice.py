@@ -88,8 +88,10 @@ __all__ = [
     "measure_layer_norm",
     "measure_max_pool2d",
     "measure_relu",
+    "measure_row_sum",
     "recording_traced_sizes",
     "register_kernel_choice",
+    "row_sum_route",
 ]
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -110,6 +112,7 @@ CROSS_ENTROPY = "_ortmodule_cross_entropy"
 CROSS_ENTROPY_BACKWARD = "_ortmodule_cross_entropy_backward"
 LAYER_NORM = "_ortmodule_layer_norm"
 LAYER_NORM_BACKWARD = "_ortmodule_layer_norm_backward"
+ROW_SUM = "_ortmodule_row_sum"
 MAX_POOL2D = "_ortmodule_max_pool2d"
 MAX_POOL2D_BACKWARD = "_ortmodule_max_pool2d_backward"
 
@@ -689,6 +692,29 @@ def measure_embedding(rows: int, dim: int, lookups: int) -> tuple[float, float]:
     return engine_us, _torch_us(torch_route)
 
 
+def measure_row_sum(rows: int, cols: int) -> tuple[float, float]:
+    """Microseconds of summing a ``rows`` x ``cols`` float32 matrix over its rows (a bias's
+    gradient): (engine, torch). Engine: ``ReduceSum`` over axis 0; PyTorch: ``sum(0)`` and one
+    ATen node."""
+    from onnx import TensorProto, helper
+
+    _seeded()
+    x = _randn(rows, cols)
+    nodes = [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)]
+    feeds = {"x": x, "axes": torch.tensor([0])}
+    engine_us = _engine_us("row_sum", nodes, feeds, ["y"], {"axes": TensorProto.INT64})
+    return engine_us, _torch_us(lambda: _row_sum("1", [x]), aten_nodes=1)
+
+
+def row_sum_route(cols: int) -> str:
+    """``"engine"`` or ``"torch"`` for a float32 sum over every axis but the last, ``cols``
+    wide (a bias gradient the engine's gradient builder writes as ``ReduceSum``). Timed at
+    :data:`CALIBRATION_NUMEL` elements: the row count is the batch's, unknown when the graph
+    is built."""
+    rows = max(1, CALIBRATION_NUMEL // max(cols, 1))
+    return _decide(f"row_sum({cols})", "Float", rows, lambda: measure_row_sum(rows, cols))
+
+
 def _size_class(numel: int) -> int:
     return 1 << max(0, round(math.log2(max(numel, 1))))
 
@@ -741,6 +767,17 @@ def choose(
 
 def _all_tensors(_overload: str, _index: int, _is_input: bool) -> bool:
     return True
+
+
+def _row_sum(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The sum over the first ``int(overload)`` axes (a built-graph pass writes these nodes:
+    ``passes/row_sums.py``); they are gradient nodes, with no gradient of their own."""
+    (x,) = inputs
+    assert x is not None
+    return [x.sum(tuple(range(int(overload))))]
+
+
+register_aten_function(ROW_SUM, AtenFunction(_row_sum, _all_tensors))
 
 
 def _gelu(approximate: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

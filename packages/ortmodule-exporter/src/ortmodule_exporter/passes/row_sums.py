@@ -1,0 +1,115 @@
+"""Bias gradients on PyTorch's ``sum`` where it measured faster (a built-graph pass).
+
+The engine's gradient builder writes the gradient of a bias added to a ``(batch, seq, n)``
+activation as ``ReduceSum`` over axes ``[0, 1]`` (``keepdims=0``). Its CPU kernel is slow at
+these shapes: in the training step of the benchmark BERT, 23 such nodes took 8 ms, about 330 us
+for a 1 MB ``(8, 128, 256)`` gradient, where eager's ``sum`` took 2 ms for the same 23
+(``benchmarks/results/2026-11-23-row-sums-amd-epyc-2c.md``). The node only exists once the
+engine has built the gradient graph, so the kernel choice for it is made here rather than in a
+symbolic: each such ``ReduceSum`` over a constant, leading run of axes of a float32 tensor
+becomes an ATen node (``_ortmodule_row_sum``, overload = the number of leading axes) where
+:func:`~ortmodule_exporter.aten.kernel_choice.row_sum_route` chooses PyTorch for its width.
+
+The sums are equal up to float rounding (the summation order differs). ``ORTMODULE_KERNEL_CHOICE``
+governs it like every other covered operator (``engine`` keeps every ``ReduceSum``); graphs built
+for CUDA keep the engine's kernel (the timing is a CPU one).
+
+>>> from ortmodule_exporter.passes.row_sums import route_row_sums
+>>> route_row_sums(model, "cpu")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+from onnx import numpy_helper
+
+from ..aten.executor import ATEN_DOMAIN
+from ..aten.kernel_choice import ROW_SUM, current_mode, row_sum_route
+from .built_graph import register_built_graph_pass
+
+__all__ = ["route_row_sums"]
+
+
+def _constants(graph: onnx.GraphProto) -> dict[str, list[int]]:
+    """Integer constants of the graph by name: initializers and ``Constant`` nodes."""
+    found: dict[str, list[int]] = {}
+    for init in graph.initializer:
+        if init.data_type == onnx.TensorProto.INT64 and len(init.dims) <= 1:
+            found[init.name] = [int(v) for v in numpy_helper.to_array(init).reshape(-1)]
+    for node in graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1:
+            attr = node.attribute[0]
+            if attr.name == "value" and attr.t.data_type == onnx.TensorProto.INT64:
+                values = numpy_helper.to_array(attr.t).reshape(-1)
+                found[node.output[0]] = [int(v) for v in values]
+    return found
+
+
+def _static_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, list[int | None]]]:
+    """(element type, dims) of every value whose type the graph records; None for an unknown dim."""
+    shapes: dict[str, tuple[int, list[int | None]]] = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        tensor = vi.type.tensor_type
+        if not tensor.elem_type or not tensor.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        shapes[vi.name] = (tensor.elem_type, dims)
+    return shapes
+
+
+def _leading_axes(node: onnx.NodeProto, constants: dict[str, list[int]]) -> int | None:
+    """How many leading axes ``node`` (a ``ReduceSum``) sums away, when they are a constant set
+    ``{0 .. k-1}`` (the engine writes ``[1, 0]`` too) and the result drops them; else None."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("keepdims", 1) != 0 or len(node.input) < 2 or not node.input[1]:
+        return None
+    axes = constants.get(node.input[1])
+    if not axes or sorted(axes) != list(range(len(axes))):
+        return None
+    return len(axes)
+
+
+def route_row_sums(model: onnx.ModelProto, device_type: str) -> int:
+    """Rewrite the float32 leading-axes ``ReduceSum`` nodes whose width the kernel choice runs
+    on PyTorch; returns how many were rewritten."""
+    if device_type != "cpu" or current_mode() == "engine":
+        return 0
+    graph = model.graph
+    constants = _constants(graph)
+    shapes = _static_shapes(graph)
+    changed = 0
+    for position, node in enumerate(list(graph.node)):
+        if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx"):
+            continue
+        leading = _leading_axes(node, constants)
+        known = shapes.get(node.output[0])
+        if leading is None or known is None:
+            continue
+        elem_type, dims = known
+        # the result is the kept (last) axis alone: a bias's gradient of a known width
+        if elem_type != onnx.TensorProto.FLOAT or len(dims) != 1 or not dims[0]:
+            continue
+        if row_sum_route(dims[0]) != "torch":
+            continue
+        graph.node[position].CopyFrom(
+            onnx.helper.make_node(
+                "ATen",
+                [node.input[0]],
+                list(node.output),
+                name=f"{node.name}_row_sum",
+                domain=ATEN_DOMAIN,
+                operator=ROW_SUM,
+                overload_name=str(leading),
+            ),
+        )
+        changed += 1
+    return changed
+
+
+def _pass(model: onnx.ModelProto, config: Any) -> bool:
+    return route_row_sums(model, config.device_type) > 0
+
+
+register_built_graph_pass("row_sums", _pass, order=60)
