@@ -22,29 +22,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.kernel_choice import ROW_SUM, current_mode, row_sum_route
+from ..onnx_graph import attribute, constant_values
 from .built_graph import register_built_graph_pass
 
 __all__ = ["route_row_sums"]
-
-
-def _constants(graph: onnx.GraphProto) -> dict[str, list[int]]:
-    """Integer constants of the graph by name: initializers and ``Constant`` nodes."""
-    found: dict[str, list[int]] = {}
-    for init in graph.initializer:
-        if init.data_type == onnx.TensorProto.INT64 and len(init.dims) <= 1:
-            found[init.name] = [int(v) for v in numpy_helper.to_array(init).reshape(-1)]
-    for node in graph.node:
-        if node.op_type == "Constant" and len(node.attribute) == 1:
-            attr = node.attribute[0]
-            if attr.name == "value" and attr.t.data_type == onnx.TensorProto.INT64:
-                values = numpy_helper.to_array(attr.t).reshape(-1)
-                found[node.output[0]] = [int(v) for v in values]
-    return found
 
 
 def _static_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, list[int | None]]]:
@@ -59,14 +45,16 @@ def _static_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, list[int | No
     return shapes
 
 
-def _leading_axes(node: onnx.NodeProto, constants: dict[str, list[int]]) -> int | None:
+def _leading_axes(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> int | None:
     """How many leading axes ``node`` (a ``ReduceSum``) sums away, when they are a constant set
     ``{0 .. k-1}`` (the engine writes ``[1, 0]`` too) and the result drops them; else None."""
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    if attrs.get("keepdims", 1) != 0 or len(node.input) < 2 or not node.input[1]:
+    if attribute(node, "keepdims", 1) != 0 or len(node.input) < 2 or not node.input[1]:
         return None
-    axes = constants.get(node.input[1])
-    if not axes or sorted(axes) != list(range(len(axes))):
+    found = constants.get(node.input[1])
+    if found is None or found.dtype != np.int64 or found.ndim > 1:
+        return None
+    axes = sorted(int(a) for a in found.reshape(-1))
+    if not axes or axes != list(range(len(axes))):
         return None
     return len(axes)
 
@@ -77,7 +65,7 @@ def route_row_sums(model: onnx.ModelProto, device_type: str) -> int:
     if device_type != "cpu" or current_mode() == "engine":
         return 0
     graph = model.graph
-    constants = _constants(graph)
+    constants = constant_values(graph)
     shapes = _static_shapes(graph)
     changed = 0
     for position, node in enumerate(list(graph.node)):
