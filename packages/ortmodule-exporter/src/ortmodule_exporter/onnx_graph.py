@@ -152,6 +152,23 @@ def node_location(message: str) -> str:
     return f" at operator {m.group(2)} in {path or 'the module itself'}"
 
 
+def value_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, list[int | None] | None]]:
+    """Value name -> (element type, dims) for every typed graph input, ``value_info``, output and
+    initializer of ``graph``; a dim without a fixed size is None, dims are None without a shape."""
+    known: dict[str, tuple[int, list[int | None] | None]] = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        t = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type") or not t.elem_type:
+            continue
+        dims = None
+        if t.HasField("shape"):
+            dims = [int(d.dim_value) if d.HasField("dim_value") else None for d in t.shape.dim]
+        known[vi.name] = (t.elem_type, dims)
+    for init in graph.initializer:
+        known[init.name] = (init.data_type, list(init.dims))
+    return known
+
+
 def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """Value name -> array for every initializer and ``Constant`` node output of ``graph``."""
     found = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}

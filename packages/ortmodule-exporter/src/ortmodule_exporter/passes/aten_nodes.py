@@ -21,7 +21,7 @@ from ..aten.aten_op import AtenOp
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.gradients import has_gradient
 from ..aten.routes import EINSUM
-from ..onnx_graph import FLOAT_TYPES, attribute
+from ..onnx_graph import FLOAT_TYPES, attribute, value_shapes
 from ..python_op import runner as python_op_runner
 from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 from .registry import register_post_export_pass
@@ -55,19 +55,7 @@ def _known(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None] | No
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception:  # noqa: BLE001 - types are filled best effort
         inferred = model
-    graph = inferred.graph
-    known: dict[str, tuple[int, list[int | None] | None]] = {}
-    for vi in (*graph.input, *graph.value_info, *graph.output):
-        t = vi.type.tensor_type
-        if not vi.type.HasField("tensor_type") or not t.elem_type:
-            continue
-        dims = None
-        if t.HasField("shape"):
-            dims = [int(d.dim_value) if d.HasField("dim_value") else None for d in t.shape.dim]
-        known[vi.name] = (t.elem_type, dims)
-    for init in graph.initializer:
-        known[init.name] = (init.data_type, list(init.dims))
-    return known
+    return value_shapes(inferred.graph)
 
 
 def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:

@@ -27,22 +27,10 @@ import onnx
 
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.kernel_choice import ROW_SUM, current_mode, row_sum_route
-from ..onnx_graph import attribute, constant_values
+from ..onnx_graph import attribute, constant_values, value_shapes
 from .built_graph import register_built_graph_pass
 
 __all__ = ["route_row_sums"]
-
-
-def _static_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, list[int | None]]]:
-    """(element type, dims) of every value whose type the graph records; None for an unknown dim."""
-    shapes: dict[str, tuple[int, list[int | None]]] = {}
-    for vi in (*graph.input, *graph.value_info, *graph.output):
-        tensor = vi.type.tensor_type
-        if not tensor.elem_type or not tensor.HasField("shape"):
-            continue
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
-        shapes[vi.name] = (tensor.elem_type, dims)
-    return shapes
 
 
 def _leading_axes(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> int | None:
@@ -66,7 +54,7 @@ def route_row_sums(model: onnx.ModelProto, device_type: str) -> int:
         return 0
     graph = model.graph
     constants = constant_values(graph)
-    shapes = _static_shapes(graph)
+    shapes = value_shapes(graph)
     changed = 0
     for position, node in enumerate(list(graph.node)):
         if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx"):
@@ -77,7 +65,7 @@ def route_row_sums(model: onnx.ModelProto, device_type: str) -> int:
             continue
         elem_type, dims = known
         # the result is the kept (last) axis alone: a bias's gradient of a known width
-        if elem_type != onnx.TensorProto.FLOAT or len(dims) != 1 or not dims[0]:
+        if elem_type != onnx.TensorProto.FLOAT or dims is None or len(dims) != 1 or not dims[0]:
             continue
         if row_sum_route(dims[0]) != "torch":
             continue
