@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import onnx
 import pytest
 import torch
+from onnx import TensorProto, helper
 
 from ortmodule import ORTModule
 from ortmodule_exporter.aten import kernel_choice
+from ortmodule_exporter.aten.executor import ATEN_DOMAIN
+from ortmodule_exporter.passes import engine_forwards
 from ortmodule_testing.parity import clone_model
 
 
@@ -200,8 +204,9 @@ def test_auto_records_decisions_per_traced_shape(monkeypatch: pytest.MonkeyPatch
     pool = [k for k in found if k[0].startswith("max_pool2d(kernel=[3, 3]")]
     assert [k[2] for k in conv] == [(4, 8, 6, 6)]  # the pooled map
     assert [k[2] for k in pool] == [(4, 8, 11, 11)]
-    # 4 x 8 x 11 x 11 = 3872 elements after the stem, 4 x 8 x 3 x 3 = 288 after the body
-    assert ("relu", "Float", 4096) in found and ("relu", "Float", 256) in found
+    # 4 x 8 x 11 x 11 = 3872 elements after the stem, 4 x 8 x 3 x 3 = 288 after the body;
+    # the backward is decided first (the forward only matters when it runs on PyTorch)
+    assert ("relu_backward", "Float", 4096) in found and ("relu_backward", "Float", 256) in found
 
 
 def test_a_measurement_that_raises_keeps_the_engine_kernel() -> None:
@@ -217,16 +222,121 @@ def test_a_measurement_that_raises_keeps_the_engine_kernel() -> None:
 
 
 @pytest.mark.parametrize(
-    "measure",
+    ("measure", "aten_nodes"),
     [
-        lambda: kernel_choice.measure_relu(1 << 12),
-        lambda: kernel_choice.measure_conv((2, 4, 8, 8), (4, 4, 3, 3), (1, 1), (1, 1), (1, 1)),
-        lambda: kernel_choice.measure_max_pool2d((2, 4, 8, 8), (2, 2), (2, 2), (0, 0), (1, 1)),
+        (lambda: kernel_choice.measure_relu(1 << 12), 1),
+        (lambda: kernel_choice.measure_relu_backward(1 << 12), 1),
+        (lambda: kernel_choice.measure_conv((2, 4, 8, 8), (4, 4, 3, 3), (1, 1), (1, 1), (1, 1)), 2),
+        (lambda: kernel_choice.measure_max_pool2d((2, 4, 8, 8), (2, 2), (2, 2), (0, 0), (1, 1)), 2),
     ],
 )
-def test_new_measurements_time_both_kernels(measure: Any) -> None:
+def test_new_measurements_time_both_kernels(measure: Any, aten_nodes: int) -> None:
     engine_us, torch_us = measure()
-    assert engine_us > 0 and torch_us > 2 * kernel_choice.ATEN_NODE_US
+    assert engine_us > 0 and torch_us > aten_nodes * kernel_choice.ATEN_NODE_US
+
+
+# -- ReLU's forward and backward chosen apart -----------------------------------------------------
+
+
+def _relu_nodes(model: ORTModule) -> tuple[list[str], list[str]]:
+    """(ReLU nodes of the exported graph, of the training graph the engine runs): ``Relu`` or
+    the ATen operator with its overload."""
+    graph = model._runner.transitions.current(True, True)
+    assert graph is not None
+
+    def names(nodes: Any) -> list[str]:
+        found = []
+        for n in nodes:
+            attrs = {
+                a.name: a.s.decode() for a in n.attribute if a.name in ("operator", "overload_name")
+            }
+            if n.op_type == "Relu":
+                found.append("Relu")
+            elif attrs.get("operator", "").startswith(kernel_choice.RELU):
+                found.append(f"{attrs['operator']}.{attrs.get('overload_name', '')}")
+        return sorted(found)
+
+    return names(graph.built.exported.model.graph.node), names(graph.built.model.graph.node)
+
+
+def _relu_measured(
+    monkeypatch: pytest.MonkeyPatch, forward: tuple[float, float], backward: tuple[float, float]
+) -> list[str]:
+    """AUTO with ReLU's two measurements mocked (engine us, PyTorch us); returns which were
+    made. Convolution and pooling stay on the engine."""
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "AUTO")
+    monkeypatch.setattr(kernel_choice, "_DECISIONS", {})  # no decision of an earlier test
+    made: list[str] = []
+
+    def measured(name: str, result: tuple[float, float]) -> Any:
+        return lambda *_: made.append(name) or result
+
+    monkeypatch.setattr(kernel_choice, "measure_relu", measured("forward", forward))
+    monkeypatch.setattr(kernel_choice, "measure_relu_backward", measured("backward", backward))
+    slower = measured("other", (1.0, 1e9))
+    monkeypatch.setattr(kernel_choice, "measure_conv", slower)
+    monkeypatch.setattr(kernel_choice, "measure_max_pool2d", slower)
+    return made
+
+
+BACKWARD = f"{kernel_choice.RELU_BACKWARD}."
+
+
+@pytest.mark.parametrize("pass_runs", [True, False])
+def test_relu_forward_on_engine_with_backward_on_torch_trains_like_eager(
+    pass_runs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = _relu_measured(monkeypatch, forward=(10.0, 90.0), backward=(900.0, 60.0))
+    if not pass_runs:  # a graph the pass never reached: its ATen forward computes the same
+        monkeypatch.setattr(engine_forwards, "ENGINE_FORWARDS", {})
+    exported, built = _relu_nodes(_train_convnet(False, False))
+    assert made.count("forward") == made.count("backward") == 2  # the two traced sizes
+    forward = f"{kernel_choice.RELU}.{kernel_choice.ENGINE_FORWARD}"
+    assert exported == [forward, forward]
+    assert built == sorted([BACKWARD] * 2 + (["Relu"] * 2 if pass_runs else [forward] * 2))
+
+
+def test_relu_forward_on_torch_keeps_its_backward_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    _relu_measured(monkeypatch, forward=(90.0, 10.0), backward=(900.0, 60.0))
+    exported, built = _relu_nodes(_train_convnet(False, False))
+    assert exported == [f"{kernel_choice.RELU}."] * 2
+    assert built == sorted([f"{kernel_choice.RELU}."] * 2 + [BACKWARD] * 2)
+
+
+def test_relu_backward_on_engine_keeps_relu_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _relu_measured(monkeypatch, forward=(90.0, 10.0), backward=(60.0, 900.0))
+    exported, built = _relu_nodes(_train_convnet(False, False))
+    assert "forward" not in made  # no ReluGrad after a forward on PyTorch
+    assert exported == ["Relu"] * 2 and built == ["Relu"] * 2
+
+
+def test_engine_forwards_pass_rewrites_only_its_overload() -> None:
+    def aten(operator: str, overload: str, out: str) -> onnx.NodeProto:
+        return helper.make_node(
+            "ATen", ["x"], [out], domain=ATEN_DOMAIN, operator=operator, overload_name=overload
+        )
+
+    nodes = [
+        aten(kernel_choice.RELU, kernel_choice.ENGINE_FORWARD, "a"),
+        aten(kernel_choice.RELU, "", "b"),
+        aten(kernel_choice.GELU, kernel_choice.ENGINE_FORWARD, "c"),  # no engine forward known
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, [4]) for o in "abc"],
+    )
+    model = helper.make_model(graph)
+    assert engine_forwards.engine_forwards(model) == 1
+    first, *rest = model.graph.node
+    assert (first.op_type, first.domain, list(first.input), list(first.output)) == (
+        "Relu",
+        "",
+        ["x"],
+        ["a"],
+    )
+    assert [n.op_type for n in rest] == ["ATen", "ATen"]
 
 
 # -- LayerNorm and embedding ----------------------------------------------------------------------

@@ -202,7 +202,8 @@ def _measure_kernels(lines: list[str]) -> None:
         for n in (1 << 14, kc.CALIBRATION_NUMEL)
     ]
     cases += [
-        ("ReLU forward+backward, 262144 float32 elements", lambda: kc.measure_relu(1 << 18)),
+        ("ReLU forward, 262144 float32 elements", lambda: kc.measure_relu(1 << 18)),
+        ("ReLU backward, 262144 float32 elements", lambda: kc.measure_relu_backward(1 << 18)),
         (
             "Conv 3x3 16->32 forward+backward on 16x16x16x16",
             lambda: kc.measure_conv((16, 16, 16, 16), (32, 16, 3, 3), (1, 1), (1, 1), (1, 1)),

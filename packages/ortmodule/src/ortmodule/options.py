@@ -358,7 +358,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         _choice("AUTO", "ENGINE", "TORCH"),
         "AUTO, ENGINE or TORCH (any case)",
         _EXPORTER,
-        "Per-operator kernel choice for GELU, ReLU, convolution (not transposed, input needing a "
+        "Per-operator kernel choice for GELU, ReLU (forward and backward timed apart), "
+        "convolution (not transposed, input needing a "
         "gradient), 2-d max pooling, LayerNorm (weight and bias trained), embedding "
         "lookups (padding_idx included), cross-entropy on class indices (not where label sparsity "
         "shrinks it) and, in the built gradient graph, bias gradients (float32 sums over the "

@@ -19,6 +19,10 @@ traced batch as that pass judges it); embedding lookups (``padding_idx`` and
 symbolic that replaces the exporter's own while the mode is ``auto`` or ``torch``, and falls
 back to it whenever the engine's kernel is chosen.
 
+ReLU is decided in two halves (its backward first): the engine's ``Relu`` is as fast as
+PyTorch's, its ``ReluGrad`` is not, so the forward can stay on the engine while the backward
+runs on PyTorch (:data:`ENGINE_FORWARD`, ``passes/engine_forwards.py``).
+
 Size classes: ReLU and pooling and convolution use the sizes the operator had when the export
 traced the module (:func:`recording_traced_sizes`; the exported graph's own dims are dynamic);
 convolution and pooling also key on their weight shape and settings. GELU keeps the class it
@@ -73,6 +77,8 @@ __all__ = [
     "ATEN_NODE_US",
     "CALIBRATION_NUMEL",
     "MODES",
+    "ENGINE_FORWARD",
+    "ENGINE_FORWARDS",
     "CoveredOperator",
     "choose",
     "configure_kernel_choice",
@@ -88,6 +94,7 @@ __all__ = [
     "measure_layer_norm",
     "measure_max_pool2d",
     "measure_relu",
+    "measure_relu_backward",
     "measure_row_sum",
     "recording_traced_sizes",
     "register_kernel_choice",
@@ -113,6 +120,9 @@ CROSS_ENTROPY_BACKWARD = "_ortmodule_cross_entropy_backward"
 LAYER_NORM = "_ortmodule_layer_norm"
 LAYER_NORM_BACKWARD = "_ortmodule_layer_norm_backward"
 ROW_SUM = "_ortmodule_row_sum"
+#: the overload of an ATen node whose forward runs on the engine's kernel and only its backward
+#: on PyTorch's (see :data:`ENGINE_FORWARDS`)
+ENGINE_FORWARD = "engine_forward"
 MAX_POOL2D = "_ortmodule_max_pool2d"
 MAX_POOL2D_BACKWARD = "_ortmodule_max_pool2d_backward"
 
@@ -447,25 +457,27 @@ def measure_gelu(numel: int, approximate: str = "none") -> tuple[float, float]:
 
 
 def measure_relu(numel: int) -> tuple[float, float]:
-    """Microseconds of ReLU forward + backward on ``numel`` float32 elements: (engine, torch).
-
-    Engine: ``Relu`` + ``ReluGrad``; PyTorch: ``relu`` + ``threshold_backward`` and two ATen
-    nodes."""
+    """Microseconds of ReLU forward on ``numel`` float32 elements: (engine, torch). Engine:
+    ``Relu``; PyTorch: ``relu`` and one ATen node. The backward is timed on its own
+    (:func:`measure_relu_backward`): the engine's ``Relu`` is quick, its ``ReluGrad`` is not."""
     from onnx import helper
 
-    nodes = [
-        helper.make_node("Relu", ["x"], ["y"]),
-        helper.make_node("ReluGrad", ["dy", "y"], ["dx"], domain="com.microsoft"),
-    ]
     _seeded()
-    x, dy = _randn(numel), _randn(numel)
-    engine_us = _engine_us("relu", nodes, {"x": x, "dy": dy}, ["y", "dx"])
+    x = _randn(numel)
+    engine_us = _engine_us("relu", [helper.make_node("Relu", ["x"], ["y"])], {"x": x}, ["y"])
+    return engine_us, _torch_us(lambda: torch.relu(x), aten_nodes=1)
 
-    def torch_route() -> None:
-        y = torch.relu(x)
-        torch.ops.aten.threshold_backward(dy, y, 0)
 
-    return engine_us, _torch_us(torch_route)
+def measure_relu_backward(numel: int) -> tuple[float, float]:
+    """Microseconds of ReLU's backward on ``numel`` float32 elements: (engine, torch). Engine:
+    ``ReluGrad``; PyTorch: ``threshold_backward`` and one ATen node."""
+    from onnx import helper
+
+    nodes = [helper.make_node("ReluGrad", ["dy", "y"], ["dx"], domain="com.microsoft")]
+    _seeded()
+    y, dy = torch.relu(_randn(numel)), _randn(numel)
+    engine_us = _engine_us("relu_backward", nodes, {"dy": dy, "y": y}, ["dx"])
+    return engine_us, _torch_us(lambda: _relu_backward("", [dy, y]), aten_nodes=1)
 
 
 @dataclass(frozen=True)
@@ -848,10 +860,21 @@ def _relu_backward(_overload: str, inputs: list[torch.Tensor | None]) -> list[to
 
 register_aten_function(RELU, AtenFunction(_relu, _all_tensors))
 register_aten_function(RELU_BACKWARD, AtenFunction(_relu_backward, _all_tensors))
-register_aten_gradient(RELU, "", [GradientNode.aten(RELU_BACKWARD, ["GO(0)", "O(0)"], ["GI(0)"])])
+for _overload in ("", ENGINE_FORWARD):
+    register_aten_gradient(
+        RELU, _overload, [GradientNode.aten(RELU_BACKWARD, ["GO(0)", "O(0)"], ["GI(0)"])]
+    )
+#: an ATen operator -> the engine's node its ``ENGINE_FORWARD`` overload becomes once the graph
+#: is built (``passes/engine_forwards.py``)
+ENGINE_FORWARDS: dict[str, str] = {RELU: "Relu"}
 
 
 def _relu_symbolic(default: Callable[..., Any], g: Any, self: Any) -> Any:
+    """ReLU's forward and backward are chosen apart: the engine's ``Relu`` is about as fast as
+    PyTorch's, its ``ReluGrad`` several times slower at a CNN's activation sizes. Forward on
+    the engine with the backward on PyTorch is an ATen node of overload ``ENGINE_FORWARD``
+    (its gradient is PyTorch's) that a built-graph pass turns back into ``Relu``. A forward on
+    PyTorch always has its backward there too (no ``ReluGrad`` after an ATen forward)."""
     dtype = _dtype(self)
     traced = _traced(g)
     # without a trace record the gradient's needs are unknown: the engine's kernel stays
@@ -859,9 +882,11 @@ def _relu_symbolic(default: Callable[..., Any], g: Any, self: Any) -> Any:
         return default(g, self)
     sizes = traced.sizes[0] if traced.sizes else None
     numel = math.prod(sizes) if sizes is not None else None
-    if choose("relu", dtype, numel, measure_relu) != "torch":
+    if choose("relu_backward", dtype, numel, measure_relu_backward) != "torch":
         return default(g, self)
-    out = g.op(f"{ATEN_DOMAIN}::ATen", self, operator_s=RELU, overload_name_s="", outputs=1)
+    forward = choose("relu", dtype, numel, measure_relu)
+    overload = ENGINE_FORWARD if forward == "engine" else ""
+    out = g.op(f"{ATEN_DOMAIN}::ATen", self, operator_s=RELU, overload_name_s=overload, outputs=1)
     out.setType(self.type())
     return out
 

@@ -17,6 +17,8 @@
                         ``ortmodule.sparsity``)
 ``built_graph``         :func:`~ortmodule_exporter.passes.built_graph.register_built_graph_pass`
 ``scalar_gradients``    built-graph pass: gradients of 0-d tensors keep rank 0 (10)
+``engine_forwards``     built-graph pass: a forward exported as an ATen node only for its
+                        PyTorch backward (ReLU) goes back on the engine's kernel (55)
 ``row_sums``            built-graph pass: bias gradients on PyTorch's ``sum`` where the kernel
                         choice measured it faster (60)
 ======================  =========================================================================
@@ -31,6 +33,7 @@ from . import (  # noqa: F401 - register
     attention_fusion,
     attention_layout,
     batchnorm,
+    engine_forwards,
     engine_graph_fixes,
     output_ranks,
     python_op,
