@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 from ortmodule import ORTModule
 from ortmodule_exporter.aten import kernel_choice
 from ortmodule_exporter.aten.executor import ATEN_DOMAIN
+from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_exporter.passes import engine_forwards
 from ortmodule_testing.parity import clone_model
 
@@ -247,13 +248,11 @@ def _relu_nodes(model: ORTModule) -> tuple[list[str], list[str]]:
     def names(nodes: Any) -> list[str]:
         found = []
         for n in nodes:
-            attrs = {
-                a.name: a.s.decode() for a in n.attribute if a.name in ("operator", "overload_name")
-            }
+            operator = attribute(n, "operator", "")
             if n.op_type == "Relu":
                 found.append("Relu")
-            elif attrs.get("operator", "").startswith(kernel_choice.RELU):
-                found.append(f"{attrs['operator']}.{attrs.get('overload_name', '')}")
+            elif operator.startswith(kernel_choice.RELU):
+                found.append(f"{operator}.{attribute(n, 'overload_name', '')}")
         return sorted(found)
 
     return names(graph.built.exported.model.graph.node), names(graph.built.model.graph.node)

@@ -465,7 +465,7 @@ def measure_relu(numel: int) -> tuple[float, float]:
     _seeded()
     x = _randn(numel)
     engine_us = _engine_us("relu", [helper.make_node("Relu", ["x"], ["y"])], {"x": x}, ["y"])
-    return engine_us, _torch_us(lambda: torch.relu(x), aten_nodes=1)
+    return engine_us, _torch_us(lambda: _relu("", [x]), aten_nodes=1)
 
 
 def measure_relu_backward(numel: int) -> tuple[float, float]:
