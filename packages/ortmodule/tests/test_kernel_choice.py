@@ -11,7 +11,7 @@ import torch
 from onnx import TensorProto, helper
 
 from ortmodule import ORTModule
-from ortmodule_exporter.aten import kernel_choice
+from ortmodule_exporter.aten import kernel_choice, output_pool
 from ortmodule_exporter.aten.executor import ATEN_DOMAIN
 from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_exporter.passes import engine_forwards
@@ -62,6 +62,48 @@ def test_gelu_on_torch_kernels_trains_like_eager(
 ) -> None:
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
     assert kernel_choice.GELU in _ops(_train_both(approximate))
+
+
+class WideGelus(torch.nn.Module):
+    """Three GELUs whose outputs (64 x 1024 floats, 256 KiB) are pooled: the first two are
+    saved for the backward while the later ones run, so a buffer handed out while still held
+    would overwrite a saved activation and the gradients would differ from eager's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return x
+
+
+def test_pooled_gelu_outputs_train_like_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
+    torch.manual_seed(0)
+    eager = WideGelus()
+    ours = ORTModule(clone_model(eager))
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (eager, ours)]
+    gen = torch.Generator().manual_seed(0)
+    before = output_pool.stats()
+    for _ in range(3):
+        x = torch.randn(64, 1024, generator=gen)
+        outs = []
+        for model, opt in zip((eager, ours), opts, strict=True):
+            opt.zero_grad()
+            out = model(x)
+            out.square().mean().backward()
+            outs.append(out.detach())
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+        for p_ours, p_eager in zip(ours.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p_ours.grad, p_eager.grad, rtol=1e-4, atol=1e-5)
+        for opt in opts:
+            opt.step()
+    after = output_pool.stats()
+    assert kernel_choice.GELU in _ops(ours)
+    # later steps' GELU outputs and gradients were given buffers of earlier ones
+    assert after["reused"] > before["reused"]
 
 
 def test_engine_keeps_its_own_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

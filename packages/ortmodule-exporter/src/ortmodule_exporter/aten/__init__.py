@@ -10,6 +10,7 @@
                       gradient definition, run as a PythonOp
 ``kernel_choice``     per operator and size, the engine's kernel or PyTorch's, by timing both
 ``parallel``          PyTorch-run attention and GELU nodes in pieces across the engine's threads
+``output_pool``       reused buffers for PyTorch-run nodes' large outputs (no page faults per step)
 ``attention_layout``  CPU flash attention on token-major tensors (no Transposes around it)
 ``token_rows``        padding elimination's row moves: (batch, seq, ...) <-> kept tokens' rows
 ``overloads``         which overload a routed operator calls, from its traced inputs

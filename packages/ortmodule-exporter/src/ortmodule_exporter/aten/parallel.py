@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from . import output_pool
+
 __all__ = [
     "MIN_ATTENTION_WORK",
     "MIN_ELEMENTWISE",
@@ -298,7 +300,13 @@ def elementwise(
     engine's threads allow and every input is contiguous with the same shape, else in one
     call. Returns ``out``."""
     first = inputs[0]
-    out = torch.empty_like(first)
+    # the input's layout, as eager's result has it (a transposed input's result is computed
+    # along its memory, bitwise eager's); a contiguous one on a pooled buffer
+    out = (
+        output_pool.empty(first.shape, first.dtype, first.device)
+        if first.is_contiguous()
+        else torch.empty_like(first)
+    )
     whole = {**kwargs, out_arg: out}
     n = first.numel()
     pieces = _WIDTH[0]
@@ -364,11 +372,18 @@ def in_rows(
     if results is None:
         return op(*args, **kwargs)
     if isinstance(results[0], torch.Tensor):
-        return torch.cat(results)
+        return _cat(results)
     return tuple(
-        torch.cat([r[k] for r in results]) if isinstance(first, torch.Tensor) else first
+        _cat([r[k] for r in results]) if isinstance(first, torch.Tensor) else first
         for k, first in enumerate(results[0])
     )
+
+
+def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    # the pieces' results joined along dim 0, into a pooled buffer (no fresh pages each step)
+    first = parts[0]
+    shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+    return torch.cat(list(parts), out=output_pool.empty(shape, first.dtype, first.device))
 
 
 RowSplitter = Callable[[Callable[..., Any], list[Any], dict[str, Any]], Any]

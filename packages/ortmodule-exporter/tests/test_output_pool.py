@@ -1,0 +1,90 @@
+"""The output pool hands a buffer out again only once nothing holds it: no tensor, view or
+DLPack export (the engine's hold on an ATen node's output)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ortmodule_exporter import dlpack_bridge as bridge
+from ortmodule_exporter.aten import output_pool
+
+SHAPE = (256, 512)  # 512 KiB of float32: pooled
+
+
+@pytest.fixture(autouse=True)
+def _empty_pool() -> Iterator[None]:
+    output_pool.clear()
+    yield
+    output_pool.clear()
+
+
+def test_a_released_buffer_is_reused() -> None:
+    first = output_pool.empty(SHAPE, torch.float32)
+    address = first.data_ptr()
+    del first
+    again = output_pool.empty(SHAPE, torch.float32)
+    assert again.data_ptr() == address
+    assert again.shape == SHAPE and again.dtype == torch.float32 and again.is_contiguous()
+
+
+def test_a_buffer_is_not_reused_while_a_view_holds_it() -> None:
+    first = output_pool.empty(SHAPE, torch.float32)
+    view = first[3:].t()
+    address = first.data_ptr()
+    del first
+    other = output_pool.empty(SHAPE, torch.float32)
+    assert other.data_ptr() != address
+    del view, other
+    assert output_pool.empty(SHAPE, torch.float32).data_ptr() == address
+
+
+def test_a_buffer_is_not_reused_while_the_engine_holds_it() -> None:
+    first = output_pool.empty(SHAPE, torch.float32)
+    first.fill_(7.0)
+    address = first.data_ptr()
+    pointer = bridge.managed_pointer(first.detach())  # handed to the engine, as the executor does
+    del first
+    other = output_pool.empty(SHAPE, torch.float32)
+    assert other.data_ptr() != address
+    other.fill_(1.0)
+    held = bridge.tensor_from_pointer(pointer)  # the engine's hold, back in torch's hands
+    assert bool((held == 7.0).all())
+    del held, other
+    assert output_pool.empty(SHAPE, torch.float32).data_ptr() == address
+
+
+def test_another_dtype_of_the_same_size_shares_buffers() -> None:
+    first = output_pool.empty(SHAPE, torch.float32)
+    address = first.data_ptr()
+    del first
+    ints = output_pool.empty((SHAPE[0] * 2, SHAPE[1]), torch.int16)
+    assert ints.data_ptr() == address and ints.dtype == torch.int16
+
+
+def test_small_tensors_are_not_pooled() -> None:
+    before = output_pool.stats()
+    small = output_pool.empty((16, 16), torch.float32)
+    assert small.shape == (16, 16)
+    assert output_pool.stats() == before
+
+
+def test_the_pool_keeps_at_most_max_per_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(output_pool, "MAX_PER_SIZE", 2)
+    held = [output_pool.empty(SHAPE, torch.float32) for _ in range(3)]
+    assert len({t.data_ptr() for t in held}) == 3
+    assert output_pool.stats()["bytes"] == 2 * held[0].numel() * 4
+
+
+def test_clear_frees_only_idle_buffers() -> None:
+    kept = output_pool.empty(SHAPE, torch.float32)
+    idle = output_pool.empty(SHAPE, torch.float32)
+    del idle
+    nbytes = kept.numel() * 4
+    assert output_pool.stats()["bytes"] == 2 * nbytes
+    assert output_pool.clear() == nbytes
+    assert output_pool.stats()["bytes"] == nbytes
+    kept.fill_(2.0)  # still ours to write
+    assert bool((kept == 2.0).all())
