@@ -71,11 +71,35 @@ def test_small_tensors_are_not_pooled() -> None:
     assert output_pool.stats() == before
 
 
-def test_the_pool_keeps_at_most_max_per_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(output_pool, "MAX_PER_SIZE", 2)
+def test_nearby_sizes_share_a_size_class() -> None:
+    first = output_pool.empty((250, 512), torch.float32)
+    address = first.data_ptr()
+    del first
+    longer = output_pool.empty((256, 512), torch.float32)  # 2.4% more: the same class
+    assert longer.data_ptr() == address and longer.shape == (256, 512)
+    assert output_pool.size_class(250 * 512 * 4) == output_pool.size_class(256 * 512 * 4)
+    assert output_pool.size_class(1000) >= 1000
+    assert output_pool.size_class(1000) <= 1000 * 9 // 8
+
+
+def test_the_pool_stays_under_max_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    nbytes = output_pool.size_class(SHAPE[0] * SHAPE[1] * 4)
+    monkeypatch.setattr(output_pool, "MAX_BYTES", output_pool.stats()["bytes"] + 2 * nbytes)
     held = [output_pool.empty(SHAPE, torch.float32) for _ in range(3)]
-    assert len({t.data_ptr() for t in held}) == 3
-    assert output_pool.stats()["bytes"] == 2 * held[0].numel() * 4
+    assert len({t.data_ptr() for t in held}) == 3  # the third one is not pooled
+    assert output_pool.stats()["bytes"] <= output_pool.MAX_BYTES
+    held[0].fill_(3.0)  # buffers in use are never taken
+    del held[1:]
+    # idle buffers make room for another size, least recently used first
+    allocated = output_pool.stats()["allocated"]
+    other = output_pool.empty((SHAPE[0] * 2, SHAPE[1]), torch.float32)
+    assert other.shape == (SHAPE[0] * 2, SHAPE[1])
+    assert output_pool.stats()["allocated"] == allocated  # no room while held[0] is in use
+    del held[0], other
+    bigger = output_pool.empty((SHAPE[0] * 2, SHAPE[1]), torch.float32)
+    assert output_pool.stats()["allocated"] == allocated + 1
+    assert output_pool.stats()["bytes"] == 2 * nbytes <= output_pool.MAX_BYTES
+    del bigger
 
 
 def test_clear_frees_only_idle_buffers() -> None:

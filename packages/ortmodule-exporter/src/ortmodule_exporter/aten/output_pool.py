@@ -3,17 +3,19 @@
 An ATen node that writes a large output into a tensor PyTorch has just allocated pays for
 first touching that memory: glibc hands out blocks of more than its ``mmap`` threshold as fresh
 pages, and gives freed heap tops back to the system, so the same 4 MB GELU gradient faults its
-1024 pages in again at every step (on the 2-core EPYC VM, 4000-5000 page faults a training
-step of the BERT and GPT benchmarks, about 1 us each). The engine's own outputs do not: its
+1024 pages in again at every step (on the 2-core EPYC VM, 2500-6900 page faults a training
+step of the BERT benchmark, about 1 us each). The engine's own outputs do not: its
 arena keeps what it allocated.
 
-:func:`empty` gives such an output the memory of an earlier one of the same size that nobody
+:func:`empty` gives such an output the memory of an earlier one of its size class that nobody
 holds any more: the engine has released it (the ``DLManagedTensor`` it was handed), and no
 tensor, view or DLPack export of it is left anywhere. That is read from the storage's use
 count, so a buffer that anybody still holds (a saved activation, a user's output, a view kept
-by PyTorch) is never handed out again. The pool holds at most :data:`MAX_PER_SIZE` buffers of
-each size, so it keeps, like the engine's arena, about the peak of what was in use at once;
-:func:`clear` gives its idle buffers back.
+by PyTorch) is never handed out again. Sizes are rounded up to 8 classes per power of two
+(:func:`size_class`), so the outputs of batches of other lengths share buffers too. Like the
+engine's arena, the pool keeps about the peak of what was in use at once, and never more than
+:data:`MAX_BYTES`: beyond it idle buffers are freed, least recently used first, and an output
+that still does not fit is allocated as usual. :func:`clear` gives the idle buffers back.
 
 Used where our own code allocates an output: elementwise operators written with ``out=``
 (GELU and its backward, ``parallel.elementwise``) and the pieces of a node cut along the batch
@@ -32,25 +34,69 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["MAX_PER_SIZE", "MIN_BYTES", "clear", "empty", "stats"]
+__all__ = ["MAX_BYTES", "MIN_BYTES", "clear", "empty", "size_class", "stats"]
 
 #: outputs smaller than this are allocated as usual (glibc serves them from its heap)
 MIN_BYTES = 1 << 18
-#: buffers of one size the pool keeps; beyond it (outputs somebody keeps, say) allocation is as usual
-MAX_PER_SIZE = 64
+#: what the pool may hold in all; to stay under it idle buffers go, least recently used first,
+#: and an output that does not fit is allocated as usual
+MAX_BYTES = 256 << 20
 
 # torch's count of references to a storage; without it nothing is pooled
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
+
+class _Buffer:
+    __slots__ = ("data", "idle", "used")
+
+    def __init__(self, data: torch.Tensor, tick: int) -> None:
+        self.data = data
+        #: the storage's use count while only the pool holds it
+        self.idle = _count(data)
+        self.used = tick
+
+    def is_idle(self) -> bool:
+        return _count(self.data) == self.idle
+
+
 _LOCK = threading.Lock()
-#: size in bytes -> [(byte buffer, its storage's use count while only the pool holds it)]
-_BUFFERS: dict[int, list[tuple[torch.Tensor, int]]] = {}
+#: size class in bytes -> its buffers
+_BUFFERS: dict[int, list[_Buffer]] = {}
 _STATS = {"reused": 0, "allocated": 0}
+_TICK = [0]
 
 
-def _count(buffer: torch.Tensor) -> int:
+def _count(data: torch.Tensor) -> int:
     assert _use_count is not None
-    return int(_use_count(buffer.untyped_storage()._cdata))
+    return int(_use_count(data.untyped_storage()._cdata))
+
+
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to one of 8 steps per power of two (at most 1/8 more): outputs of
+    nearby sizes (a batch of another length) share buffers."""
+    step = 1 << max(nbytes.bit_length() - 4, 0)
+    return -(-nbytes // step) * step
+
+
+def _held() -> int:
+    return sum(size * len(buffers) for size, buffers in _BUFFERS.items())
+
+
+def _evict(needed: int) -> bool:
+    """Free idle buffers, least recently used first, until ``needed`` more bytes fit."""
+    room = MAX_BYTES - _held()
+    if room >= needed:
+        return True
+    idle = sorted(
+        ((b.used, size, b) for size, buffers in _BUFFERS.items() for b in buffers if b.is_idle()),
+        key=lambda entry: entry[0],
+    )
+    for _used, size, buffer in idle:
+        _BUFFERS[size].remove(buffer)
+        room += size
+        if room >= needed:
+            return True
+    return False
 
 
 def empty(
@@ -64,27 +110,30 @@ def empty(
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < MIN_BYTES or _use_count is None:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
+    size = size_class(nbytes)
     with _LOCK:
-        buffers = _BUFFERS.setdefault(nbytes, [])
-        for buffer, idle in buffers:
-            if _count(buffer) == idle:
+        _TICK[0] += 1
+        buffers = _BUFFERS.setdefault(size, [])
+        for buffer in buffers:
+            if buffer.is_idle():
+                buffer.used = _TICK[0]
                 _STATS["reused"] += 1
-                return buffer.view(dtype).view(tuple(shape))
-        if len(buffers) >= MAX_PER_SIZE:
+                return buffer.data[:nbytes].view(dtype).view(tuple(shape))
+        if not _evict(size):
             return torch.empty(tuple(shape), dtype=dtype)
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        buffers.append((buffer, _count(buffer)))
+        buffer = _Buffer(torch.empty(size, dtype=torch.uint8), _TICK[0])
+        buffers.append(buffer)
         _STATS["allocated"] += 1
-        return buffer.view(dtype).view(tuple(shape))
+        return buffer.data[:nbytes].view(dtype).view(tuple(shape))
 
 
 def clear() -> int:
     """Give the idle buffers back (those still held stay pooled); returns the bytes freed."""
     freed = 0
     with _LOCK:
-        for nbytes, buffers in _BUFFERS.items():
-            kept = [(b, idle) for b, idle in buffers if _count(b) != idle]
-            freed += nbytes * (len(buffers) - len(kept))
+        for size, buffers in _BUFFERS.items():
+            kept = [b for b in buffers if not b.is_idle()]
+            freed += size * (len(buffers) - len(kept))
             buffers[:] = kept
     return freed
 
@@ -93,5 +142,4 @@ def stats() -> dict[str, int]:
     """``reused``/``allocated``: outputs given a pooled buffer again / a new one; ``bytes``:
     what the pool holds now."""
     with _LOCK:
-        held = sum(n * len(b) for n, b in _BUFFERS.items())
-        return {**_STATS, "bytes": held}
+        return {**_STATS, "bytes": _held()}
