@@ -107,7 +107,7 @@ def empty(
     numel = 1
     for size in shape:
         numel *= int(size)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES or _use_count is None:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     size = size_class(nbytes)
