@@ -29,6 +29,7 @@ torch.Size([512, 256])
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 
@@ -104,26 +105,23 @@ def empty(
 ) -> torch.Tensor:
     """An uninitialised contiguous tensor, on an idle pooled buffer when it is large enough."""
     device = device or torch.device("cpu")
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES or _use_count is None:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     size = size_class(nbytes)
     with _LOCK:
         _TICK[0] += 1
         buffers = _BUFFERS.setdefault(size, [])
-        for buffer in buffers:
-            if buffer.is_idle():
-                buffer.used = _TICK[0]
-                _STATS["reused"] += 1
-                return buffer.data[:nbytes].view(dtype).view(tuple(shape))
-        if not _evict(size):
+        buffer = next((b for b in buffers if b.is_idle()), None)
+        if buffer is not None:
+            buffer.used = _TICK[0]
+            _STATS["reused"] += 1
+        elif _evict(size):
+            buffer = _Buffer(torch.empty(size, dtype=torch.uint8), _TICK[0])
+            buffers.append(buffer)
+            _STATS["allocated"] += 1
+        else:
             return torch.empty(tuple(shape), dtype=dtype)
-        buffer = _Buffer(torch.empty(size, dtype=torch.uint8), _TICK[0])
-        buffers.append(buffer)
-        _STATS["allocated"] += 1
         return buffer.data[:nbytes].view(dtype).view(tuple(shape))
 
 
