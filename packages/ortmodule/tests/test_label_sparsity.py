@@ -1,7 +1,9 @@
 """Label sparsity under ORTModule: when it is applied, that training is unchanged, and the switches.
 
-The zoo's ``masked_lm`` labels about 12% of its tokens and returns only the loss, so the engine
-can compute the loss and the vocabulary projection on the labelled tokens only.
+The zoo's ``masked_lm`` labels about 12% of its tokens and returns only the loss, so the loss,
+the head and the last feed-forward block run on the labelled tokens only (labelled rows, see
+``test_labelled_rows.py``); where labelled rows is refused, the engine still computes the loss
+and the vocabulary projection on them.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from ortmodule import ORTModule
-from ortmodule.sparsity import SparsityConfig, apply_label_sparsity
+from ortmodule import ORTModule, sparsity
+from ortmodule.sparsity import PaddingDecision, SparsityConfig, apply_label_sparsity
 from ortmodule_exporter import export
+from ortmodule_exporter.aten.token_rows import TAKE_ROWS
+from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_exporter.passes.density import ENGINE_FLAG, PRINT_ONLY, density_flags
 from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
 from ortmodule_testing.zoo import ZOO
@@ -24,9 +28,21 @@ CASE = ZOO["masked_lm"]
 
 
 def _ops(wrapped: ORTModule) -> list[str]:
+    """Operator types, and the operator of each PyTorch-run (ATen) node."""
     compiled = wrapped._runner.transitions.current(training=True, build_gradient=True)
     assert compiled is not None
-    return [n.op_type for n in compiled.built.model.graph.node]
+    graph = compiled.built.model.graph
+    return [attribute(n, "operator", "") or n.op_type for n in graph.node]
+
+
+@pytest.fixture
+def engine_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Labelled rows refused: the engine's own shrinking is what is left."""
+
+    def refused(*_args: Any, **_kwargs: Any) -> PaddingDecision:
+        return PaddingDecision(False, "refused by the test")
+
+    monkeypatch.setattr(sparsity, "keep_labelled_rows", refused)
 
 
 def _trains_like_eager(
@@ -62,12 +78,12 @@ def _dense_case() -> ZooCase:
 def test_applied_by_default_and_training_matches_eager(caplog: pytest.LogCaptureFixture) -> None:
     wrapped = _trains_like_eager(4, caplog, logging.INFO)
     ops = _ops(wrapped)
-    assert "ShrunkenGather" in ops and "PythonOp" not in ops
+    assert TAKE_ROWS in ops and "PythonOp" not in ops
     decisions = [r.getMessage() for r in caplog.records if "label sparsity" in r.getMessage()]
     assert len(decisions) == 1 and decisions[0].startswith("label sparsity on for loss")
 
 
-def test_shrinks_the_vocabulary_projection() -> None:
+def test_the_engine_shrinks_the_vocabulary_projection(engine_only: None) -> None:
     # with the loss alone as output, the engine gathers the labelled rows before the decoder
     wrapped = ORTModule(CASE.build(seed=0))
     train_steps(wrapped, CASE, steps=1)
@@ -110,7 +126,7 @@ def test_each_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch, variable: str
     monkeypatch.setenv(variable, "0")
     wrapped = _trains_like_eager(2)
     ops = _ops(wrapped)
-    assert "ShrunkenGather" not in ops and "PythonOp" not in ops
+    assert "ShrunkenGather" not in ops and TAKE_ROWS not in ops and "PythonOp" not in ops
 
 
 def test_not_applied_when_most_labels_count(caplog: pytest.LogCaptureFixture) -> None:
@@ -118,7 +134,7 @@ def test_not_applied_when_most_labels_count(caplog: pytest.LogCaptureFixture) ->
     wrapped = ORTModule(case.build(seed=0))
     with caplog.at_level(logging.INFO, logger="ortmodule"):
         train_steps(wrapped, case, steps=1)
-    assert "ShrunkenGather" not in _ops(wrapped)
+    assert "ShrunkenGather" not in _ops(wrapped) and TAKE_ROWS not in _ops(wrapped)
     (line,) = [r.getMessage() for r in caplog.records if "label sparsity" in r.getMessage()]
     assert line.startswith("label sparsity off") and "not below 90%" in line
 
@@ -145,7 +161,9 @@ def test_print_input_density_logs_every_step(
         assert f"({tokens} of {input_ids.numel()})" in embed_line, embed_line
     ops = _ops(wrapped)
     assert "PythonOp" in ops  # the flag stays to print
-    assert ("ShrunkenGather" in ops) == (optimize == "1")
+    # the flag reads the labels before the labelled-rows gather: the densities above are the
+    # batch's own
+    assert (TAKE_ROWS in ops) == (optimize == "1")
 
 
 def test_apply_label_sparsity_decisions() -> None:
@@ -185,10 +203,8 @@ def test_apply_label_sparsity_decisions() -> None:
 
 
 def test_a_failure_leaves_the_exported_graph_untouched(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    engine_only: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ortmodule import sparsity
-
     def broken(*_args: Any, **_kwargs: Any) -> str:
         raise RuntimeError("simulated flag failure")
 

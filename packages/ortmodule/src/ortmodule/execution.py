@@ -51,7 +51,12 @@ from ortmodule_exporter.export import bind_arguments, forward_signature
 from ortmodule_pytree import FlattenMemo, unflatten
 
 from .log import PhaseTimer, log_initialisation_summary
-from .sparsity import SparsityConfig, apply_label_sparsity, apply_padding_elimination
+from .sparsity import (
+    SparsityConfig,
+    apply_label_rows,
+    apply_label_sparsity,
+    apply_padding_elimination,
+)
 
 logger = logging.getLogger("ortmodule")
 
@@ -528,15 +533,20 @@ class GraphRunner:
                 print_density=cfg.print_input_density,
                 padding=cfg.padding_elimination,
             )
-            if sparsity.padding:
-                state = {
-                    **dict(self.module.named_parameters()),
-                    **dict(self.module.named_buffers()),
-                }
-                apply_padding_elimination(
-                    exported, {**state, **batch}, sparsity, training=key.build_gradient
-                )
-            apply_label_sparsity(exported, batch, sparsity, training=key.build_gradient)
+            state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+            padded = apply_padding_elimination(
+                exported, {**state, **batch}, sparsity, training=key.build_gradient
+            )
+            rows = None
+            if padded is None or not padded.applied:
+                # under the export's switches: the loss on the labelled rows takes their
+                # kernel choice
+                config = cfg.export_config or ExportConfig.from_switches(cfg.opset)
+                with config.applied():
+                    rows = apply_label_rows(
+                        exported, {**state, **batch}, sparsity, training=key.build_gradient
+                    )
+            apply_label_sparsity(exported, batch, sparsity, training=key.build_gradient, rows=rows)
         if exported.from_cache:
             logger.info("export skipped: loaded from the export cache %s", cfg.cache_dir)
         else:

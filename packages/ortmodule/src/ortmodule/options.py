@@ -295,7 +295,10 @@ VARIABLES: tuple[EnvVar, ...] = (
         True,
         _RUNTIME,
         "Compute a cross-entropy loss, and the layers feeding it, on the counted labels only "
-        "(not ignore_index) when under 90% of the first batch's labels count; training graphs.",
+        "(not ignore_index) when under 90% of the first batch's labels count; training graphs. "
+        "On CPU, every token-wise layer only the loss reads (a masked LM's head, the last "
+        "feed-forward block) runs on the labelled tokens (labelled rows; refused, with the reason "
+        "logged, where that cannot be shown); else the engine shrinks the vocabulary projection.",
     ),
     _switch(
         "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER",

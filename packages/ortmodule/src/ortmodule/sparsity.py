@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -31,6 +31,7 @@ import torch
 from ortmodule_exporter import ExportedModel
 from ortmodule_exporter.passes.density import (
     DENSITY_THRESHOLD,
+    LabelSite,
     embedding_sites,
     infer_symbolic_shapes,
     insert_density_flag,
@@ -41,7 +42,11 @@ from ortmodule_exporter.passes.density import (
     strip_density_flags,
     tensor_value,
 )
-from ortmodule_exporter.passes.padding import PaddingDecision, eliminate_padding
+from ortmodule_exporter.passes.padding import (
+    PaddingDecision,
+    eliminate_padding,
+    keep_labelled_rows,
+)
 
 logger = logging.getLogger("ortmodule")
 
@@ -50,6 +55,7 @@ __all__ = [
     "LabelDecision",
     "PaddingDecision",
     "SparsityConfig",
+    "apply_label_rows",
     "apply_label_sparsity",
     "apply_padding_elimination",
 ]
@@ -82,18 +88,22 @@ def apply_label_sparsity(
     feeds: Mapping[str, torch.Tensor],
     config: SparsityConfig,
     training: bool,
+    rows: PaddingDecision | None = None,
 ) -> list[LabelDecision]:
     """Insert the density flags ``config`` asks for into ``exported.model`` (in place).
 
     ``feeds`` maps graph input names to this batch's tensors. The engine optimization is only
     requested in a ``training`` (gradient) graph, where the engine's compute optimizer runs.
+    ``rows``: what :func:`apply_label_rows` did; its losses already read the labelled rows, so
+    the engine is not asked again (a density print reads the labels before the gather).
     """
     if not (config.label or config.print_density):
         return []
     original = onnx.ModelProto()
     original.CopyFrom(exported.model)
+    shrunk = frozenset(rows.losses) if rows is not None and rows.applied else frozenset()
     try:
-        return _apply(exported, feeds, config, training)
+        return _apply(exported, feeds, config, training, shrunk)
     except Exception as err:  # noqa: BLE001 - an optional optimization never stops training
         exported.model = original
         logger.warning(
@@ -126,10 +136,24 @@ def _apply(
     feeds: Mapping[str, torch.Tensor],
     config: SparsityConfig,
     training: bool,
+    shrunk: frozenset[str] = frozenset(),
 ) -> list[LabelDecision]:
     model = exported.model
     decisions = []
+    producer = {o: n for n in model.graph.node for o in n.output}
     for site in label_sites(model):
+        if site.node in shrunk:
+            # the labelled-rows gather of the labels: flag (print) what it reads
+            site = replace(site, labels=producer[site.labels].input[0])
+            labels = site_labels(model, site, feeds)
+            density = None if labels is None else label_density(labels, site.ignore_index)
+            if config.print_density and labels is not None and labels.dtype == np.int64:
+                insert_density_flag(
+                    model, site, engine=False, emit=True, rank=labels.ndim, every_reader=True
+                )
+            reason = "the loss and the layers only it reads run on the labelled rows already"
+            decisions.append(LabelDecision(site.node, site.labels, density, True, reason))
+            continue
         labels = site_labels(model, site, feeds)
         if labels is None:
             decisions.append(
@@ -158,14 +182,14 @@ def _apply(
             if indices is not None and indices.dtype == np.int64:
                 insert_embedding_density_print(model, embedding, rank=indices.ndim)
 
-    if any(d.applied for d in decisions):
+    if any(d.applied and d.node not in shrunk for d in decisions):
         try:
             exported.model = infer_symbolic_shapes(model)
         except Exception as err:  # noqa: BLE001 - the optimization is optional
             strip_density_flags(model, keep_printing=False)
             decisions = [
                 LabelDecision(d.node, d.labels, d.density, False, f"shape inference failed: {err}")
-                if d.applied
+                if d.applied and d.node not in shrunk
                 else d
                 for d in decisions
             ]
@@ -204,6 +228,49 @@ def apply_padding_elimination(
         "on" if decision.applied else "off",
         f" (mask {decision.mask_input})" if decision.mask_input else "",
         decision.reason,
+        shown,
+    )
+    return decision
+
+
+def _sparse(
+    model: onnx.ModelProto, site: LabelSite, feeds: Mapping[str, torch.Tensor], threshold: float
+) -> bool:
+    labels = site_labels(model, site, feeds)
+    return labels is not None and label_density(labels, site.ignore_index) < threshold
+
+
+def apply_label_rows(
+    exported: ExportedModel,
+    feeds: Mapping[str, torch.Tensor],
+    config: SparsityConfig,
+    training: bool,
+) -> PaddingDecision | None:
+    """Run the token-wise layers that only a cross-entropy loss reads (a masked LM's head, and
+    the last layer's feed-forward block) on the labelled tokens (in place).
+
+    Part of label sparsity: the engine's own shrinking starts at the loss and stops at the
+    first ``Reshape`` that merges batch and sequence, so it shrinks the vocabulary projection
+    only. ``feeds`` maps graph input names to this batch's tensors, parameters included. Only
+    training graphs; ``None`` when label sparsity is off. The decision is logged at INFO.
+    """
+    if not (config.label and training):
+        return None
+    model = exported.model
+    devices = {t.device.type for t in feeds.values() if isinstance(t, torch.Tensor)}
+    if devices != {"cpu"}:
+        # the checks run the forward graph on the CPU: a whole extra forward of a GPU model
+        decision = PaddingDecision(False, f"the batch and parameters are on {sorted(devices)}")
+    elif not any(_sparse(model, site, feeds, config.threshold) for site in label_sites(model)):
+        decision = PaddingDecision(False, f"no loss has under {config.threshold:.0%} labels")
+    else:
+        decision = keep_labelled_rows(model, feeds, config.threshold)
+    shown = "" if decision.density is None else f", {decision.density:.1%} of tokens labelled"
+    logger.info(
+        "labelled rows %s: %s%s%s",
+        "on" if decision.applied else "off",
+        decision.reason,
+        f" ({decision.token_wise_nodes} nodes)" if decision.applied else "",
         shown,
     )
     return decision

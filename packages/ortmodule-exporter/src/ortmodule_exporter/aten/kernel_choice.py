@@ -58,6 +58,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import onnx
+import onnx.numpy_helper
 import torch
 import torch.nn.functional as F
 from torch.onnx import symbolic_helper as sh
@@ -65,6 +68,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..engine_binding import import_onnxruntime
 from ..label_density import DENSITY_THRESHOLD, label_density
+from ..onnx_graph import attribute
 from ..symbolics import embedding as embedding_symbolic
 from ..symbolics import losses
 from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
@@ -77,12 +81,15 @@ __all__ = [
     "ATEN_NODE_US",
     "CALIBRATION_NUMEL",
     "MODES",
+    "CROSS_ENTROPY",
     "ENGINE_FORWARD",
     "ENGINE_FORWARDS",
     "CoveredOperator",
+    "aten_cross_entropy",
     "choose",
     "configure_kernel_choice",
     "covered_operators",
+    "cross_entropy_route",
     "current_mode",
     "current_torch_threads",
     "decisions",
@@ -727,6 +734,43 @@ def row_sum_route(cols: int) -> str:
     return _decide(f"row_sum({cols})", "Float", rows, lambda: measure_row_sum(rows, cols))
 
 
+def cross_entropy_route(rows: int, classes: int) -> str:
+    """``"engine"`` or ``"torch"`` for a float32 mean or sum cross-entropy over ``rows`` x
+    ``classes`` logits and class indices, forward and backward (timed at ``rows``' size
+    class)."""
+    size = _size_class(rows)
+    return _decide(
+        f"cross_entropy({classes})", "Float", size, lambda: measure_cross_entropy(size, classes)
+    )
+
+
+def aten_cross_entropy(loss: onnx.NodeProto) -> tuple[onnx.NodeProto, onnx.TensorProto]:
+    """The ATen node PyTorch's cross-entropy runs as, in place of the engine's
+    ``SoftmaxCrossEntropyLoss`` node ``loss`` (reduction mean or sum, an ``ignore_index``, no
+    weight): the node, with ``loss``'s name, inputs and outputs and a third output, and the
+    initializer of its reduction and ignore index."""
+    reduction = attribute(loss, "reduction", "mean")
+    ignore_index = attribute(loss, "ignore_index")
+    if reduction not in ("mean", "sum") or ignore_index is None or len(loss.input) != 2:
+        raise ValueError(f"{loss.name}: not a mean or sum cross-entropy with an ignore_index")
+    code = _MEAN if reduction == "mean" else _SUM
+    params = onnx.numpy_helper.from_array(
+        np.array([code, int(ignore_index)], np.int64), f"{loss.name}/reduction_and_ignore_index"
+    )
+    log_prob = loss.output[1] if len(loss.output) > 1 and loss.output[1] else ""
+    outputs = [loss.output[0], log_prob or f"{loss.name}/log_prob", f"{loss.name}/total"]
+    node = onnx.helper.make_node(
+        "ATen",
+        [loss.input[0], loss.input[1], params.name],
+        outputs,
+        name=loss.name,
+        domain=ATEN_DOMAIN,
+        operator=CROSS_ENTROPY,
+        overload_name="",
+    )
+    return node, params
+
+
 def _size_class(numel: int) -> int:
     return 1 << max(0, round(math.log2(max(numel, 1))))
 
@@ -1214,11 +1258,7 @@ def _cross_entropy_symbolic(
     ):
         return default(g, *args)
     rows, classes = traced.sizes[0]
-    size = _size_class(rows)
-    route = _decide(
-        f"cross_entropy({classes})", "Float", size, lambda: measure_cross_entropy(size, classes)
-    )
-    if route != "torch":
+    if cross_entropy_route(rows, classes) != "torch":
         return default(g, *args)
     loss, log_prob, total = g.op(
         f"{ATEN_DOMAIN}::ATen",

@@ -298,16 +298,24 @@ def _source_names(sources: tuple[str, ...], fallback: str) -> str:
 
 
 def insert_density_flag(
-    model: onnx.ModelProto, site: LabelSite, *, engine: bool, emit: bool, rank: int = 1
+    model: onnx.ModelProto,
+    site: LabelSite,
+    *,
+    engine: bool,
+    emit: bool,
+    rank: int = 1,
+    every_reader: bool = False,
 ) -> str:
     """Put the density flag PythonOp between ``site``'s labels and its loss node.
 
     ``engine`` names it :data:`ENGINE_FLAG` (the engine drops ignored labels and removes the node
     unless ``emit``), else :data:`PRINT_ONLY`. ``emit`` makes it log the density of each step.
-    ``rank`` is the labels' rank (the engine only shrinks rank-1 labels). Returns the flag
-    node's name.
+    ``rank`` is the labels' rank (the engine only shrinks rank-1 labels). ``every_reader``
+    (print only): every reader of ``site.labels`` reads the flag's output, not just the loss
+    (labels that reach the loss through other nodes). Returns the flag node's name.
     """
     (loss,) = [n for n in model.graph.node if n.name == site.node]
+    readers = [n for n in model.graph.node if site.labels in n.input] if every_reader else [loss]
     node_name = f"{site.node}/density_flag"
     printed = _Printed("LABEL", _source_names(site.sources, site.labels), "ignore_index")
     flagged = _insert_flag(
@@ -320,7 +328,10 @@ def insert_density_flag(
         rank=rank,
         node_name=node_name,
     )
-    loss.input[1] = flagged
+    for reader in readers:
+        for k, name in enumerate(reader.input):
+            if name == site.labels and reader.name != node_name:
+                reader.input[k] = flagged
     if len(loss.output) < 2:  # the engine reads the log_prob output's name
         loss.output.append(f"{site.node}/log_prob_unused")
     return node_name

@@ -37,6 +37,16 @@ pass proves it before it changes anything, refusing (and saying why) otherwise:
 
 The forward graph is run with ONNX Runtime for those checks (twice for the original, once for
 the rewrite), at graph build only.
+
+Labelled rows (:func:`keep_labelled_rows`, part of label sparsity) is the same rewrite with
+other rows kept: the tokens whose label a ``SoftmaxCrossEntropyLoss`` counts. Attention reads
+every token, so no row may be left out where anything but the region and the losses reads it:
+the region shrinks to the token-wise nodes that only the losses read (a masked LM's head, the
+last layer's feed-forward block and attention output projection), nothing is put back, and no
+attention mask is needed. A batch without a single counted label keeps its first token, so no
+tensor is empty. The engine's own label sparsity (``InsertGatherBeforeSceLoss``) gathers the
+counted rows before the loss only: its gather does not pass the ``Reshape`` that merges batch
+and sequence.
 """
 
 from __future__ import annotations
@@ -55,13 +65,20 @@ import torch
 from ..aten import executor as aten_executor
 from ..aten.attention_layout import FLASH, FLASH_BSHD
 from ..aten.executor import ATEN_DOMAIN
-from ..aten.kernel_choice import GELU, LAYER_NORM
+from ..aten.kernel_choice import GELU, LAYER_NORM, aten_cross_entropy, cross_entropy_route
 from ..aten.token_rows import PUT_ROWS, TAKE_ROWS
 from ..engine_binding import import_onnxruntime
 from ..onnx_graph import attribute, constant_values, producers_and_consumers
 from .density import _cone, infer_symbolic_shapes
 
-__all__ = ["MASKED", "PaddingDecision", "eliminate_padding", "evaluate_graph"]
+__all__ = [
+    "LABELLED",
+    "MASKED",
+    "PaddingDecision",
+    "eliminate_padding",
+    "evaluate_graph",
+    "keep_labelled_rows",
+]
 
 logger = logging.getLogger("ortmodule.padding")
 
@@ -70,6 +87,9 @@ MASKED = -1e30
 _PREFIX = "padding_elimination"
 #: the name of the kept-token dim in the rewritten graph's shapes
 TOKENS = "padding_elimination_tokens"
+_LABEL_PREFIX = "labelled_rows"
+#: the name of the labelled-token dim in a graph :func:`keep_labelled_rows` rewrote
+LABELLED = "labelled_rows_tokens"
 _ATTENTION = frozenset({FLASH, FLASH_BSHD})
 #: ONNX operators that act on each element alone (any extra inputs must be scalars or vectors)
 _ELEMENTWISE = frozenset(
@@ -186,6 +206,25 @@ def eliminate_padding(
     original.CopyFrom(model)
     try:
         return _eliminate(model, feeds, user_inputs, threshold)
+    except _Refused as why:
+        model.CopyFrom(original)
+        return PaddingDecision(False, str(why))
+    except Exception as err:  # noqa: BLE001 - an optional optimization never stops training
+        model.CopyFrom(original)
+        return PaddingDecision(False, f"{type(err).__name__}: {err}")
+
+
+def keep_labelled_rows(
+    model: onnx.ModelProto, feeds: Mapping[str, Any], threshold: float = 0.9
+) -> PaddingDecision:
+    """Rewrite ``model`` (in place) so the token-wise nodes that only a loss reads run on the
+    tokens whose label counts; see the module docstring. ``feeds`` holds the batch that caused
+    the export by graph input name (user inputs and parameters). Applied when under
+    ``threshold`` of the tokens are labelled. On refusal ``model`` is unchanged."""
+    original = onnx.ModelProto()
+    original.CopyFrom(model)
+    try:
+        return _eliminate(model, feeds, frozenset(), threshold, labels_only=True)
     except _Refused as why:
         model.CopyFrom(original)
         return PaddingDecision(False, str(why))
@@ -331,14 +370,15 @@ def _region(
 class _Builder:
     """New nodes, each named under :data:`_PREFIX`."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = _PREFIX) -> None:
+        self.prefix = prefix
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.count = 0
 
     def name(self, what: str) -> str:
         self.count += 1
-        return f"{_PREFIX}/{what}_{self.count}"
+        return f"{self.prefix}/{what}_{self.count}"
 
     def const(self, what: str, value: np.ndarray) -> str:
         name = self.name(what)
@@ -432,39 +472,131 @@ def _indices(
     return rows, inverse, shape
 
 
+def _loss_grids(graph: onnx.GraphProto, producer: Mapping[str, onnx.NodeProto]) -> list[str]:
+    """The ``logits`` of each ``SoftmaxCrossEntropyLoss(reshape(logits, (-1, classes)), ...)``."""
+    found = []
+    for node in graph.node:
+        reshape = producer.get(node.input[0]) if node.op_type == "SoftmaxCrossEntropyLoss" else None
+        if reshape is not None and reshape.op_type == "Reshape":
+            found.append(reshape.input[0])
+    return found
+
+
+def _labelled_indices(b: _Builder, labels: list[tuple[str, int]]) -> tuple[str, str]:
+    """Nodes computing the rows of the tokens any loss counts: (row indices [kept], inverse
+    index [batch * seq]: flat position -> kept row, or the number of kept rows)."""
+    keep = ""
+    for labels_name, ignore in labels:
+        ignored = b.one(
+            "Equal", [labels_name, b.const("ignore", np.array(ignore, np.int64))], "ignored"
+        )
+        counted = b.one("Not", [ignored], "labelled")
+        keep = b.one("Or", [keep, counted], "keep_labelled") if keep else counted
+    # a batch without a single label keeps its first token: no empty tensors (the engine's
+    # kernels fail on some), and the ignored label adds nothing to the loss
+    counts = b.one("Cast", [keep], "keep_count", to=onnx.TensorProto.INT64)
+    none = b.one(
+        "Equal",
+        [
+            b.one("ReduceMax", [counts], "any_label", keepdims=0),
+            b.const("zero", np.array(0, np.int64)),
+        ],
+        "no_label",
+    )
+    first = b.one(
+        "Equal",
+        [
+            b.one(
+                "Range",
+                [
+                    b.const("zero_pos", np.array(0, np.int64)),
+                    b.one("Size", [keep], "tokens"),
+                    b.const("step", np.array(1, np.int64)),
+                ],
+                "positions",
+            ),
+            b.const("zero_i64", np.array(0, np.int64)),
+        ],
+        "is_first",
+    )
+    keep = b.one("Or", [keep, b.one("And", [first, none], "first_if_none")], "keep_some")
+    rows = b.one(
+        "Squeeze",
+        [b.one("NonZero", [keep], "kept"), b.const("axis0", np.array([0], np.int64))],
+        "rows",
+    )
+    position = b.one(
+        "Sub",
+        [
+            b.one(
+                "CumSum",
+                [
+                    b.one("Cast", [keep], "keep_int", to=onnx.TensorProto.INT64),
+                    b.const("axis0s", np.array(0, np.int64)),
+                ],
+                "running",
+            ),
+            b.const("one", np.array(1, np.int64)),
+        ],
+        "position",
+    )
+    count = b.one("Shape", [rows], "kept_count")
+    return rows, b.one("Where", [keep, position, count], "inverse_flat")
+
+
 def _eliminate(
     model: onnx.ModelProto,
     feeds: Mapping[str, Any],
     user_inputs: set[str] | frozenset[str],
     threshold: float,
+    labels_only: bool = False,
 ) -> PaddingDecision:
+    """Padding elimination, or with ``labels_only`` the rows of the labelled tokens: no
+    attention mask is needed, and no region tensor may reach anything but the region and the
+    losses (attention reads every token)."""
     graph = model.graph
     calls = sorted({attribute(n, "func_name", "?") for n in graph.node if n.op_type == "PythonOp"})
     if calls:
         # the checks run the forward graph; the user's Python code must not run outside a step
         raise _Refused(f"the graph calls Python code (PythonOp {', '.join(calls)})")
-    attention = [
-        n
-        for n in graph.node
-        if n.domain == ATEN_DOMAIN and attribute(n, "operator", "") in _ATTENTION
-    ]
-    if not attention:
-        raise _Refused("no fused attention node (ORTMODULE_FUSED_ATTENTION) reads a padding mask")
-    masks = [n.input[5] if len(n.input) > 5 else "" for n in attention]
-    if "" in masks:
-        raise _Refused("an attention node has no mask, so padding tokens are attended to")
-    source = _mask_source(graph, masks, user_inputs)
+    producer, consumers = producers_and_consumers(graph)
+    masks: list[str] = []
+    source = ""
+    if labels_only:
+        if not _loss_grids(graph, producer):
+            raise _Refused("no cross-entropy loss reads reshape(logits, (-1, classes))")
+    else:
+        attention = [
+            n
+            for n in graph.node
+            if n.domain == ATEN_DOMAIN and attribute(n, "operator", "") in _ATTENTION
+        ]
+        if not attention:
+            raise _Refused(
+                "no fused attention node (ORTMODULE_FUSED_ATTENTION) reads a padding mask"
+            )
+        masks = [n.input[5] if len(n.input) > 5 else "" for n in attention]
+        if "" in masks:
+            raise _Refused("an attention node has no mask, so padding tokens are attended to")
+        source = _mask_source(graph, masks, user_inputs)
     values = evaluate_graph(model, feeds)
     types = {
         name: onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
         for name, value in values.items()
         if isinstance(value, np.ndarray)
     }
-    mask_value = values[source]
-    if mask_value.ndim != 2:
-        raise _Refused(f"the attention mask input {source} has rank {mask_value.ndim}, not 2")
-    grid = (int(mask_value.shape[0]), int(mask_value.shape[1]))
-    producer, consumers = producers_and_consumers(graph)
+    if labels_only:
+        grid_of = {tuple(values[name].shape[:2]) for name in _loss_grids(graph, producer)}
+        if len(grid_of) != 1:
+            raise _Refused(f"the losses' logits have (batch, seq) dims {sorted(grid_of)}")
+        ((rows_grid, cols_grid),) = grid_of
+        grid = (int(rows_grid), int(cols_grid))
+        mask_value = np.ones(grid, dtype=np.int64)
+    else:
+        mask_value = values[source]
+        if mask_value.ndim != 2:
+            raise _Refused(f"the attention mask input {source} has rank {mask_value.ndim}, not 2")
+        grid = (int(mask_value.shape[0]), int(mask_value.shape[1]))
     # every initializer as an array: once, not in each round of the pruning below
     constants = constant_values(graph)
 
@@ -473,9 +605,13 @@ def _eliminate(
     first_leak = ""
     while True:
         losses, absorbed = _losses(graph, region, values, grid, producer, consumers)
-        picks = _picks(graph, region, values, constants)
+        picks = {} if labels_only else _picks(graph, region, values, constants)
         scatter, shapes = _exits(region, absorbed, picks, consumers, outputs)
-        leak = _leak(scatter, region, consumers, values, grid, outputs)
+        leak = _leak(scatter, region, consumers, values, grid, outputs, not labels_only)
+        if leak is None and labels_only and scatter:
+            # the rows of the unlabelled tokens exist nowhere to put back
+            name = sorted(scatter)[0]
+            leak = name, f"{name} is read outside the loss's token-wise nodes"
         if leak is None:
             break
         origin, why = leak
@@ -484,8 +620,11 @@ def _eliminate(
         region.nodes = [n for n in region.nodes if origin not in n.output]
         region.flat = {o for n in region.nodes for o in n.output if o}
         if not region.nodes:
-            raise _Refused(f"no token-wise node can skip the padding: {first_leak}")
+            skipped = "the unlabelled tokens" if labels_only else "the padding"
+            raise _Refused(f"no token-wise node can skip {skipped}: {first_leak}")
 
+    if labels_only and not losses:
+        raise _Refused(f"no token-wise node feeds only a loss: {first_leak}")
     dropped = mask_value == 0
     labelled = np.zeros(grid, dtype=bool)
     for node, _, ignore in losses:
@@ -493,36 +632,62 @@ def _eliminate(
     for position in set(picks.values()):
         if position < grid[1]:
             labelled[:, position] = True
-    empty = ~(~dropped).any(axis=1, keepdims=True)
-    dropped = dropped & ~labelled & ~empty
+    if labels_only:
+        dropped = ~labelled
+    else:
+        empty = ~(~dropped).any(axis=1, keepdims=True)
+        dropped = dropped & ~labelled & ~empty
     density = 1.0 - float(dropped.mean())
     if density >= threshold:
         raise _Refused(f"{density:.1%} of the tokens are kept, not under {threshold:.0%}")
-    _check_masked(values, masks, dropped)
-    rng = np.random.default_rng(0)
-    probe_mask = (rng.random(grid) < 0.7).astype(mask_value.dtype)
-    probe_mask[:, 0] = 1
-    probe_values = evaluate_graph(model, {**feeds, source: probe_mask}, outputs=masks, types=types)
-    _check_masked(probe_values, masks, probe_mask == 0)
+    if not labels_only:
+        _check_masked(values, masks, dropped)
+        rng = np.random.default_rng(0)
+        probe_mask = (rng.random(grid) < 0.7).astype(mask_value.dtype)
+        probe_mask[:, 0] = 1
+        probe_values = evaluate_graph(
+            model, {**feeds, source: probe_mask}, outputs=masks, types=types
+        )
+        _check_masked(probe_values, masks, probe_mask == 0)
     region_nodes = {id(n) for n in region.nodes}
     loss_nodes = {id(node) for node, _, _ in losses}
 
     # -- rewrite ---------------------------------------------------------------------------------
-    b = _Builder()
-    mask_dtype = mask_value.dtype
-    rows, inverse, mask_shape = _indices(
-        b, source, mask_dtype, [(n.input[1], ig) for n, _, ig in losses], set(picks.values())
-    )
+    b = _Builder(_LABEL_PREFIX if labels_only else _PREFIX)
+    label_sets = [(n.input[1], ig) for n, _, ig in losses]
+    if labels_only:
+        rows, inverse = _labelled_indices(b, label_sets)
+        # the padded (batch, seq) from a tensor entering the region
+        entering = sorted(
+            name
+            for n in region.nodes
+            for name in n.input
+            if name and name not in region.flat and _token_tensor(values, name, grid)
+        )
+        mask_shape = b.one(
+            "Slice",
+            [
+                b.one("Shape", [entering[0]], "entering_shape"),
+                b.const("start", np.array([0], np.int64)),
+                b.const("two", np.array([2], np.int64)),
+            ],
+            "grid",
+        )
+        inverse = b.one("Reshape", [inverse, mask_shape], "inverse")
+    else:
+        rows, inverse, mask_shape = _indices(
+            b, source, mask_value.dtype, label_sets, set(picks.values())
+        )
     gathered: dict[str, str] = {}
     scattered: dict[str, str] = {}
     infos: list[onnx.ValueInfoProto] = []
     declared = {vi.name: vi for vi in graph.value_info}
-    grid_dims = [
+    grid_dims: list[str | int] = [
         d.dim_param or d.dim_value
         for vi in graph.input
         if vi.name == source
         for d in vi.type.tensor_type.shape.dim
-    ]
+    ] or [f"{_LABEL_PREFIX}_batch", f"{_LABEL_PREFIX}_seq"]
 
     def dims_of(name: str) -> list[str | int]:
         """``name``'s padded dims: as declared, else (mask dims, sizes on this batch)."""
@@ -548,7 +713,8 @@ def _eliminate(
 
     def gather(name: str) -> str:
         if name not in gathered:
-            gathered[name] = moved(TAKE_ROWS, name, "take_rows", [TOKENS, *dims_of(name)[2:]])
+            kept = LABELLED if labels_only else TOKENS
+            gathered[name] = moved(TAKE_ROWS, name, "take_rows", [kept, *dims_of(name)[2:]])
         return gathered[name]
 
     def scatter_back(name: str) -> str:
@@ -595,9 +761,20 @@ def _eliminate(
             )
             continue
         new_nodes.append(node)
+    if labels_only:
+        new_nodes = [
+            _routed_loss(node, values, int(labelled.sum()), b, infos)
+            if id(node) in loss_nodes
+            else node
+            for node in new_nodes
+        ]
     del graph.node[:]
     graph.node.extend(_topological(new_nodes))
     graph.initializer.extend(b.initializers)
+    replaced = {vi.name for vi in infos}
+    kept_infos = [vi for vi in graph.value_info if vi.name not in replaced]
+    del graph.value_info[:]
+    graph.value_info.extend(kept_infos)
     graph.value_info.extend(infos)
     for vi in graph.value_info:  # (batch, seq, ...) -> (kept tokens, ...)
         if vi.name in region.flat and vi.type.tensor_type.HasField("shape"):
@@ -605,7 +782,7 @@ def _eliminate(
             if len(dims) >= 2:
                 del dims[0]
                 dims[0].Clear()
-                dims[0].dim_param = TOKENS
+                dims[0].dim_param = LABELLED if labels_only else TOKENS
 
     # -- the rewrite computes the same outputs on this batch -------------------------------------
     names = [o.name for o in graph.output]
@@ -617,7 +794,11 @@ def _eliminate(
             )
     return PaddingDecision(
         True,
-        "token-wise nodes run on the kept tokens only",
+        (
+            "the token-wise nodes only a loss reads run on the labelled tokens"
+            if labels_only
+            else "token-wise nodes run on the kept tokens only"
+        ),
         mask_input=source,
         density=density,
         token_wise_nodes=len(region.nodes),
@@ -625,6 +806,28 @@ def _eliminate(
         scatters=len(scattered),
         losses=[n.name for n, _, _ in losses],
     )
+
+
+def _routed_loss(
+    loss: onnx.NodeProto,
+    values: Mapping[str, np.ndarray],
+    rows: int,
+    b: _Builder,
+    infos: list[onnx.ValueInfoProto],
+) -> onnx.NodeProto:
+    """``loss`` on PyTorch's kernel where kernel choice times it faster at the labelled rows'
+    size (the exported graph left the engine's node for the engine's label sparsity)."""
+    logits = values[loss.input[0]]  # as computed before the rewrite: (batch, seq, classes)
+    classes = int(logits.shape[-1])
+    if logits.dtype != np.float32 or cross_entropy_route(rows, classes) != "torch":
+        return loss
+    node, params = aten_cross_entropy(loss)
+    b.initializers.append(params)
+    elem = onnx.TensorProto.FLOAT
+    infos.append(onnx.helper.make_tensor_value_info(node.output[0], elem, []))
+    infos.append(onnx.helper.make_tensor_value_info(node.output[1], elem, [LABELLED, classes]))
+    infos.append(onnx.helper.make_tensor_value_info(node.output[2], elem, []))
+    return node
 
 
 def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
@@ -756,10 +959,12 @@ def _leak(
     values: Mapping[str, np.ndarray],
     grid: tuple[int, int],
     outputs: set[str],
+    attention_ok: bool = True,
 ) -> tuple[str, str] | None:
     """Whether scattered tensors (zeros at left-out rows) reach only layout nodes that keep track
-    of the ``(batch, seq)`` axes, attention (as query, key or value, on its token axis) and
-    gathers back into the region. Else the scattered tensor that leaks and why."""
+    of the ``(batch, seq)`` axes, attention (as query, key or value, on its token axis; only
+    with ``attention_ok``, where the left-out keys are masked) and gathers back into the
+    region. Else the scattered tensor that leaks and why."""
     region_nodes = {id(n) for n in region.nodes}
     # a tensor with zeros at left-out tokens, and the axes its (batch, seq) are on
     stack: list[tuple[str, tuple[int, int], str]] = [
@@ -772,6 +977,8 @@ def _leak(
             continue
         seen.add(name)
         if name in outputs:
+            if not attention_ok:
+                return origin, f"{name} is a graph output, so each of its rows is computed"
             return origin, f"the graph output {name} would have zeros at padding tokens"
         for reader in consumers.get(name, []):
             if reader.op_type in _SHAPE_ONLY:
@@ -783,7 +990,12 @@ def _leak(
                 if reader.domain == ATEN_DOMAIN
                 else reader.op_type
             )
-            if kind in _ATTENTION and name in reader.input[:3] and name not in reader.input[3:]:
+            if (
+                attention_ok
+                and kind in _ATTENTION
+                and name in reader.input[:3]
+                and name not in reader.input[3:]
+            ):
                 letter = "qkv"[list(reader.input).index(name)]
                 if axes != (0, _token_axis(reader, letter)):
                     return origin, f"{name} reaches attention {reader.name} off its token axis"
@@ -806,5 +1018,5 @@ def _leak(
                 if tuple(after[:keep]) == tuple(before[:keep]):
                     stack.append((reader.output[0], axes, origin))
                     continue
-            return origin, f"the padding rows of {name} reach {kind} {reader.name}"
+            return origin, f"the left-out rows of {name} reach {kind} {reader.name}"
     return None
