@@ -13,12 +13,15 @@ is the model's own ``loss`` output (labels go in, the model shifts them where it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import transformers as tf
 
+from ortmodule import ORTModule
+from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
 from ortmodule_testing.zoo import Batch, ZooCase
 
 VOCAB = 128
@@ -117,6 +120,89 @@ def image_batch(step: int) -> Batch:
 
 def model_loss(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     return out["loss"]  # type: ignore[no-any-return]
+
+
+class LossOnly(torch.nn.Module):
+    """A Hugging Face model returning only its loss, as a training wrapper does."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        return out.loss  # type: ignore[no-any-return]
+
+
+SMALL = dict(
+    vocab_size=128,
+    max_position_embeddings=64,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+)
+NO_DROPOUT = dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+#: wrapped in :class:`LossOnly` with :func:`padded_mlm_batch`: encoders, and a decoder whose
+#: padding mask is merged with its causal mask (the loss shifts the labels, not the logits, so
+#: rows still pair up; with most labels -100 it is an instruction-tuning batch)
+LOSS_ONLY_MODELS = {
+    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL)),
+    "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(**NO_DROPOUT)),
+    "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(**NO_DROPOUT)),
+    "distilbert": lambda: tf.DistilBertForMaskedLM(
+        tf.DistilBertConfig(
+            vocab_size=128,
+            max_position_embeddings=64,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=128,
+            dropout=0.0,
+            attention_dropout=0.0,
+        )
+    ),
+}
+
+
+def padded_mlm_batch(step: int) -> Batch:
+    """Rows of 24 tokens, 6-24 of them real, 30% of those labelled (and the first token)."""
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(6, 25, (4,), generator=gen)
+    mask = (torch.arange(24)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(5, 128, (4, 24), generator=gen) * mask
+    labels = torch.where((torch.rand(4, 24, generator=gen) < 0.3) & mask.bool(), ids, -100)
+    labels[0, 0] = int(ids[0, 0])
+    return (ids, mask, labels), {}
+
+
+def loss_only_case(name: str) -> ZooCase:
+    """:data:`LOSS_ONLY_MODELS` ``name`` returning its loss, on :func:`padded_mlm_batch`."""
+    make = LOSS_ONLY_MODELS[name]
+    return ZooCase(f"hf_{name}", lambda: LossOnly(make()), padded_mlm_batch, lambda out, a, k: out)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    """The optimizer of the parity tests of Hugging Face models."""
+    # eps 1e-6 instead of 1e-8: an attention key bias has an analytically zero gradient (softmax
+    # is shift-invariant per query), so both engines hand AdamW rounding noise (~1e-9) there,
+    # and eps 1e-8 turns that noise into steps of ~lr/10 of random sign. With 1e-6 those steps
+    # stay ~1e-6, every element can be compared, and real gradients (>1e-4) still get full Adam.
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+
+
+def trains_like_eager(case: ZooCase, steps: int, caplog: Any) -> ORTModule:
+    """Train ``case`` under eager and under ORTModule with :func:`adamw`, the ORTModule steps'
+    ``ortmodule`` log captured at INFO by pytest's ``caplog``; assert they match; the wrapper."""
+    model = case.build(seed=0)
+    eager = train_steps(clone_model(model), case, steps, adamw)
+    wrapped = ORTModule(clone_model(model))
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        record = train_steps(wrapped, case, steps, adamw)
+    assert_same_training(eager, record, *case.tolerance)
+    return wrapped
 
 
 def _case(name: str, make: Callable[[], torch.nn.Module], batch: Callable[[int], Batch]) -> ZooCase:

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import HF_ZOO, causal_lm_batch  # noqa: E402
+from hf_models import HF_ZOO, adamw, causal_lm_batch  # noqa: E402
 
 from ortmodule import ORTModule  # noqa: E402
 from ortmodule_pytree import flatten  # noqa: E402
@@ -24,14 +24,6 @@ from ortmodule_testing.parity import (  # noqa: E402
 
 STEPS = 5
 RTOL, ATOL = 1e-4, 1e-5
-
-
-def _adamw(params: Any) -> torch.optim.Optimizer:
-    # eps 1e-6 instead of 1e-8: an attention key bias has an analytically zero gradient (softmax
-    # is shift-invariant per query), so both engines hand AdamW rounding noise (~1e-9) there,
-    # and eps 1e-8 turns that noise into steps of ~lr/10 of random sign. With 1e-6 those steps
-    # stay ~1e-6, every element can be compared, and real gradients (>1e-4) still get full Adam.
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
 
 def _sizes_as_ints(outputs: Any) -> Any:
@@ -63,9 +55,9 @@ def assert_outputs_close(got: Any, want: Any) -> None:
 def test_hf_training_matches_eager(name: str) -> None:
     case = HF_ZOO[name]
     model = case.build(seed=0)
-    eager = train_steps(clone_model(model), case, STEPS, _adamw)
+    eager = train_steps(clone_model(model), case, STEPS, adamw)
     wrapped = ORTModule(clone_model(model))
-    ours = train_steps(wrapped, case, STEPS, _adamw)
+    ours = train_steps(wrapped, case, STEPS, adamw)
     assert_same_training(eager=eager, other=ours, rtol=RTOL, atol=ATOL)
     assert wrapped._runner.transitions.builds == 1, wrapped._runner.transitions.history
     # eval + no_grad from the trained weights: an inference graph, outputs equal eager's
@@ -118,8 +110,8 @@ def test_attention_implementations_match_eager(attn: str) -> None:
     model = case.build(seed=0)
     model.set_attn_implementation(attn)
     assert model.config._attn_implementation == attn
-    eager = train_steps(clone_model(model), case, 2, _adamw)
-    ours = train_steps(ORTModule(clone_model(model)), case, 2, _adamw)
+    eager = train_steps(clone_model(model), case, 2, adamw)
+    ours = train_steps(ORTModule(clone_model(model)), case, 2, adamw)
     assert_same_training(eager=eager, other=ours, rtol=RTOL, atol=ATOL)
 
 

@@ -4,13 +4,12 @@ cannot be shown the graph is left as exported and the log says why."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import onnx
 import pytest
 import torch
-import transformers as tf
+from hf_models import LOSS_ONLY_MODELS, loss_only_case, trains_like_eager
 
 from ortmodule import ORTModule
 from ortmodule_exporter.aten import token_rows
@@ -44,16 +43,6 @@ def _lines(caplog: pytest.LogCaptureFixture, what: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith(what)]
 
 
-def _trains_like_eager(case: ZooCase, steps: int, caplog: pytest.LogCaptureFixture) -> ORTModule:
-    model = case.build(seed=0)
-    eager = train_steps(clone_model(model), case, steps)
-    wrapped = ORTModule(clone_model(model))
-    with caplog.at_level(logging.INFO, logger="ortmodule"):
-        record = train_steps(wrapped, case, steps)
-    assert_same_training(eager, record, *case.tolerance)
-    return wrapped
-
-
 def _reads_rows(graph: onnx.GraphProto, suffix: str) -> bool:
     """Whether the node named ``...suffix`` computes on rows taken by a labelled-rows move."""
     producer = {o: n for n in graph.node for o in n.output if o}
@@ -83,7 +72,7 @@ def test_the_head_and_last_feed_forward_block_run_on_the_labelled_rows(
         return take_rows(x, rows)
 
     monkeypatch.setattr(token_rows, "take_rows", recorded)
-    wrapped = _trains_like_eager(CASE, 4, caplog)
+    wrapped = trains_like_eager(CASE, 4, caplog)
     # every move takes exactly the labelled tokens of its step (the pass's check at graph build
     # runs the rewritten forward once on the first batch)
     counted = [int((CASE.make_batch(step)[1]["labels"] != -100).sum()) for step in range(4)]
@@ -105,54 +94,12 @@ def test_the_head_and_last_feed_forward_block_run_on_the_labelled_rows(
     assert not any(n.op_type == "ShrunkenGather" for n in graph.node)
 
 
-class _LossOnly(torch.nn.Module):
-    """A Hugging Face model returning only its loss, as a training wrapper does."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
-    ) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-        return out.loss  # type: ignore[no-any-return]
-
-
-_SMALL = dict(
-    vocab_size=128,
-    max_position_embeddings=64,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=128,
-)
-_NO_DROPOUT = dict(_SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-HF_MODELS = {
-    # instruction tuning: the prompt's labels are -100, only the answer counts
-    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**_SMALL)),
-    "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(**_NO_DROPOUT)),
-    "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(**_NO_DROPOUT)),
-}
-
-
-def _hf_batch(step: int) -> Any:
-    gen = torch.Generator().manual_seed(step)
-    lengths = torch.randint(6, 25, (4,), generator=gen)
-    mask = (torch.arange(24)[None, :] < lengths[:, None]).long()
-    ids = torch.randint(5, 128, (4, 24), generator=gen) * mask
-    labels = torch.where((torch.rand(4, 24, generator=gen) < 0.3) & mask.bool(), ids, -100)
-    labels[0, 0] = int(ids[0, 0])
-    return (ids, mask, labels), {}
-
-
-@pytest.mark.parametrize("name", sorted(HF_MODELS))
+@pytest.mark.parametrize("name", sorted(LOSS_ONLY_MODELS))
 def test_hugging_face_models_returning_their_loss_train_like_eager(
     name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    make = HF_MODELS[name]
-    case = ZooCase(f"hf_{name}", lambda: _LossOnly(make()), _hf_batch, lambda out, a, k: out)
-    wrapped = _trains_like_eager(case, 4, caplog)
+    case = loss_only_case(name)
+    wrapped = trains_like_eager(case, 4, caplog)
     (decision,) = _lines(caplog, "labelled rows")
     assert decision.startswith("labelled rows on"), decision
     assert TAKE_ROWS in _moves(wrapped)
@@ -190,7 +137,7 @@ def test_refused_where_the_logits_are_returned_too(caplog: pytest.LogCaptureFixt
         return BertEncoder(BertConfig.small(return_logits=True))
 
     case = ZooCase("masked_lm_logits", make, CASE.make_batch, CASE.loss_fn)
-    wrapped = _trains_like_eager(case, 2, caplog)
+    wrapped = trains_like_eager(case, 2, caplog)
     (decision,) = _lines(caplog, "labelled rows")
     assert (
         decision.startswith("labelled rows off") and "output.logits is a graph output" in decision
@@ -205,7 +152,7 @@ def test_refused_when_most_labels_count(caplog: pytest.LogCaptureFixture) -> Non
         return args, {"labels": torch.where(mask.bool(), input_ids, 5)}
 
     case = ZooCase("masked_lm_dense", CASE.make_model, batch, CASE.loss_fn)
-    wrapped = _trains_like_eager(case, 1, caplog)
+    wrapped = trains_like_eager(case, 1, caplog)
     (decision,) = _lines(caplog, "labelled rows")
     assert decision == "labelled rows off: no loss has under 90% labels", decision
     assert _moves(wrapped) == []
@@ -218,7 +165,7 @@ def test_a_failure_leaves_the_graph_to_the_engines_label_sparsity(
         raise RuntimeError("simulated index failure")
 
     monkeypatch.setattr(padding, "_labelled_indices", broken)
-    wrapped = _trains_like_eager(CASE, 2, caplog)
+    wrapped = trains_like_eager(CASE, 2, caplog)
     (decision,) = _lines(caplog, "labelled rows")
     assert decision == "labelled rows off: RuntimeError: simulated index failure", decision
     assert _moves(wrapped) == []
@@ -230,7 +177,7 @@ def test_off_with_label_sparsity(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER", "0")
-    wrapped = _trains_like_eager(CASE, 1, caplog)
+    wrapped = trains_like_eager(CASE, 1, caplog)
     assert _moves(wrapped) == [] and _lines(caplog, "labelled rows") == []
 
 
@@ -241,7 +188,7 @@ def test_the_loss_on_the_labelled_rows_follows_kernel_choice(
     """The exported graph leaves the engine's loss node where label sparsity applies; on the
     labelled rows it takes the kernel choice's route (AUTO times it at their size)."""
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", choice)
-    wrapped = _trains_like_eager(CASE, 3, caplog)
+    wrapped = trains_like_eager(CASE, 3, caplog)
     assert TAKE_ROWS in _moves(wrapped)
     graph = _graph(wrapped)
     (loss,) = [n for n in graph.node if n.name.endswith("SoftmaxCrossEntropyLoss")]

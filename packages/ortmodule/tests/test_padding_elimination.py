@@ -11,11 +11,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
+from hf_models import (
+    LOSS_ONLY_MODELS,
+    NO_DROPOUT,
+    LossOnly,
+    adamw,
+    loss_only_case,
+    padded_mlm_batch,
+    trains_like_eager,
+)
 
 from ortmodule import ORTModule
 from ortmodule_exporter.aten.token_rows import PUT_ROWS, TAKE_ROWS
 from ortmodule_exporter.onnx_graph import attribute
-from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
+from ortmodule_testing.parity import train_steps
 from ortmodule_testing.zoo import ZOO
 from ortmodule_testing.zoo.bert import BertConfig, BertEncoder
 from ortmodule_testing.zoo.registry import ZooCase
@@ -49,26 +58,10 @@ def _decisions(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "padding elimination" in r.getMessage()]
 
 
-def _adamw(params: Any) -> torch.optim.Optimizer:
-    # eps 1e-6 as in test_hf_zoo.py: gradients that are 0 up to rounding (attention key biases,
-    # rarely seen tokens) would otherwise take AdamW steps of random sign
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
-
-
-def _trains_like_eager(case: ZooCase, steps: int, caplog: pytest.LogCaptureFixture) -> ORTModule:
-    model = case.build(seed=0)
-    eager = train_steps(clone_model(model), case, steps, _adamw)
-    wrapped = ORTModule(clone_model(model))
-    with caplog.at_level(logging.INFO, logger="ortmodule"):
-        record = train_steps(wrapped, case, steps, _adamw)
-    assert_same_training(eager, record, *case.tolerance)
-    return wrapped
-
-
 def test_applied_to_the_masked_lm_and_training_matches_eager(
     padding_on: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    wrapped = _trains_like_eager(CASE, 5, caplog)
+    wrapped = trains_like_eager(CASE, 5, caplog)
     (decision,) = _decisions(caplog)
     assert decision.startswith("padding elimination on (mask input.attention_mask)"), decision
     moves = _row_moves(wrapped)
@@ -77,7 +70,7 @@ def test_applied_to_the_masked_lm_and_training_matches_eager(
 
 
 def test_off_by_default(caplog: pytest.LogCaptureFixture) -> None:
-    wrapped = _trains_like_eager(CASE, 2, caplog)
+    wrapped = trains_like_eager(CASE, 2, caplog)
     # label sparsity's labelled rows moves rows for the head (test_labelled_rows.py)
     assert not _padding_nodes(wrapped) and _decisions(caplog) == []
 
@@ -105,7 +98,7 @@ def test_all_padding_sequences_labelled_padding_and_new_shapes_train_like_eager(
     padding_on: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     case = ZooCase("masked_lm_edges", CASE.make_model, _edge_batch, CASE.loss_fn)
-    wrapped = _trains_like_eager(case, 4, caplog)
+    wrapped = trains_like_eager(case, 4, caplog)
     assert _decisions(caplog)[0].startswith("padding elimination on"), _decisions(caplog)
     assert TAKE_ROWS in _row_moves(wrapped)
 
@@ -117,7 +110,7 @@ def test_refused_when_the_model_returns_logits(
     case = ZooCase(
         "bert_logits", lambda: BertEncoder(BertConfig.small()), CASE.make_batch, CASE.loss_fn
     )
-    wrapped = _trains_like_eager(case, 2, caplog)
+    wrapped = trains_like_eager(case, 2, caplog)
     (decision,) = _decisions(caplog)
     assert "padding elimination off" in decision and "graph output" in decision, decision
     assert _row_moves(wrapped) == []
@@ -155,73 +148,18 @@ def test_refused_when_padding_rows_reach_a_mean_over_positions(
     padding_on: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     case = ZooCase("mean_pooled", _MeanPooled, _pooled_batch, lambda out, args, kwargs: out)
-    wrapped = _trains_like_eager(case, 3, caplog)
+    wrapped = trains_like_eager(case, 3, caplog)
     (decision,) = _decisions(caplog)
     assert "padding elimination off" in decision and "ReduceMean" in decision, decision
     assert _row_moves(wrapped) == []
 
 
-class _LossOnly(torch.nn.Module):
-    """A Hugging Face model returning only its loss, as a training wrapper does."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
-    ) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-        return out.loss  # type: ignore[no-any-return]
-
-
-_SMALL = dict(
-    vocab_size=128,
-    max_position_embeddings=64,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=128,
-)
-_NO_DROPOUT = dict(_SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-#: encoders, and a decoder whose padding mask is merged with its causal mask (the loss shifts
-#: the labels, not the logits, so rows still pair up)
-HF_MODELS = {
-    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**_SMALL)),
-    "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(**_NO_DROPOUT)),
-    "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(**_NO_DROPOUT)),
-    "distilbert": lambda: tf.DistilBertForMaskedLM(
-        tf.DistilBertConfig(
-            vocab_size=128,
-            max_position_embeddings=64,
-            dim=64,
-            n_layers=2,
-            n_heads=4,
-            hidden_dim=128,
-            dropout=0.0,
-            attention_dropout=0.0,
-        )
-    ),
-}
-
-
-def _hf_batch(step: int) -> Any:
-    gen = torch.Generator().manual_seed(step)
-    lengths = torch.randint(6, 25, (4,), generator=gen)
-    mask = (torch.arange(24)[None, :] < lengths[:, None]).long()
-    ids = torch.randint(5, 128, (4, 24), generator=gen) * mask
-    labels = torch.where((torch.rand(4, 24, generator=gen) < 0.3) & mask.bool(), ids, -100)
-    labels[0, 0] = int(ids[0, 0])
-    return (ids, mask, labels), {}
-
-
-@pytest.mark.parametrize("name", sorted(HF_MODELS))
+@pytest.mark.parametrize("name", sorted(LOSS_ONLY_MODELS))
 def test_hugging_face_models_train_like_eager(
     name: str, padding_on: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    make = HF_MODELS[name]
-    case = ZooCase(f"hf_{name}", lambda: _LossOnly(make()), _hf_batch, lambda out, a, k: out)
-    wrapped = _trains_like_eager(case, 4, caplog)
+    case = loss_only_case(name)
+    wrapped = trains_like_eager(case, 4, caplog)
     (decision,) = _decisions(caplog)
     assert decision.startswith("padding elimination on (mask input.attention_mask)"), decision
     assert TAKE_ROWS in _row_moves(wrapped)
@@ -232,17 +170,17 @@ def _first_step_rng(
 ) -> Any:
     monkeypatch.setenv(OPTION, "1" if padding else "0")
     # hidden dropout on; attention dropout stays 0 (with it, attention is not fused)
-    config = tf.BertConfig(**dict(_NO_DROPOUT, hidden_dropout_prob=0.1))
+    config = tf.BertConfig(**dict(NO_DROPOUT, hidden_dropout_prob=0.1))
     case = ZooCase(
         "hf_bert_dropout",
-        lambda: _LossOnly(tf.BertForMaskedLM(config)),
-        _hf_batch,
+        lambda: LossOnly(tf.BertForMaskedLM(config)),
+        padded_mlm_batch,
         lambda out, a, k: out,
     )
     wrapped = ORTModule(case.build(seed=0))
     torch.manual_seed(123)
     with caplog.at_level(logging.INFO, logger="ortmodule"):
-        train_steps(wrapped, case, 1, _adamw)
+        train_steps(wrapped, case, 1, adamw)
     return torch.get_rng_state(), _padding_nodes(wrapped)
 
 
@@ -261,9 +199,9 @@ def test_applied_with_dropout_and_the_users_generator_is_left_alone(
 
 
 _CLASSIFIERS = {
-    "bert": lambda: tf.BertForSequenceClassification(tf.BertConfig(**_NO_DROPOUT, num_labels=3)),
+    "bert": lambda: tf.BertForSequenceClassification(tf.BertConfig(**NO_DROPOUT, num_labels=3)),
     "roberta": lambda: tf.RobertaForSequenceClassification(
-        tf.RobertaConfig(**_NO_DROPOUT, num_labels=3)
+        tf.RobertaConfig(**NO_DROPOUT, num_labels=3)
     ),
 }
 
@@ -294,7 +232,7 @@ def test_sequence_classifiers_read_the_first_token_from_the_rows(
         _classifier_batch,
         lambda out, a, k: out.loss,
     )
-    wrapped = _trains_like_eager(case, 4, caplog)
+    wrapped = trains_like_eager(case, 4, caplog)
     (decision,) = _decisions(caplog)
     assert decision.startswith("padding elimination on (mask input.attention_mask)"), decision
     assert TAKE_ROWS in _row_moves(wrapped)

@@ -202,16 +202,7 @@ def eliminate_padding(
     ``feeds`` holds the batch that caused the export by graph input name (user inputs and
     parameters). ``user_inputs`` names the graph inputs that are the user's data. Applied when
     under ``threshold`` of the tokens are kept. On refusal ``model`` is unchanged."""
-    original = onnx.ModelProto()
-    original.CopyFrom(model)
-    try:
-        return _eliminate(model, feeds, user_inputs, threshold)
-    except _Refused as why:
-        model.CopyFrom(original)
-        return PaddingDecision(False, str(why))
-    except Exception as err:  # noqa: BLE001 - an optional optimization never stops training
-        model.CopyFrom(original)
-        return PaddingDecision(False, f"{type(err).__name__}: {err}")
+    return _guarded(model, feeds, user_inputs, threshold, labels_only=False)
 
 
 def keep_labelled_rows(
@@ -221,10 +212,21 @@ def keep_labelled_rows(
     tokens whose label counts; see the module docstring. ``feeds`` holds the batch that caused
     the export by graph input name (user inputs and parameters). Applied when under
     ``threshold`` of the tokens are labelled. On refusal ``model`` is unchanged."""
+    return _guarded(model, feeds, frozenset(), threshold, labels_only=True)
+
+
+def _guarded(
+    model: onnx.ModelProto,
+    feeds: Mapping[str, Any],
+    user_inputs: set[str] | frozenset[str],
+    threshold: float,
+    labels_only: bool,
+) -> PaddingDecision:
+    """:func:`_eliminate`, with ``model`` left as it was on any refusal or failure."""
     original = onnx.ModelProto()
     original.CopyFrom(model)
     try:
-        return _eliminate(model, feeds, frozenset(), threshold, labels_only=True)
+        return _eliminate(model, feeds, user_inputs, threshold, labels_only)
     except _Refused as why:
         model.CopyFrom(original)
         return PaddingDecision(False, str(why))
@@ -439,12 +441,25 @@ def _indices(
             at = b.const("picked", np.array(picked, np.int64))
             keep2d = b.one("Or", [keep2d, b.one("Equal", [every, at], "is_picked")], "keep_picked")
     flat_shape = b.const("minus_one", np.array([-1], np.int64))
-    keep = b.one("Reshape", [keep2d, flat_shape], "keep_flat")
+    keep = _or_labelled(b, b.one("Reshape", [keep2d, flat_shape], "keep_flat"), labels)
+    rows, inverse_flat = _kept_rows(b, keep)
+    return rows, b.one("Reshape", [inverse_flat, shape], "inverse"), shape
+
+
+def _or_labelled(b: _Builder, keep: str, labels: list[tuple[str, int]]) -> str:
+    """Nodes computing ``keep`` (flat; ``""`` for none) or each loss's counted labels."""
     for labels_name, ignore in labels:
         ignored = b.one(
             "Equal", [labels_name, b.const("ignore", np.array(ignore, np.int64))], "ignored"
         )
-        keep = b.one("Or", [keep, b.one("Not", [ignored], "labelled")], "keep_labelled")
+        counted = b.one("Not", [ignored], "labelled")
+        keep = b.one("Or", [keep, counted], "keep_labelled") if keep else counted
+    return keep
+
+
+def _kept_rows(b: _Builder, keep: str) -> tuple[str, str]:
+    """Nodes computing the flat positions ``keep`` marks (row indices [kept]) and the inverse
+    index (flat position -> kept row, or the number of kept rows for a position left out)."""
     rows = b.one(
         "Squeeze",
         [b.one("NonZero", [keep], "kept"), b.const("axis0", np.array([0], np.int64))],
@@ -466,10 +481,7 @@ def _indices(
         "position",
     )
     count = b.one("Shape", [rows], "kept_count")
-    inverse = b.one(
-        "Reshape", [b.one("Where", [keep, position, count], "inverse_flat"), shape], "inverse"
-    )
-    return rows, inverse, shape
+    return rows, b.one("Where", [keep, position, count], "inverse_flat")
 
 
 def _loss_grids(graph: onnx.GraphProto, producer: Mapping[str, onnx.NodeProto]) -> list[str]:
@@ -485,13 +497,7 @@ def _loss_grids(graph: onnx.GraphProto, producer: Mapping[str, onnx.NodeProto]) 
 def _labelled_indices(b: _Builder, labels: list[tuple[str, int]]) -> tuple[str, str]:
     """Nodes computing the rows of the tokens any loss counts: (row indices [kept], inverse
     index [batch * seq]: flat position -> kept row, or the number of kept rows)."""
-    keep = ""
-    for labels_name, ignore in labels:
-        ignored = b.one(
-            "Equal", [labels_name, b.const("ignore", np.array(ignore, np.int64))], "ignored"
-        )
-        counted = b.one("Not", [ignored], "labelled")
-        keep = b.one("Or", [keep, counted], "keep_labelled") if keep else counted
+    keep = _or_labelled(b, "", labels)
     # a batch without a single label keeps its first token: no empty tensors (the engine's
     # kernels fail on some), and the ignored label adds nothing to the loss
     counts = b.one("Cast", [keep], "keep_count", to=onnx.TensorProto.INT64)
@@ -520,28 +526,7 @@ def _labelled_indices(b: _Builder, labels: list[tuple[str, int]]) -> tuple[str, 
         "is_first",
     )
     keep = b.one("Or", [keep, b.one("And", [first, none], "first_if_none")], "keep_some")
-    rows = b.one(
-        "Squeeze",
-        [b.one("NonZero", [keep], "kept"), b.const("axis0", np.array([0], np.int64))],
-        "rows",
-    )
-    position = b.one(
-        "Sub",
-        [
-            b.one(
-                "CumSum",
-                [
-                    b.one("Cast", [keep], "keep_int", to=onnx.TensorProto.INT64),
-                    b.const("axis0s", np.array(0, np.int64)),
-                ],
-                "running",
-            ),
-            b.const("one", np.array(1, np.int64)),
-        ],
-        "position",
-    )
-    count = b.one("Shape", [rows], "kept_count")
-    return rows, b.one("Where", [keep, position, count], "inverse_flat")
+    return _kept_rows(b, keep)
 
 
 def _eliminate(
@@ -819,7 +804,11 @@ def _routed_loss(
     size (the exported graph left the engine's node for the engine's label sparsity)."""
     logits = values[loss.input[0]]  # as computed before the rewrite: (batch, seq, classes)
     classes = int(logits.shape[-1])
-    if logits.dtype != np.float32 or cross_entropy_route(rows, classes) != "torch":
+    if (
+        len(loss.input) != 2  # class weights: the engine's node
+        or logits.dtype != np.float32
+        or cross_entropy_route(rows, classes) != "torch"
+    ):
         return loss
     node, params = aten_cross_entropy(loss)
     b.initializers.append(params)
