@@ -97,3 +97,41 @@ def test_only_products_with_a_weight_count_as_token_wise() -> None:
     over_tokens = helper.make_node("MatMul", ["scores", "x"], ["mixed"])
     assert padding._token_wise(by_weight, values, {}, grid)
     assert not padding._token_wise(over_tokens, values, {}, grid)
+
+
+def test_labelled_rows_evaluates_the_layers_near_the_loss_only() -> None:
+    """The cone from the loss's logits back to the first node that mixes tokens: the attention
+    product's output is read (it enters the head), its inputs are not."""
+    nodes = [
+        helper.make_node("MatMul", ["scores", "x"], ["mixed"]),
+        helper.make_node("Transpose", ["w"], ["wt"]),
+        helper.make_node("MatMul", ["mixed", "wt"], ["hidden"]),
+        helper.make_node("Relu", ["hidden"], ["act"]),
+        helper.make_node("MatMul", ["act", "head"], ["logits"]),
+        helper.make_node("Reshape", ["logits", "flat"], ["flat_logits"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["flat_logits", "labels"], ["loss"]),
+    ]
+    f32 = TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", f32, [2, 5, 4]),
+            helper.make_tensor_value_info("scores", f32, [2, 5, 5]),
+            helper.make_tensor_value_info("labels", TensorProto.INT64, [10]),
+        ],
+        [helper.make_tensor_value_info("loss", f32, [])],
+        [
+            onnx.numpy_helper.from_array(np.zeros((4, 4), np.float32), "w"),
+            onnx.numpy_helper.from_array(np.zeros((4, 3), np.float32), "head"),
+            onnx.numpy_helper.from_array(np.array([-1, 3], np.int64), "flat"),
+        ],
+    )
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    cone = set(padding._loss_cone(graph, producer, consumers, {"x", "scores", "labels"}))
+    assert {"logits", "act", "hidden", "mixed", "flat_logits", "labels", "loss"} <= cone
+    assert not {"scores", "x"} & cone
