@@ -17,6 +17,7 @@ import argparse
 import cProfile
 import importlib
 import inspect
+import itertools
 import json
 import os
 import pstats
@@ -106,11 +107,15 @@ def _enable_engine_profiling(prefix: str) -> None:
 
     onnxruntime = import_onnxruntime()
     original = onnxruntime.SessionOptions
+    sessions = itertools.count()
 
     def profiling_options() -> Any:
         options = original()
         options.enable_profiling = True
-        options.profile_file_prefix = prefix
+        # one prefix per session: the engine names its file by the second it started, and a
+        # kernel-choice timing session started in the same second as the training session
+        # wrote into the training session's file (its SoftmaxCrossEntropyLoss showed up there)
+        options.profile_file_prefix = f"{prefix}_{next(sessions)}"
         return options
 
     onnxruntime.SessionOptions = profiling_options
