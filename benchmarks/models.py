@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ortmodule_exporter.aten.parallel import ThreadTrial
-from ortmodule_testing.zoo import CNN, MLP, bert_benchmark, gpt_benchmark, masked_lm_benchmark
+from ortmodule_testing.zoo import (
+    CNN,
+    MLP,
+    LossOnly,
+    bert_benchmark,
+    gpt_benchmark,
+    masked_lm_benchmark,
+)
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -197,6 +204,53 @@ def _classifier_batch(step: int, full: bool) -> Batch:
     return (), {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+#: bert-base's vocabulary: the masked-LM head and its loss dominate the step
+_HF_VOCAB = 30522
+
+
+def _hf_masked_lm(loss_only: bool) -> Callable[[bool], nn.Module]:
+    def make(full: bool) -> nn.Module:
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(
+            vocab_size=_HF_VOCAB,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            max_position_embeddings=128,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        model = BertForMaskedLM(config)
+        return LossOnly(model) if loss_only else model
+
+    return make
+
+
+def _hf_masked_lm_batch(loss_only: bool) -> Callable[[int, bool], Batch]:
+    """Rows of 128 tokens right-padded from [64, 128], 15% of the real ones labelled."""
+
+    def make(step: int, full: bool) -> Batch:
+        gen = _gen(step)
+        batch = 16 if full else 8
+        lengths = torch.randint(64, 129, (batch,), generator=gen)
+        mask = (torch.arange(128)[None, :] < lengths[:, None]).long()
+        ids = torch.randint(5, _HF_VOCAB, (batch, 128), generator=gen) * mask
+        labels = torch.where(
+            (torch.rand(batch, 128, generator=gen) < 0.15) & mask.bool(), ids, -100
+        )
+        if loss_only:
+            return (ids, mask, labels), {}
+        return (), {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return make
+
+
+def _loss_itself(out: Any, batch: Batch) -> torch.Tensor:
+    return out  # type: ignore[no-any-return]
+
+
 def _hf_loss(out: Any, batch: Batch) -> torch.Tensor:
     return out.loss  # type: ignore[no-any-return]
 
@@ -288,6 +342,26 @@ WORKLOADS: dict[str, Workload] = {
             (WARMUP, 30),
         ),
         Workload(
+            "hf_masked_lm",
+            "Hugging Face BertForMaskedLM returning only its loss (vocab 30522, hidden 256, "
+            "4 layers), seq 128 right-padded from [64, 128], 15% of real tokens labelled, "
+            "batch 8 (16 with --full)",
+            _hf_masked_lm(loss_only=True),
+            _hf_masked_lm_batch(loss_only=True),
+            _loss_itself,
+            (WARMUP, 8),
+            (WARMUP, 20),
+        ),
+        Workload(
+            "hf_masked_lm_logits",
+            "the same BertForMaskedLM returning loss and logits (its default output)",
+            _hf_masked_lm(loss_only=False),
+            _hf_masked_lm_batch(loss_only=False),
+            _hf_loss,
+            (WARMUP, 8),
+            (WARMUP, 20),
+        ),
+        Workload(
             "llama_no_cache",
             "the same tiny Llama with use_cache=False (no DynamicCache in its outputs)",
             _llama(False),
@@ -299,8 +373,11 @@ WORKLOADS: dict[str, Workload] = {
     )
 }
 
-#: what `python -m benchmarks` runs without --models (llama_no_cache is on request)
-DEFAULT_MODELS = tuple(name for name in WORKLOADS if name != "llama_no_cache")
+#: on request only: a variant of a default model, and the Hugging Face masked LMs at bert-base's
+#: vocabulary, whose eager step (about 1.1 s here) would double the suite's time
+ON_REQUEST = ("llama_no_cache", "hf_masked_lm", "hf_masked_lm_logits")
+#: what `python -m benchmarks` runs without --models
+DEFAULT_MODELS = tuple(name for name in WORKLOADS if name not in ON_REQUEST)
 
 #: workloads also run with ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER=0 (the on/off comparison)
 LABEL_SPARSITY_MODELS = ("masked_lm",)

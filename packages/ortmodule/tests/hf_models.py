@@ -22,7 +22,7 @@ import transformers as tf
 
 from ortmodule import ORTModule
 from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
-from ortmodule_testing.zoo import Batch, ZooCase
+from ortmodule_testing.zoo import Batch, LossOnly, ZooCase
 
 VOCAB = 128
 HIDDEN = 64
@@ -120,20 +120,6 @@ def image_batch(step: int) -> Batch:
 
 def model_loss(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     return out["loss"]  # type: ignore[no-any-return]
-
-
-class LossOnly(torch.nn.Module):
-    """A Hugging Face model returning only its loss, as a training wrapper does."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
-    ) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-        return out.loss  # type: ignore[no-any-return]
 
 
 SMALL = dict(

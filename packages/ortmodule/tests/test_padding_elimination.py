@@ -14,7 +14,6 @@ import transformers as tf
 from hf_models import (
     LOSS_ONLY_MODELS,
     NO_DROPOUT,
-    LossOnly,
     adamw,
     loss_only_case,
     padded_mlm_batch,
@@ -25,7 +24,7 @@ from ortmodule import ORTModule
 from ortmodule_exporter.aten.token_rows import PUT_ROWS, TAKE_ROWS
 from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_testing.parity import train_steps
-from ortmodule_testing.zoo import ZOO
+from ortmodule_testing.zoo import ZOO, LossOnly
 from ortmodule_testing.zoo.bert import BertConfig, BertEncoder
 from ortmodule_testing.zoo.registry import ZooCase
 

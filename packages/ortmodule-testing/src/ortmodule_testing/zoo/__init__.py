@@ -18,6 +18,7 @@ from ortmodule_testing.zoo.cnn import CNN
 from ortmodule_testing.zoo.dict_io import DictIOModel, DictIOOutput
 from ortmodule_testing.zoo.frozen import FrozenSubmoduleModel
 from ortmodule_testing.zoo.gpt import GPTConfig, GPTDecoder
+from ortmodule_testing.zoo.loss_only import LossOnly
 from ortmodule_testing.zoo.mlp import MLP
 from ortmodule_testing.zoo.model_output import ModelOutput
 from ortmodule_testing.zoo.non_tensor_args import NonTensorArgsModel
@@ -46,6 +47,7 @@ __all__ = [
     "GPTConfig",
     "GPTDecoder",
     "LossFn",
+    "LossOnly",
     "ModelOutput",
     "NonTensorArgsModel",
     "ZooCase",
