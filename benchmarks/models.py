@@ -247,6 +247,35 @@ def _hf_masked_lm_batch(loss_only: bool) -> Callable[[int, bool], Batch]:
     return make
 
 
+#: Llama 2's vocabulary
+_SFT_VOCAB = 32000
+
+
+def _llama_sft_model(full: bool) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=_SFT_VOCAB,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+    return LossOnly(LlamaForCausalLM(config))
+
+
+def _llama_sft_batch(step: int, full: bool) -> Batch:
+    """Instruction tuning: the first 32-96 of 128 tokens are the prompt, labelled -100."""
+    gen = _gen(step)
+    batch = 16 if full else 8
+    ids = torch.randint(0, _SFT_VOCAB, (batch, 128), generator=gen)
+    prompt = torch.randint(32, 97, (batch, 1), generator=gen)
+    labels = torch.where(torch.arange(128)[None, :] < prompt, -100, ids)
+    return (ids, torch.ones_like(ids), labels), {}
+
+
 def _loss_itself(out: Any, batch: Batch) -> torch.Tensor:
     return out  # type: ignore[no-any-return]
 
@@ -362,6 +391,17 @@ WORKLOADS: dict[str, Workload] = {
             (WARMUP, 20),
         ),
         Workload(
+            "hf_llama_sft",
+            "Hugging Face LlamaForCausalLM returning only its loss (vocab 32000, hidden 256, "
+            "4 layers), seq 128 whose first 32-96 tokens are the prompt (labels -100, about 47%), "
+            "batch 8 (16 with --full)",
+            _llama_sft_model,
+            _llama_sft_batch,
+            _loss_itself,
+            (WARMUP, 8),
+            (WARMUP, 20),
+        ),
+        Workload(
             "llama_no_cache",
             "the same tiny Llama with use_cache=False (no DynamicCache in its outputs)",
             _llama(False),
@@ -373,9 +413,9 @@ WORKLOADS: dict[str, Workload] = {
     )
 }
 
-#: on request only: a variant of a default model, and the Hugging Face masked LMs at bert-base's
-#: vocabulary, whose eager step (about 1.1 s here) would double the suite's time
-ON_REQUEST = ("llama_no_cache", "hf_masked_lm", "hf_masked_lm_logits")
+#: on request only: a variant of a default model, and the Hugging Face models at real
+#: vocabularies, whose eager steps (about 1 s each here) would double the suite's time
+ON_REQUEST = ("llama_no_cache", "hf_masked_lm", "hf_masked_lm_logits", "hf_llama_sft")
 #: what `python -m benchmarks` runs without --models
 DEFAULT_MODELS = tuple(name for name in WORKLOADS if name not in ON_REQUEST)
 
