@@ -1,9 +1,12 @@
 """transformers.Trainer trains an ORTModule-wrapped model like the plain one (losses, weights),
-and ORTTrainer.save_model writes a checkpoint that from_pretrained loads into a plain model."""
+ORTTrainer trains through the model's loss alone (so labelled rows applies to a masked LM), and
+ORTTrainer.save_model writes a checkpoint that from_pretrained loads into a plain model."""
 
 from __future__ import annotations
 
 import inspect
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,33 +15,63 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from hf_models import HF_ZOO, causal_lm_batch  # noqa: E402
+import transformers as tf  # noqa: E402
+from hf_models import HF_ZOO, NO_DROPOUT, causal_lm_batch, padded_mlm_batch  # noqa: E402
 
 from ortmodule import ORTModule  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 
 
-def _train(model: torch.nn.Module, out: Path, wrap: bool) -> tuple[Any, list[float]]:
-    from transformers import Trainer, TrainingArguments
-
-    from ortmodule.integrations.hf_trainer import ORTTrainer
-
-    data = [
+def _causal_lm_data() -> list[dict[str, torch.Tensor]]:
+    return [
         {k: v[i] for k, v in causal_lm_batch(step)[1].items()}
         for step in range(3)
         for i in range(2)
     ]
+
+
+def _masked_lm_data() -> list[dict[str, torch.Tensor]]:
+    """Two rows a step of the padded masked-LM batches (about 30% of the real tokens labelled)."""
+    names = ("input_ids", "attention_mask", "labels")
+    return [
+        {name: t[i] for name, t in zip(names, padded_mlm_batch(step)[0], strict=True)}
+        for step in range(3)
+        for i in range(2)
+    ]
+
+
+def _train(
+    model: torch.nn.Module,
+    out: Path,
+    wrap: bool,
+    data: Callable[[], list[dict[str, torch.Tensor]]] = _causal_lm_data,
+    **trainer_kwargs: Any,
+) -> tuple[Any, list[float]]:
+    from transformers import Trainer, TrainingArguments
+
+    from ortmodule.integrations.hf_trainer import ORTTrainer
+
     args = TrainingArguments(
         str(out), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
         adam_epsilon=1e-6, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1,
         seed=0, disable_tqdm=True,
     )  # fmt: skip
     trainer_cls = ORTTrainer if wrap else Trainer
-    trainer = trainer_cls(model=ORTModule(model) if wrap else model, args=args, train_dataset=data)
+    trainer = trainer_cls(
+        model=ORTModule(model) if wrap else model, args=args, train_dataset=data(), **trainer_kwargs
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return trainer, losses
+
+
+def _assert_same_training(trainer: Any, losses: list[float], plain: Any, plain_losses: Any) -> None:
+    assert len(losses) == 3
+    torch.testing.assert_close(losses, plain_losses, rtol=RTOL, atol=ATOL)
+    want = plain.model.state_dict()
+    for name, value in trainer.model.state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=RTOL, atol=ATOL, msg=name)
 
 
 def test_trainer_with_ortmodule_matches_plain_trainer_and_saves_a_loadable_model(
@@ -49,14 +82,11 @@ def test_trainer_with_ortmodule_matches_plain_trainer_and_saves_a_loadable_model
     trainer, losses = _train(case.build(seed=0), tmp_path / "ort", wrap=True)
     wrapped = trainer.model
     assert isinstance(wrapped, ORTModule)
-    assert wrapped._runner.exports >= 1  # fallback is disabled: the engine trained it
+    # fallback is disabled: the engine trained it, through the model's loss alone
+    assert trainer._loss_model[1]._runner.exports >= 1
     # Trainer picks dataset columns from this signature
     assert "labels" in inspect.signature(wrapped.forward).parameters
-    assert len(losses) == 3
-    torch.testing.assert_close(losses, plain_losses, rtol=RTOL, atol=ATOL)
-    want = plain_trainer.model.state_dict()
-    for name, value in wrapped.state_dict().items():
-        torch.testing.assert_close(value, want[name], rtol=RTOL, atol=ATOL, msg=name)
+    _assert_same_training(trainer, losses, plain_trainer, plain_losses)
 
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "config.json").exists()
@@ -64,3 +94,38 @@ def test_trainer_with_ortmodule_matches_plain_trainer_and_saves_a_loadable_model
     assert type(loaded) is type(wrapped.module)
     for name, value in wrapped.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def _bert_mlm() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tf.BertForMaskedLM(tf.BertConfig(**NO_DROPOUT))
+
+
+def test_masked_lm_trains_through_its_loss_alone_on_the_labelled_rows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BertForMaskedLM returns its logits beside the loss; ORTTrainer's steps run the loss alone,
+    so the head runs on the labelled tokens, and the training equals a plain Trainer's."""
+    plain, plain_losses = _train(_bert_mlm(), tmp_path / "plain", False, _masked_lm_data)
+    monkeypatch.setenv("ORTMODULE_LOG_LEVEL", "INFO")  # the wrapper sets the logger's level
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        trainer, losses = _train(_bert_mlm(), tmp_path / "ort", True, _masked_lm_data)
+    assert "labelled rows on" in caplog.text
+    assert trainer.model._runner.exports == 0  # the model as given built no graph
+    _assert_same_training(trainer, losses, plain, plain_losses)
+
+
+def test_loss_only_off_trains_the_model_as_given(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain, plain_losses = _train(_bert_mlm(), tmp_path / "plain", False, _masked_lm_data)
+    monkeypatch.setenv("ORTMODULE_LOG_LEVEL", "INFO")  # the wrapper sets the logger's level
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        trainer, losses = _train(
+            _bert_mlm(), tmp_path / "ort", True, _masked_lm_data, loss_only=False
+        )
+    assert trainer._loss_model is None
+    assert trainer.model._runner.exports >= 1
+    # the logits leave the model: labelled rows cannot apply
+    assert "labelled rows off" in caplog.text
+    _assert_same_training(trainer, losses, plain, plain_losses)
