@@ -148,21 +148,44 @@ def _cnn_loss(out: Any, batch: Batch) -> torch.Tensor:
 # -- a tiny Hugging Face Llama: built from a config, nothing downloaded ----------------------------
 
 
+def _llama_config(vocab: int) -> Any:
+    # imported here: transformers is a bench dependency only, and a missing one must turn
+    # into an error row in the report, not a crash of the whole suite
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+
+
+def _bert_config(vocab: int, **extra: Any) -> Any:
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=128,
+        # attention dropout 0 as in every model here (dropout draws differ between engines)
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **extra,
+    )
+
+
 def _llama(use_cache: bool | None) -> Callable[[bool], nn.Module]:
     def make(full: bool) -> nn.Module:
-        # imported here: transformers is a bench dependency only, and a missing one must turn
-        # into an error row in the report, not a crash of the whole suite
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
-        config = LlamaConfig(
-            vocab_size=1024,
-            hidden_size=256,
-            intermediate_size=688,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=256,
-        )
+        config = _llama_config(1024)
         if use_cache is not None:
             config.use_cache = use_cache
         return LlamaForCausalLM(config)
@@ -176,21 +199,9 @@ def _llama_batch(step: int, full: bool) -> Batch:
 
 
 def _classifier_model(full: bool) -> nn.Module:
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
-    config = BertConfig(
-        vocab_size=8192,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=1024,
-        max_position_embeddings=128,
-        # attention dropout 0 as in every model here (dropout draws differ between engines)
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
-    return BertForSequenceClassification(config)
+    return BertForSequenceClassification(_bert_config(8192, num_labels=3))
 
 
 def _classifier_batch(step: int, full: bool) -> Batch:
@@ -210,19 +221,9 @@ _HF_VOCAB = 30522
 
 def _hf_masked_lm(loss_only: bool) -> Callable[[bool], nn.Module]:
     def make(full: bool) -> nn.Module:
-        from transformers import BertConfig, BertForMaskedLM
+        from transformers import BertForMaskedLM
 
-        config = BertConfig(
-            vocab_size=_HF_VOCAB,
-            hidden_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=1024,
-            max_position_embeddings=128,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-        model = BertForMaskedLM(config)
+        model = BertForMaskedLM(_bert_config(_HF_VOCAB))
         return LossOnly(model) if loss_only else model
 
     return make
@@ -252,18 +253,9 @@ _SFT_VOCAB = 32000
 
 
 def _llama_sft_model(full: bool) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=_SFT_VOCAB,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-    )
-    return LossOnly(LlamaForCausalLM(config))
+    return LossOnly(LlamaForCausalLM(_llama_config(_SFT_VOCAB)))
 
 
 def _llama_sft_batch(step: int, full: bool) -> Batch:
