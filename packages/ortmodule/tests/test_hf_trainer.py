@@ -129,3 +129,42 @@ def test_loss_only_off_trains_the_model_as_given(
     # the logits leave the model: labelled rows cannot apply
     assert "labelled rows off" in caplog.text
     _assert_same_training(trainer, losses, plain, plain_losses)
+
+
+class _Scaled(torch.nn.Module):
+    """A Trainer-style model whose forward reads a plain attribute (``scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.head = torch.nn.Linear(8, 32)
+        self.scale = 1.0
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.embed(input_ids) * self.scale)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def test_an_attribute_written_through_the_wrapper_reaches_the_loss_graph(tmp_path: Path) -> None:
+    """``trainer.model.scale = 3.0`` between two trainings: the loss-only graph re-exports with
+    the new value, as the wrapper's own graph would, and both trainings equal a plain Trainer's."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32, (6, 5), generator=gen)
+
+    def data() -> list[dict[str, torch.Tensor]]:
+        return [{"input_ids": row, "labels": row} for row in ids]
+
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        trainer, first = _train(_Scaled(), tmp_path / f"{wrap}", wrap, data)
+        trainer.model.scale = 3.0
+        trainer.train()
+        second = [h["loss"] for h in trainer.state.log_history if "loss" in h][len(first) :]
+        results.append((trainer, first, second))
+    (plain, plain_first, plain_second), (trainer, first, second) = results
+    assert trainer._loss_model[1]._runner.exports == 2
+    torch.testing.assert_close(first, plain_first, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(second, plain_second, rtol=RTOL, atol=ATOL)
+    assert second != first  # the new scale changed the losses

@@ -95,10 +95,13 @@ class ORTTrainer(Trainer):
     def _loss_of(self, wrapper: ORTModule) -> ORTModule:
         if self._loss_model is None or self._loss_model[0] is not wrapper:
             loss_model = ORTModule(_LossOf(wrapper.module), wrapper._debug_options)
+            # attributes written through the user's wrapper (a flag the forward reads) key this
+            # graph too: a new value re-exports it as it does the wrapper's own
+            loss_model._runner.module_state = wrapper.__dict__.setdefault("_written", {})
             self._loss_model = (wrapper, loss_model)
             logger.info(
                 "ORTTrainer: training steps run %s's loss alone (its other outputs are not "
-                "computed), so label sparsity can shrink its head; loss_only=False keeps them",
+                "returned), so label sparsity can shrink its head; loss_only=False keeps them",
                 type(wrapper.module).__name__,
             )
         loss_model = self._loss_model[1]
