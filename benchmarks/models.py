@@ -198,6 +198,16 @@ def _llama_batch(step: int, full: bool) -> Batch:
     return (), {"input_ids": ids, "labels": ids}
 
 
+def _padded_ids(
+    gen: torch.Generator, batch: int, shortest: int, longest: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of rows of 128 tokens, each right-padded (id 0) from a length in
+    [shortest, longest]; real ids are 5 and above."""
+    lengths = torch.randint(shortest, longest + 1, (batch,), generator=gen)
+    mask = (torch.arange(128)[None, :] < lengths[:, None]).long()
+    return torch.randint(5, vocab, (batch, 128), generator=gen) * mask, mask
+
+
 def _classifier_model(full: bool) -> nn.Module:
     from transformers import BertForSequenceClassification
 
@@ -208,9 +218,7 @@ def _classifier_batch(step: int, full: bool) -> Batch:
     """Short sentences in 128-token rows: 16-79 real tokens, about 37% of the batch."""
     gen = _gen(step)
     batch = 32 if full else 16
-    lengths = torch.randint(16, 80, (batch,), generator=gen)
-    mask = (torch.arange(128)[None, :] < lengths[:, None]).long()
-    ids = torch.randint(5, 8192, (batch, 128), generator=gen) * mask
+    ids, mask = _padded_ids(gen, batch, 16, 79, 8192)
     labels = torch.randint(0, 3, (batch,), generator=gen)
     return (), {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
@@ -235,9 +243,7 @@ def _hf_masked_lm_batch(loss_only: bool) -> Callable[[int, bool], Batch]:
     def make(step: int, full: bool) -> Batch:
         gen = _gen(step)
         batch = 16 if full else 8
-        lengths = torch.randint(64, 129, (batch,), generator=gen)
-        mask = (torch.arange(128)[None, :] < lengths[:, None]).long()
-        ids = torch.randint(5, _HF_VOCAB, (batch, 128), generator=gen) * mask
+        ids, mask = _padded_ids(gen, batch, 64, 128, _HF_VOCAB)
         labels = torch.where(
             (torch.rand(batch, 128, generator=gen) < 0.15) & mask.bool(), ids, -100
         )

@@ -122,30 +122,22 @@ def model_loss(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch
     return out["loss"]  # type: ignore[no-any-return]
 
 
-SMALL = dict(
-    vocab_size=128,
-    max_position_embeddings=64,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=128,
-)
-NO_DROPOUT = dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+NO_DROPOUT = dict(_ENCODER, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 #: wrapped in :class:`LossOnly` with :func:`padded_mlm_batch`: encoders, and a decoder whose
 #: padding mask is merged with its causal mask (the loss shifts the labels, not the logits, so
 #: rows still pair up; with most labels -100 it is an instruction-tuning batch)
 LOSS_ONLY_MODELS = {
-    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL)),
+    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**_ENCODER)),
     "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(**NO_DROPOUT)),
     "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(**NO_DROPOUT)),
     "distilbert": lambda: tf.DistilBertForMaskedLM(
         tf.DistilBertConfig(
-            vocab_size=128,
+            vocab_size=VOCAB,
             max_position_embeddings=64,
-            dim=64,
-            n_layers=2,
-            n_heads=4,
-            hidden_dim=128,
+            dim=HIDDEN,
+            n_layers=LAYERS,
+            n_heads=HEADS,
+            hidden_dim=FFN,
             dropout=0.0,
             attention_dropout=0.0,
         )
