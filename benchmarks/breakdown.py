@@ -48,7 +48,13 @@ from typing import Any
 import torch
 
 from .models import WORKLOADS, Workload
-from .worker import _enable_engine_profiling, _time_engine_calls, _training_session
+from .worker import (
+    _enable_engine_profiling,
+    _time_engine_calls,
+    _training_session,
+    kernel_events,
+    timed_step,
+)
 
 KINDS = (
     "GEMM",
@@ -105,18 +111,6 @@ def kind_of(name: str) -> str:
 _ARITHMETIC = ("GEMM", "attention", "convolution")
 
 
-def _step(model: Any, optimizer: Any, workload: Workload, batch: Any) -> tuple[float, float, float]:
-    args, kwargs = batch
-    start = time.perf_counter()
-    loss = workload.loss(model(*args, **kwargs), batch)
-    loss.backward()
-    mid = time.perf_counter()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    value = loss.item()
-    return mid - start, time.perf_counter() - mid, value
-
-
 def _eager_kinds(
     model: Any, optimizer: Any, workload: Workload, batches: list[Any]
 ) -> dict[str, float]:
@@ -125,7 +119,7 @@ def _eager_kinds(
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for batch in batches:
-            _step(model, optimizer, workload, batch)
+            timed_step(model, optimizer, workload, batch)
     by_op: dict[str, float] = collections.defaultdict(float)
     for event in prof.events():
         if not event.name.startswith("aten::") and "flash" not in event.name:
@@ -165,14 +159,9 @@ def _timed_aten(times: dict[str, float]) -> Callable[[], None]:
 def _engine_kinds(profile_file: str, steps: int) -> dict[str, float]:
     """Kernel time per kind of the last ``steps`` runs of every node but the ATen ones, ms per
     step."""
-    with open(profile_file) as f:
-        events = json.load(f)
     per_node: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
-    for event in events:
-        name = str(event.get("name", ""))
-        if event.get("cat") != "Node" or not name.endswith("_kernel_time"):
-            continue
-        per_node[name].append((event.get("args", {}).get("op_name", "?"), float(event["dur"])))
+    for name, op, us in kernel_events(profile_file):
+        per_node[name].append((op, us))
     by_op: dict[str, float] = collections.defaultdict(float)
     for runs in per_node.values():
         for op, us in runs[-steps:]:
@@ -195,11 +184,10 @@ def _engine_profiling(prefix: str) -> Iterator[None]:
         onnxruntime.SessionOptions = original
 
 
-def _by_kind(*ops: dict[str, float]) -> dict[str, float]:
+def _by_kind(ops: dict[str, float]) -> dict[str, float]:
     totals = dict.fromkeys(KINDS, 0.0)
-    for table in ops:
-        for op, ms in table.items():
-            totals[kind_of(op)] += ms
+    for op, ms in ops.items():
+        totals[kind_of(op)] += ms
     return totals
 
 
@@ -229,15 +217,15 @@ def run(model: str = "gpt", steps: int = 10, warmup: int = 12) -> dict[str, Any]
         # the kernel choice measures at the first export: without the profiler (the same first
         # step for eager, so both train on the same weights)
         for pair in modes.values():
-            _step(*pair, workload, batches[0])
+            timed_step(*pair, workload, batches[0])
         with _engine_profiling(str(Path(folder) / "breakdown")):
-            _step(*profiled_copy, workload, batches[0])
+            timed_step(*profiled_copy, workload, batches[0])
         timed: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
         losses: dict[str, list[float]] = {m: [] for m in modes}
         for i, batch in enumerate(batches[1 : warmup + steps]):
             order = list(modes) if i % 2 == 0 else list(reversed(modes))
             for mode in order:
-                fwd_bwd, opt, loss = _step(*modes[mode], workload, batch)
+                fwd_bwd, opt, loss = timed_step(*modes[mode], workload, batch)
                 losses[mode].append(loss)
                 if i + 1 >= warmup:
                     timed[mode].append((fwd_bwd, opt))
@@ -248,11 +236,11 @@ def run(model: str = "gpt", steps: int = 10, warmup: int = 12) -> dict[str, Any]
         undo = _timed_aten(aten_ms)
         try:
             for batch in profiled:
-                _step(*modes["ortmodule"], workload, batch)
+                timed_step(*modes["ortmodule"], workload, batch)
         finally:
             undo()
         for batch in batches[1 : warmup + 1] + profiled:
-            _step(*profiled_copy, workload, batch)
+            timed_step(*profiled_copy, workload, batch)
         engine_ops = _engine_kinds(
             _training_session(profiled_copy[0])._session.end_profiling(), len(profiled)
         )

@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,33 @@ class _TimedAgent:
         return self._timed(self.agent.run_backward, *args)
 
 
+def timed_step(
+    model: Any, optimizer: Any, workload: Workload, batch: Any
+) -> tuple[float, float, float]:
+    """One training step on ``batch``: seconds of forward + backward, seconds of the optimizer
+    step + ``zero_grad`` + ``loss.item()``, and the loss."""
+    args, kwargs = batch
+    start = time.perf_counter()
+    loss = workload.loss(model(*args, **kwargs), batch)
+    loss.backward()
+    mid = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    value = loss.item()
+    return mid - start, time.perf_counter() - mid, value
+
+
+def kernel_events(profile_file: str) -> Iterator[tuple[str, str, float]]:
+    """(node name, op type, microseconds) of every kernel run in the engine's Chrome-trace
+    profile, in order."""
+    with open(profile_file) as f:
+        events = json.load(f)
+    for e in events:
+        name = str(e.get("name", ""))
+        if e.get("cat") == "Node" and name.endswith("_kernel_time"):
+            yield name, e.get("args", {}).get("op_name", "?"), float(e.get("dur", 0))
+
+
 def _training_session(model: Any) -> Any:
     """The engine session ORTModule built for training (``TrainingSession``)."""
     graph = model._runner.transitions.current(True, True)
@@ -123,15 +151,10 @@ def _enable_engine_profiling(prefix: str) -> None:
 
 def _top_operators(profile_file: str, steps: int, top: int = 12) -> dict[str, Any]:
     """Kernel time per operator type from the engine's Chrome-trace profile."""
-    with open(profile_file) as f:
-        events = json.load(f)
     by_op: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
-    for e in events:
-        if e.get("cat") != "Node" or not str(e.get("name", "")).endswith("_kernel_time"):
-            continue
-        op = e.get("args", {}).get("op_name", "?")
-        by_op[op] += float(e.get("dur", 0))
+    for _name, op, us in kernel_events(profile_file):
+        by_op[op] += us
         count[op] += 1
     total = sum(by_op.values())
     ranked = sorted(by_op.items(), key=lambda kv: -kv[1])
@@ -193,17 +216,11 @@ def train(
     try:
         model = _wrap(base, mode)
         model.train()
-        for step, (args, kwargs) in enumerate(batches):
-            start = time.perf_counter()
-            loss = workload.loss(model(*args, **kwargs), (args, kwargs))
-            loss.backward()
-            mid = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            end = time.perf_counter()
-            seconds.append(end - start)
-            optimizer_seconds.append(end - mid)
+        for step, batch in enumerate(batches):
+            fwd_bwd, optimizer_s, loss = timed_step(model, optimizer, workload, batch)
+            losses.append(loss)
+            seconds.append(fwd_bwd + optimizer_s)
+            optimizer_seconds.append(optimizer_s)
             if mode == "ortmodule" and agent is None:
                 agent = _time_engine_calls(model)
             if agent is not None and step == warmup - 1:
@@ -256,14 +273,9 @@ def ratio(workload: Workload, modes: list[str], full: bool, rounds: int) -> dict
             # a different mode first each round, so none always runs right after another
             order = modes[step % len(modes) :] + modes[: step % len(modes)]
             for mode in order:
-                model, optimizer = runs[mode]
-                start = time.perf_counter()
-                loss = workload.loss(model(*args, **kwargs), (args, kwargs))
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses[mode].append(loss.item())
-                seconds[mode].append(time.perf_counter() - start)
+                fwd_bwd, optimizer_s, loss = timed_step(*runs[mode], workload, (args, kwargs))
+                losses[mode].append(loss)
+                seconds[mode].append(fwd_bwd + optimizer_s)
     except Exception as err:  # reported, not raised
         result["error"] = _error_text(err)
         result["traceback"] = traceback.format_exc()[-3000:]
