@@ -351,3 +351,46 @@ def test_data_parallel_around_ortmodule_is_refused() -> None:
         model._replicate_for_data_parallel()
     # other containers still take an ORTModule
     assert isinstance(torch.nn.Sequential(model)[0], ORTModule)
+
+
+@pytest.mark.parametrize("aliased", [True, False], ids=["engine-wrote-the-buffer", "engine-copy"])
+def test_batchnorm_buffer_updates_follow_eager_arithmetic(aliased: bool) -> None:
+    """The engine's running variance (population variance folded in) becomes eager's (the
+    unbiased one), bitwise what ``kept + (engine - kept) * n / (n - 1)`` gives, whether the
+    engine wrote into the module's buffers (its feeds) or handed back copies."""
+    from ortmodule.execution import BufferUpdate, _apply_buffer_updates, _kept_variances
+
+    torch.manual_seed(0)
+    layers = [torch.nn.BatchNorm2d(c) for c in (3, 5)]
+    outputs: list[torch.Tensor] = []
+    updates = []
+    expected = []
+    for bn, n in zip(layers, (12, 1), strict=True):
+        bn.running_var.uniform_(0.5, 2.0)
+        m = 1.0 - bn.momentum
+        new_mean = torch.randn_like(bn.running_mean)
+        new_var = bn.running_var * m + torch.rand_like(bn.running_var) * (1 - m)
+        kept = bn.running_var * m
+        expected.append(
+            (
+                new_mean.clone(),
+                kept + (new_var - kept) * (n / (n - 1)) if n > 1 else new_var.clone(),
+            )
+        )
+        base = len(outputs)
+        outputs += [new_mean, new_var, torch.tensor(n)]
+        updates += [
+            BufferUpdate(base, bn, "running_mean"),
+            BufferUpdate(base + 1, bn, "running_var", base + 2, m),
+        ]
+    kept_before = _kept_variances(updates)
+    if aliased:  # as the CPU engine does: its BatchNorm updates its feeds in place
+        for bn, base in zip(layers, (0, 3), strict=True):
+            bn.running_mean.copy_(outputs[base])
+            bn.running_var.copy_(outputs[base + 1])
+            outputs[base], outputs[base + 1] = bn.running_mean, bn.running_var
+    _apply_buffer_updates(updates, outputs, kept_before)
+    for bn, (mean, var) in zip(layers, expected, strict=True):
+        assert torch.equal(bn.running_mean, mean)
+        assert torch.equal(bn.running_var, var)
+        assert int(bn.num_batches_tracked) == 1

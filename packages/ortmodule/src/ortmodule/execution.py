@@ -89,28 +89,59 @@ class BufferUpdate:
     momentum: float = 0.0
 
 
+def _kept_variances(updates: list[BufferUpdate]) -> list[torch.Tensor]:
+    """Before the engine runs: momentum * the old running variance, for each variance update.
+
+    The engine's training BatchNorm overwrites the running buffers in place (they are its
+    feeds), so the part of the old value the update keeps is taken first, in one call.
+    """
+    variances = [getattr(u.owner, u.attr) for u in updates if u.count_index >= 0]
+    if not variances:
+        return []
+    with torch.no_grad():
+        return list(
+            torch._foreach_mul(variances, [u.momentum for u in updates if u.count_index >= 0])
+        )
+
+
 def _apply_buffer_updates(
-    updates: list[BufferUpdate], outputs: Sequence[torch.Tensor], old: list[torch.Tensor]
+    updates: list[BufferUpdate], outputs: Sequence[torch.Tensor], kept: list[torch.Tensor]
 ) -> None:
-    """Copy new buffer values into the module, as eager BatchNorm would have left them.
+    """Leave the module's buffers as eager BatchNorm would have left them.
 
     The engine folds the population variance into a running variance, PyTorch the unbiased
-    one: new = m*old + (engine - m*old) * n/(n-1), with n elements per channel.
+    one: new = kept + (engine - kept) * n/(n-1), with kept = momentum * old
+    (:func:`_kept_variances`) and n elements per channel. The buffers are updated in place, a
+    few batched calls for all layers (the same arithmetic, in the same order, per element).
     """
-    olds = iter(old)
+    kept_iter = iter(kept)
+    variances: list[torch.Tensor] = []
+    keeps: list[torch.Tensor] = []
+    factors: list[float] = []
+    tracked: list[torch.Tensor] = []
     with torch.no_grad():
         for u in updates:
             value = outputs[u.index]
+            buffer = getattr(u.owner, u.attr)
+            if value.data_ptr() != buffer.data_ptr():  # the engine gave a copy, not the feed
+                buffer.copy_(value)
             if u.count_index >= 0:
-                previous = next(olds)
+                keep = next(kept_iter)
                 n = int(outputs[u.count_index])
-                kept = previous * u.momentum
-                value = kept + (value - kept) * (n / (n - 1)) if n > 1 else value
-            getattr(u.owner, u.attr).copy_(value)
-            if u.attr == "running_mean":
-                tracked = getattr(u.owner, "num_batches_tracked", None)
-                if tracked is not None:
-                    tracked.add_(1)
+                if n > 1:
+                    variances.append(buffer)
+                    keeps.append(keep)
+                    factors.append(n / (n - 1))
+            elif u.attr == "running_mean":
+                count = getattr(u.owner, "num_batches_tracked", None)
+                if count is not None:
+                    tracked.append(count)
+        if variances:
+            torch._foreach_sub_(variances, keeps)
+            torch._foreach_mul_(variances, factors)
+            torch._foreach_add_(variances, keeps)
+        if tracked:
+            torch._foreach_add_(tracked, 1)
 
 
 @dataclass
@@ -436,19 +467,14 @@ class GraphRunner:
         training_graph = self.module.training and wants_grad
         graph = self._graph(args, kwargs, flat, schema, training_graph, device, params)
         feeds = self._gather(graph, flat)
-        # the engine's training BatchNorm overwrites running buffers in place: keep the old ones
-        old = [
-            getattr(u.owner, u.attr).detach().clone()
-            for u in graph.buffer_updates
-            if u.count_index >= 0
-        ]
+        kept = _kept_variances(graph.buffer_updates) if graph.buffer_updates else []
         if training_graph:
             outputs = _engine_apply(graph, phases, feeds)
         else:
             assert isinstance(graph.session, InferenceSession)
             outputs = graph.session.forward(feeds)
         if graph.buffer_updates:
-            _apply_buffer_updates(graph.buffer_updates, outputs, old)
+            _apply_buffer_updates(graph.buffer_updates, outputs, kept)
         for hook in phases.post_forward:
             hook.post_forward(self.step, outputs)
         exported = graph.built.exported
