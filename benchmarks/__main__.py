@@ -34,6 +34,9 @@ from .report import Report, machine_info, machine_slug, write_report
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 MODES = ("eager", "ortmodule", "compile")
+#: measured rounds of each interleaved run at least: 30 give a 95.7% interval for the median
+#: ratio between the 10th and 21st smallest rounds (benchmarks/stats.py), about 20 s per model
+INTERLEAVED_ROUNDS = 30
 
 
 def _micro_names() -> list[str]:
@@ -214,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             print("interleaved: the modes take turns, one process per model", flush=True)
             for model in args.models:
                 ratio = ["ratio", "--model", model, "--modes", *args.modes]
+                ratio += ["--rounds", str(INTERLEAVED_ROUNDS)]
                 report.interleaved[model] = runner.run(model, ratio)
                 if model in PADDING_MODELS and "ortmodule" in args.modes:
                     padded = f"{model}, padding elimination on"

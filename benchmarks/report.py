@@ -11,7 +11,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .models import TINY, WORKLOADS
+from .models import DEFAULT_MODELS, TINY, WORKLOADS
+from .stats import goal_verdict
+
+#: ORTModule's step time as a multiple of eager's that the project aims at, per default model
+#: (interleaved ratio, at or below); the rest of the default models: 1.0
+SPEED_GOALS = {"gpt": 0.85, "masked_lm": 0.6}
 
 MODE_TITLES = {
     "eager": "PyTorch eager",
@@ -142,7 +147,9 @@ class Report:
             "(same weights, same batches) and runs one training step of each in turn, rotating "
             "who goes first; the ratio is the median over the measured rounds of each step's time "
             "over eager's step in the same round. Load that comes and goes hits every mode of a "
-            "round alike, so these are the ratios to compare on a busy machine.",
+            "round alike, so these are the ratios to compare on a busy machine. In brackets: "
+            "the 95% interval of that median (distribution-free, `benchmarks/stats.py`; with "
+            "fewer than 10 rounds it is the whole range of the rounds).",
             "",
             "| model | eager median step | "
             + " | ".join(f"{names[m]} vs eager" for m in modes)
@@ -155,12 +162,42 @@ class Report:
                     f"| {model} | error: {_cell(run['error'])} |" + " |" * len(modes) + " |"
                 )
                 continue
-            ratios = run.get("ratio", {})
             diff = run.get("max_loss_diff", {}).get("ortmodule")
             lines.append(
                 f"| {model} | {_ms(run.get('median_step_s', {}).get('eager'))} | "
-                + " | ".join(f"{ratios[m]:.2f}x" if m in ratios else "" for m in modes)
+                + " | ".join(_ratio_cell(run, m) for m in modes)
                 + f" | {'' if diff is None else f'{diff:.1e}'} |"
+            )
+        return [*lines, ""]
+
+    def goals_section(self) -> list[str]:
+        """ORTModule's interleaved ratio of each default model against its speed goal."""
+        rows = [
+            (model, run)
+            for model, run in self.interleaved.items()
+            if model in DEFAULT_MODELS and "ortmodule" in run.get("interval", {})
+        ]
+        if not rows:
+            return []
+        lines = [
+            "## Speed goals",
+            "",
+            "ORTModule's interleaved step-time ratio against its goal (at or below): *met* when "
+            "the whole 95% interval of the median is at or below the goal, *missed* when all of "
+            "it is above, *not resolved* when this run cannot tell. More rounds narrow the "
+            "interval: `python -m benchmarks.worker ratio --model M --modes eager ortmodule "
+            "--rounds 40 --out r.json`.",
+            "",
+            "| model | goal | ORTModule | 95% interval | rounds | verdict |",
+            "| --- | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for model, run in rows:
+            goal = SPEED_GOALS.get(model, 1.0)
+            low, high, coverage = run["interval"]["ortmodule"]
+            lines.append(
+                f"| {model} | {goal:.2f}x | {run['ratio']['ortmodule']:.2f}x | "
+                f"{low:.2f}-{high:.2f}x ({coverage:.0%}) | {run.get('rounds', '')} | "
+                f"{goal_verdict((low, high), goal)} |"
             )
         return [*lines, ""]
 
@@ -396,6 +433,15 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _ratio_cell(run: dict[str, Any], mode: str) -> str:
+    """``0.98x (0.93-1.03)``: an interleaved median ratio and its 95% interval."""
+    ratio = run.get("ratio", {}).get(mode)
+    if ratio is None:
+        return ""
+    interval = run.get("interval", {}).get(mode)
+    return f"{ratio:.2f}x" + (f" ({interval[0]:.2f}-{interval[1]:.2f})" if interval else "")
+
+
 def _ms(seconds: float | None) -> str:
     return "" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
@@ -501,6 +547,7 @@ def write_report(report: Report, path: Path) -> str:
             )
     lines += ["", report.main_table(), ""]
     lines += report.interleaved_section()
+    lines += report.goals_section()
     gpt_cold, gpt_warm = (
         report.runs.get(("gpt", "ortmodule"), {}),
         report.runs.get(("gpt", "ortmodule-warm"), {}),

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .models import TINY, WORKLOADS, Workload
+from .stats import median_interval
 
 MODES = ("eager", "compile", "ortmodule")
 
@@ -281,12 +282,14 @@ def ratio(workload: Workload, modes: list[str], full: bool, rounds: int) -> dict
         result["traceback"] = traceback.format_exc()[-3000:]
         return result
     result["median_step_s"] = {m: statistics.median(seconds[m][warmup:]) for m in modes}
-    result["ratio"] = {
-        m: statistics.median(
-            a / b for a, b in zip(seconds[m][warmup:], seconds[modes[0]][warmup:], strict=True)
-        )
+    per_round = {
+        m: [a / b for a, b in zip(seconds[m][warmup:], seconds[modes[0]][warmup:], strict=True)]
         for m in modes
     }
+    result["ratio"] = {m: statistics.median(r) for m, r in per_round.items()}
+    result["round_ratios"] = per_round
+    # (low, high, coverage) of the median ratio: how sure "at or below 1.0x" is (stats.py)
+    result["interval"] = {m: median_interval(r) for m, r in per_round.items()}
     result["max_loss_diff"] = {
         m: max(abs(a - b) for a, b in zip(losses[m], losses[modes[0]], strict=True)) for m in modes
     }
