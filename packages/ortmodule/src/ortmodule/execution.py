@@ -95,12 +95,14 @@ def _kept_variances(updates: list[BufferUpdate]) -> list[torch.Tensor]:
     The engine's training BatchNorm overwrites the running buffers in place (they are its
     feeds), so the part of the old value the update keeps is taken first, in one call.
     """
-    variances = [getattr(u.owner, u.attr) for u in updates if u.count_index >= 0]
-    if not variances:
+    of_variances = [u for u in updates if u.count_index >= 0]
+    if not of_variances:
         return []
     with torch.no_grad():
         return list(
-            torch._foreach_mul(variances, [u.momentum for u in updates if u.count_index >= 0])
+            torch._foreach_mul(
+                [getattr(u.owner, u.attr) for u in of_variances], [u.momentum for u in of_variances]
+            )
         )
 
 
