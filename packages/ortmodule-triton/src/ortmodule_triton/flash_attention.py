@@ -33,14 +33,13 @@ import triton
 import triton.language as tl
 
 
-def _fwd(Q, K, V, MASK, O, LSE, scale, H, SQ, SK, D, DV,
+def _fwd(Q, K, V, MASK, O, LSE, scale, SQ, SK, D, DV,
          sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, smh, smm, smn,
          MASK_KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
          BDV: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    h, b = tl.program_id(1), tl.program_id(2)
+    bh = b * tl.num_programs(1) + h  # the (batch, head) row of the contiguous outputs
     rm = pid_m * BM + tl.arange(0, BM)
     rd = tl.arange(0, BD)
     rdv = tl.arange(0, BDV)
@@ -81,14 +80,13 @@ def _fwd(Q, K, V, MASK, O, LSE, scale, H, SQ, SK, D, DV,
     tl.store(LSE + bh * SQ + rm, lse, mask=rm < SQ)
 
 
-def _bwd_kv(Q, K, V, MASK, DO, LSE, DELTA, DK, DV_OUT, scale, H, SQ, SK, D, DV,
+def _bwd_kv(Q, K, V, MASK, DO, LSE, DELTA, DK, DV_OUT, scale, SQ, SK, D, DV,
             sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, smh, smm, smn,
             MASK_KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
             BDV: tl.constexpr):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    h, b = tl.program_id(1), tl.program_id(2)
+    bh = b * tl.num_programs(1) + h  # the (batch, head) row of the contiguous outputs
     rn = pid_n * BN + tl.arange(0, BN)
     rd = tl.arange(0, BD)
     rdv = tl.arange(0, BDV)
@@ -126,14 +124,13 @@ def _bwd_kv(Q, K, V, MASK, DO, LSE, DELTA, DK, DV_OUT, scale, H, SQ, SK, D, DV,
              mask=(rn[:, None] < SK) & (rdv[None, :] < DV))
 
 
-def _bwd_q(Q, K, V, MASK, DO, LSE, DELTA, DQ, scale, H, SQ, SK, D, DV,
+def _bwd_q(Q, K, V, MASK, DO, LSE, DELTA, DQ, scale, SQ, SK, D, DV,
            sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, smh, smm, smn,
            MASK_KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
            BDV: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    h, b = tl.program_id(1), tl.program_id(2)
+    bh = b * tl.num_programs(1) + h  # the (batch, head) row of the contiguous outputs
     rm = pid_m * BM + tl.arange(0, BM)
     rd = tl.arange(0, BD)
     rdv = tl.arange(0, BDV)
@@ -207,12 +204,17 @@ def _launch_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[st
     return {"B": B, "H": H, "SQ": SQ, "SK": SK, "D": D, "DV": DV}
 
 
+def _grid(s: dict[str, int], length: str, block: int) -> tuple[int, int, int]:
+    """One program per ``block`` rows of ``length`` (``SQ`` or ``SK``), per head, per batch row."""
+    return (-(-s[length] // block), s["H"], s["B"])
+
+
 def _common(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_strides: list[int]
 ) -> list[Any]:
     s = _launch_shapes(q, k, v)
     return [
-        s["H"], s["SQ"], s["SK"], s["D"], s["DV"],
+        s["SQ"], s["SK"], s["D"], s["DV"],
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -245,8 +247,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     out = torch.empty((s["B"], s["H"], s["SQ"], s["DV"]), dtype=q.dtype, device=q.device)
     lse = torch.empty((s["B"], s["H"], s["SQ"]), dtype=torch.float32, device=q.device)
     m, strides, kind = _mask_args(mask, (s["B"], s["H"], s["SQ"], s["SK"]))
-    grid = (-(-s["SQ"] // BM), s["B"] * s["H"])
-    _kernels()["_fwd"][grid](
+    _kernels()["_fwd"][_grid(s, "SQ", BM)](
         q, k, v, m, out, lse, scale, *_common(q, k, v, strides),
         MASK_KIND=kind, BM=BM, BN=BN, BD=_pow2(s["D"]), BDV=_pow2(s["DV"]),
     )  # fmt: skip
@@ -278,10 +279,10 @@ class FlashAttentionFunction(torch.autograd.Function):
         common = _common(q, k, v, strides)
         meta = {"MASK_KIND": kind, "BM": BM, "BN": BN, "BD": _pow2(s["D"]), "BDV": _pow2(s["DV"])}
         kernels = _kernels()
-        kernels["_bwd_kv"][(-(-s["SK"] // BN), s["B"] * s["H"])](
+        kernels["_bwd_kv"][_grid(s, "SK", BN)](
             q, k, v, m, do, lse, delta, dk, dv, ctx.scale, *common, **meta
         )
-        kernels["_bwd_q"][(-(-s["SQ"] // BM), s["B"] * s["H"])](
+        kernels["_bwd_q"][_grid(s, "SQ", BM)](
             q, k, v, m, do, lse, delta, dq, ctx.scale, *common, **meta
         )
         return dq, dk, dv, None, None
