@@ -25,11 +25,14 @@ from .export import (
     ExportedModel,
     GraphKey,
     GraphTransitionManager,
+    Guard,
+    GuardError,
     SaveOptions,
     check_opset,
     describe_change,
     export,
     parameter_signature,
+    trace_state,
 )
 from .passes import register_post_export_pass, run_post_export_passes, unregister_post_export_pass
 from .passes.built_graph import register_built_graph_pass, unregister_built_graph_pass
@@ -56,6 +59,8 @@ __all__ = [
     "ExportedModel",
     "GraphKey",
     "GraphTransitionManager",
+    "Guard",
+    "GuardError",
     "InvalidOptionError",
     "ORTModuleError",
     "SaveOptions",
@@ -64,6 +69,7 @@ __all__ = [
     "describe_change",
     "export",
     "parameter_signature",
+    "trace_state",
     "register_built_graph_pass",
     "register_post_export_pass",
     "register_symbolic",

@@ -10,6 +10,7 @@ gradient back to autograd so ``param.grad`` accumulates exactly as in eager.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -24,10 +25,13 @@ from ortmodule_exporter import (
     ExportConfig,
     GraphKey,
     GraphTransitionManager,
+    Guard,
+    GuardError,
     SaveOptions,
     export,
     parameter_signature,
     run_post_export_passes,
+    trace_state,
 )
 from ortmodule_exporter.components import (
     SessionContext,
@@ -66,6 +70,11 @@ SUPPORTED_PARAM_DTYPES = {
     "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
     "cuda": (torch.float32, torch.float16, torch.bfloat16, torch.float64),
 }
+
+
+#: graphs one key may build for the values of its guards before ORTModule stops (a value
+#: that keeps changing would otherwise export at every step)
+GUARDED_GRAPHS_PER_KEY = 8
 
 
 class UnsupportedDeviceError(RuntimeError):
@@ -165,6 +174,10 @@ class CompiledGraph:
     #: forward outputs handed back without a gradient: the engine's non-differentiable outputs
     #: and those eager computes without one (``ExportedModel.outputs_without_grad``)
     without_grad: frozenset[int] = frozenset()
+    #: (forward output index, flat user input index): an input the forward writes in place
+    input_writes: list[tuple[int, int]] = field(default_factory=list)
+    #: (forward output index, guard): a tensor -> Python conversion the trace baked in
+    guards: list[tuple[int, Guard]] = field(default_factory=list)
     _reached: dict[frozenset[int], frozenset[str]] = field(default_factory=dict)
     _returned: dict[frozenset[int], list[int]] = field(default_factory=dict)
     _backward_feeds: tuple[tuple[int, torch.dtype, torch.device], ...] | None = None
@@ -200,6 +213,23 @@ class CompiledGraph:
             ]
             self._returned[used] = found
         return found
+
+    def failed_guard(self, outputs: Sequence[torch.Tensor]) -> int | None:
+        """The position (in :attr:`guards`) of the first guard whose value changed, if any."""
+        for position, (index, guard) in enumerate(self.guards):
+            if not guard.holds(outputs[index]):
+                return position
+        return None
+
+    def guards_hold_for(self, other: CompiledGraph, outputs: Sequence[torch.Tensor]) -> bool:
+        """Whether ``other``'s outputs (a run of ``other``) give this graph's guard values at
+        the same places: then this graph's trace took the same path up to its guards."""
+        if [g.source for _, g in self.guards] != [g.source for _, g in other.guards]:
+            return False
+        return all(
+            mine.holds(outputs[index])
+            for (_, mine), (index, _) in zip(self.guards, other.guards, strict=True)
+        )
 
     def reached_by(self, outputs: frozenset[int]) -> frozenset[str]:
         """Graph inputs that any of ``outputs`` depends on (memoised per set of outputs)."""
@@ -393,6 +423,8 @@ class GraphRunner:
         self._last: tuple[Any, tuple[Any, ...], CompiledGraph] | None = None
         self.step = StepContext(module, dict(config.pass_options))
         self._phases: StepPhases | None = None
+        #: per mode: the first key of a guarded family and every graph built for it
+        self._families: dict[tuple[bool, bool], tuple[GraphKey, list[CompiledGraph]]] = {}
 
     # -- the key ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -407,6 +439,7 @@ class GraphRunner:
         device: torch.device,
         params: tuple[Any, ...],
         state: tuple[tuple[str, Any], ...],
+        traced: tuple[Any, ...],
     ) -> GraphKey:
         return GraphKey(
             input_schema=schema,
@@ -415,6 +448,7 @@ class GraphRunner:
             device=str(device),
             params=params,
             options=(("opset", self.config.opset), ("module_state", state)),
+            state=traced,
         )
 
     def _graph(
@@ -435,14 +469,21 @@ class GraphRunner:
         """
         state = tuple(sorted(self.module_state.items())) if self.module_state else ()
         training = self.module.training
-        parts = (training, training_graph, device, params, state)
+        traced = trace_state()
+        parts = (training, training_graph, device, params, state, traced)
         last = self._last
         if last is not None and last[0] is schema and last[1] == parts:
             graph = last[2]
             if self.transitions.current(training, training_graph) is graph:
                 return graph
-        key = self._key(schema, training_graph, device, params, state)
-        graph = self.transitions.get(key, lambda: self._compile(key, args, kwargs, flat, device))
+        key = self._key(schema, training_graph, device, params, state, traced)
+        current = self.transitions.current(training, training_graph)
+        if current is not None and current.key.without_guards() == key:
+            graph = current  # the graph a guard chose last time, for the same key
+        else:
+            graph = self.transitions.get(
+                key, lambda: self._compile(key, args, kwargs, flat, device)
+            )
         self._last = (schema, parts, graph)
         return graph
 
@@ -468,21 +509,126 @@ class GraphRunner:
         )
         training_graph = self.module.training and wants_grad
         graph = self._graph(args, kwargs, flat, schema, training_graph, device, params)
-        feeds = self._gather(graph, flat)
-        kept = _kept_variances(graph.buffer_updates) if graph.buffer_updates else []
-        if training_graph:
-            outputs = _engine_apply(graph, phases, feeds)
-        else:
-            assert isinstance(graph.session, InferenceSession)
-            outputs = graph.session.forward(feeds)
+        outputs, kept = self._run(graph, flat, phases, training_graph)
+        if graph.guards:
+            graph, outputs, kept = self._guarded(
+                graph, outputs, kept, args, kwargs, flat, device, phases, training_graph
+            )
         if graph.buffer_updates:
             _apply_buffer_updates(graph.buffer_updates, outputs, kept)
+        if graph.input_writes:
+            with torch.no_grad():
+                for index, position in graph.input_writes:
+                    flat[position].copy_(outputs[index])
         for hook in phases.post_forward:
             hook.post_forward(self.step, outputs)
         exported = graph.built.exported
         return unflatten(
             exported.restore_outputs(outputs[: graph.output_count]), exported.output_schema
         )
+
+    def _run(
+        self,
+        graph: CompiledGraph,
+        flat: Sequence[torch.Tensor],
+        phases: StepPhases,
+        training_graph: bool,
+    ) -> tuple[Any, list[torch.Tensor]]:
+        feeds = self._gather(graph, flat)
+        kept = _kept_variances(graph.buffer_updates) if graph.buffer_updates else []
+        if training_graph:
+            return _engine_apply(graph, phases, feeds), kept
+        assert isinstance(graph.session, InferenceSession)
+        return graph.session.forward(feeds), kept
+
+    def _guarded(
+        self,
+        graph: CompiledGraph,
+        outputs: Any,
+        kept: list[torch.Tensor],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        flat: list[torch.Tensor],
+        device: torch.device,
+        phases: StepPhases,
+        training_graph: bool,
+    ) -> tuple[CompiledGraph, Any, list[torch.Tensor]]:
+        """Check the graph's guards on this run; while one fails, run the graph built for the
+        new values (building it when there is none) instead, and hand back the run that holds.
+
+        A run whose guard failed is dropped before anything reaches the user: its outputs, its
+        autograd node, and the buffers the engine wrote in place (put back from a copy).
+        """
+        saved = [getattr(u.owner, u.attr).clone() for u in graph.buffer_updates]
+        for _ in range(GUARDED_GRAPHS_PER_KEY + 1):
+            failed = graph.failed_guard(outputs)
+            if failed is None:
+                return graph, outputs, kept
+            with torch.no_grad():
+                for u, value in zip(graph.buffer_updates, saved, strict=True):
+                    getattr(u.owner, u.attr).copy_(value)
+            graph = self._graph_for_guards(graph, failed, outputs, args, kwargs, flat, device)
+            saved = [getattr(u.owner, u.attr).clone() for u in graph.buffer_updates]
+            outputs, kept = self._run(graph, flat, phases, training_graph)
+        raise GuardError(  # pragma: no cover - each pass above builds or finds a new graph
+            f"ORTModule: no graph of {type(self.module).__qualname__} holds for this input"
+        )
+
+    def _graph_for_guards(
+        self,
+        graph: CompiledGraph,
+        failed: int,
+        outputs: Any,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        flat: list[torch.Tensor],
+        device: torch.device,
+    ) -> CompiledGraph:
+        """The graph for the values ``graph``'s guards have on this call: one built earlier
+        for them, else a new export, up to :data:`GUARDED_GRAPHS_PER_KEY` per key."""
+        index, guard = graph.guards[failed]
+        now = outputs[index]
+        change = guard.describe(now)
+        where = type(self.module).__qualname__
+        if not guard.discrete:
+            raise GuardError(
+                f"ORTModule: {where} turns a tensor into a Python number with {change}. The "
+                "exported graph keeps the number it saw, and a float that changed will keep "
+                "changing. Keep it a tensor (drop the float()/.item() so the graph computes "
+                "it), or let ORTModule fall back to PyTorch (ORTMODULE_FALLBACK_POLICY)."
+            )
+        base = graph.key.without_guards()
+        slot = (base.training, base.build_gradient)
+        family = self._families.get(slot)
+        if family is None or family[0] != base:
+            family = (base, [graph])
+            self._families[slot] = family
+        graphs = family[1]
+        for other in graphs:
+            if other is not graph and other.guards_hold_for(graph, outputs):
+                self.transitions.switch(other.key, other, change)
+                self._last = None
+                return other
+        if len(graphs) >= GUARDED_GRAPHS_PER_KEY:
+            raise GuardError(
+                f"ORTModule: {where} turns a tensor into a Python value that keeps changing: "
+                f"{change}, after {len(graphs)} graphs built for other values. Compute it with "
+                "tensor ops (torch.where instead of an if on a tensor), or let ORTModule fall "
+                "back to PyTorch (ORTMODULE_FALLBACK_POLICY)."
+            )
+        if len(graphs) == 2:
+            logger.warning(
+                "%s: %s; a third graph is built for it. Each new value costs an export; from "
+                "%d graphs on, ORTModule stops. Compute it with tensor ops where you can.",
+                where,
+                change,
+                GUARDED_GRAPHS_PER_KEY,
+            )
+        key = dataclasses.replace(base, guards=(f"graph {len(graphs) + 1}", change))
+        built = self.transitions.get(key, lambda: self._compile(key, args, kwargs, flat, device))
+        graphs.append(built)
+        self._last = None
+        return built
 
     def _check_inputs(self, flat: Sequence[torch.Tensor], device: torch.device) -> None:
         if device.type not in ("cpu", "cuda"):
@@ -665,6 +811,11 @@ class GraphRunner:
                 updates.append(
                     BufferUpdate(output_names.index(out_name), owner, attr, count_index, momentum)
                 )
+        input_writes = [
+            (output_names.index(out_name), index_of[name])
+            for out_name, name in exported.input_writes.items()
+        ]
+        guards = [(output_names.index(out_name), guard) for out_name, guard in exported.guards]
         position = {name: j for j, name in enumerate(built.fetch_names)}
         grad_by_input = {target: position[fetch] for fetch, target in built.grad_of.items()}
         grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]
@@ -681,6 +832,8 @@ class GraphRunner:
             feeds=feeds,
             output_count=n_user,
             buffer_updates=updates,
+            input_writes=input_writes,
+            guards=guards,
             times=times,
             grad_index=grad_index,
             without_grad=built.non_differentiable_outputs | exported.outputs_without_grad,

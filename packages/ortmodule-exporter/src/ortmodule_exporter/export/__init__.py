@@ -6,6 +6,7 @@
 ``config``       :class:`ExportConfig`: every setting that changes what an export writes
 ``cache``        :class:`ExportCache` (``ORTMODULE_CACHE_DIR``)
 ``transitions``  :class:`GraphTransitionManager`: one state machine deciding re-export
+``guards``       :class:`Guard`: tensor -> Python conversions the trace baked in, checked each run
 ===============  ================================================================================
 
 >>> import torch
@@ -27,8 +28,15 @@ from .exporter import (
     forward_signature,
     module_path,
 )
+from .guards import Guard, GuardError
 from .model import SAVED_STAGES, ExportedModel, ExtraInput, SaveOptions
-from .transitions import GraphKey, GraphTransitionManager, describe_change, parameter_signature
+from .transitions import (
+    GraphKey,
+    GraphTransitionManager,
+    describe_change,
+    parameter_signature,
+    trace_state,
+)
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -40,6 +48,8 @@ __all__ = [
     "ExportedModel",
     "ExtraInput",
     "GraphKey",
+    "Guard",
+    "GuardError",
     "GraphTransitionManager",
     "SaveOptions",
     "bind_arguments",
@@ -51,4 +61,5 @@ __all__ = [
     "forward_signature",
     "module_path",
     "parameter_signature",
+    "trace_state",
 ]

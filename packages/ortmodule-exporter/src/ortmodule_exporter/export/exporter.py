@@ -33,7 +33,8 @@ from ..op_location import locate_operator
 from ..symbolics.registry import symbolics_applied
 from .cache import ExportCache
 from .config import DEFAULT_OPSET, ExportConfig
-from .model import ExportedModel, SaveOptions
+from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
+from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX, ExportedModel, SaveOptions
 
 logger = logging.getLogger("ortmodule.exporter")
 
@@ -91,7 +92,12 @@ def call_bound(module: torch.nn.Module, arguments: Mapping[str, Any]) -> Any:
 
 
 class _FlatModule(torch.nn.Module):
-    """Takes flat tensors, calls the wrapped module with the user's structure, returns flat."""
+    """Takes flat tensors, calls the wrapped module with the user's structure, returns flat.
+
+    After the user's outputs it returns what the trace would otherwise lose (see
+    :meth:`extra_outputs`): the new values of inputs and buffers the forward wrote in place, and
+    each tensor the forward turned into a Python value (a guard).
+    """
 
     def __init__(self, module: torch.nn.Module, input_schema: Schema) -> None:
         super().__init__()
@@ -100,10 +106,22 @@ class _FlatModule(torch.nn.Module):
         self.output_schema: Schema | None = None
         self.output_error: TypeError | None = None
         self.traced_outputs: tuple[torch.Tensor, ...] = ()
+        #: flat input positions the forward wrote in place
+        self.written_inputs: list[int] = []
+        #: buffers (qualified names) the forward wrote in place
+        self.written_buffers: list[str] = []
+        #: tensor -> Python conversions, in trace order
+        self.guards: list[Guard] = []
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         arguments = unflatten(list(flat), self._input_schema)
-        out = call_bound(getattr(self, _WRAPPED), arguments)
+        module = getattr(self, _WRAPPED)
+        buffers = _writable_buffers(module)
+        input_versions = [t._version for t in flat]
+        buffer_versions = {name: b._version for name, b in buffers.items()}
+        with recording_conversions() as guards:
+            out = call_bound(module, arguments)
+            converted = converted_tensors()
         try:
             tensors, schema = flatten(out, prefix="output")
         except TypeError as err:
@@ -111,17 +129,51 @@ class _FlatModule(torch.nn.Module):
             raise
         self.output_schema = schema
         self.traced_outputs = tuple(t.detach() for t in tensors)
-        return tuple(tensors)
+        self.written_inputs = [i for i, t in enumerate(flat) if t._version != input_versions[i]]
+        self.written_buffers = [n for n, b in buffers.items() if b._version != buffer_versions[n]]
+        self.guards = list(guards)
+        written = [flat[i] for i in self.written_inputs] + [
+            buffers[n] for n in self.written_buffers
+        ]
+        return (*tensors, *written, *converted)
+
+    def extra_output_names(self) -> list[str]:
+        """Names of the outputs after the user's, in order (see :func:`_name_extra_outputs`)."""
+        names = self._input_schema.names
+        return [
+            *(f"{INPUT_WRITE_PREFIX}{names[i]}" for i in self.written_inputs),
+            *(f"{BUFFER_WRITE_PREFIX}{n}" for n in self.written_buffers),
+            *(guard_output_name(i) for i in range(len(self.guards))),
+        ]
+
+
+# buffers the BatchNorm pass already keeps in step (``passes.batchnorm``): their in-place update
+# happens inside the kernel, so the trace holds no new value for them
+_NORM_STATS = torch.nn.modules.batchnorm._NormBase
+
+
+def _writable_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's buffers by qualified name, but for the running statistics of norm layers."""
+    found = {}
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, _NORM_STATS):
+            continue
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None:
+                found[f"{prefix}.{name}" if prefix else name] = buf
+    return found
 
 
 def _traced_input(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as the trace takes it: detached from the user's autograd graph, and requiring
     grad when the user's does, so that each traced output requires grad exactly when eager's
-    does (``ExportedModel.outputs_without_grad``). Such an input is a clone, not a leaf: the
-    module may write into it in place, as it may into the user's non-leaf tensor."""
+    does (``ExportedModel.outputs_without_grad``). It is always a copy: the module may write
+    into it in place, and the runtime makes that write on every call (the trace must not make
+    it a second time on the user's tensor). A copy that requires grad is not a leaf, as the
+    user's non-leaf tensor is not."""
     if tensor.requires_grad:
         return tensor.detach().requires_grad_(True).clone()
-    return tensor.detach()
+    return tensor.detach().clone()
 
 
 def module_path(module: torch.nn.Module) -> str:
@@ -324,9 +376,9 @@ def _export(
             empty_tensors.example_inputs(tensors),
             kernel_choice.recording_traced_sizes(),
             python_op.exporting_copy_of(module, target),
-            warnings.catch_warnings(),
+            warnings.catch_warnings(record=True) as caught,
         ):
-            warnings.simplefilter("ignore")
+            warnings.simplefilter("always")
             torch.onnx.export(
                 flat,
                 tuple(_traced_input(t) for t in tensors),
@@ -374,13 +426,25 @@ def _export(
     finally:
         target.train(was_training)
     assert flat.output_schema is not None
+    _report_trace_warnings(caught, module_path(module))
     model = onnx.load_from_string(buf.getvalue())
-    exported = _finish(model, input_schema, flat.output_schema, training, opset)
+    exported = _finish(
+        model, input_schema, flat.output_schema, training, opset, flat.extra_output_names()
+    )
     exported.constant_outputs = _drop_constant_outputs(model, flat.traced_outputs)
+    _keep_written_state(exported, flat, tensors, module_path(module))
+    exported.guards = _kept_guards(model, flat.guards)
     exported.config = config
     exported.export_seconds = time.perf_counter() - start
-    # the cache holds no tensors: a model with constant outputs is exported again next time
-    if cache is not None and key is not None and not exported.constant_outputs:
+    # the cache holds no tensors: a model with constant outputs or guards (whose values are
+    # tensors) is exported again next time, and so is one that writes to its inputs
+    if (
+        cache is not None
+        and key is not None
+        and not exported.constant_outputs
+        and not exported.guards
+        and not exported.input_writes
+    ):
         cache.store(key, exported)
     if save is not None:
         _save(exported.model, save, "exported", training)
@@ -412,7 +476,12 @@ def _output_schema(
 
 
 def _finish(
-    model: onnx.ModelProto, input_schema: Schema, output_schema: Schema, training: bool, opset: int
+    model: onnx.ModelProto,
+    input_schema: Schema,
+    output_schema: Schema,
+    training: bool,
+    opset: int,
+    extra_outputs: Sequence[str] = (),
 ) -> ExportedModel:
     onnx_graph.cap_ir_version(model)
     graph = model.graph
@@ -430,7 +499,7 @@ def _finish(
             raise ExportError(
                 f"exported graph has an input {vi.name!r} that is neither a user input nor a parameter"
             )
-    onnx_graph.name_outputs(graph, list(output_schema.names))
+    onnx_graph.name_outputs(graph, [*output_schema.names, *extra_outputs])
     for vi in graph.output:
         onnx_graph.make_dims_symbolic(vi, vi.name)
     return ExportedModel(
@@ -442,6 +511,67 @@ def _finish(
         training=training,
         opset=opset,
     )
+
+
+def _keep_written_state(
+    exported: ExportedModel, flat: _FlatModule, tensors: Sequence[torch.Tensor], where: str
+) -> None:
+    """Record the in-place writes the forward made, so the runtime makes them on every call."""
+    names = exported.input_schema.names
+    for i in flat.written_inputs:
+        if tensors[i].requires_grad:
+            raise ExportError(
+                f"{where} writes in place to its input {names[i]!r}, which requires grad. "
+                "ORTModule cannot carry that write into your autograd graph: write to a copy "
+                "(x = x.clone() before the in-place op) or pass a tensor that does not require "
+                "grad.",
+                module_path=where,
+            )
+        exported.input_writes[f"{INPUT_WRITE_PREFIX}{names[i]}"] = names[i]
+    for buffer in flat.written_buffers:
+        exported.buffer_updates[f"{BUFFER_WRITE_PREFIX}{buffer}"] = buffer
+
+
+def _kept_guards(model: onnx.ModelProto, guards: Sequence[Guard]) -> tuple[tuple[str, Guard], ...]:
+    """The guards whose value depends on a graph input, by output name; the outputs of the
+    others (computed from constants alone, so they never change) are removed."""
+    if not guards:
+        return ()
+    names = [guard_output_name(i) for i in range(len(guards))]
+    deps = onnx_graph.output_dependencies(model, names)
+    kept = tuple((n, g) for n, g, d in zip(names, guards, deps, strict=True) if d)
+    dropped = {n for n, _, d in zip(names, guards, deps, strict=True) if not d}
+    if dropped:
+        outputs = [vi for vi in model.graph.output if vi.name not in dropped]
+        del model.graph.output[:]
+        model.graph.output.extend(outputs)
+    return kept
+
+
+def _report_trace_warnings(caught: Sequence[warnings.WarningMessage], where: str) -> None:
+    """PyTorch's tracer warnings, once per source line, as ORTModule warnings.
+
+    A conversion of a tensor to a Python value is guarded (see ``guards``), so its warning is
+    not repeated; the rest (a tensor iterated over, ``torch.tensor`` of traced values made a
+    constant, ...) mark a place where the graph may not follow the Python on other inputs.
+    """
+    seen: set[tuple[str, int]] = set()
+    for w in caught:
+        if not issubclass(w.category, torch.jit.TracerWarning):
+            continue
+        text = str(w.message)
+        if text.startswith("Converting a tensor to a Python"):
+            continue
+        if (w.filename, w.lineno) in seen:
+            continue
+        seen.add((w.filename, w.lineno))
+        logger.warning(
+            "the trace of %s may not follow the Python at %s:%d on other inputs: %s",
+            where,
+            w.filename,
+            w.lineno,
+            text.splitlines()[0] if text else "",
+        )
 
 
 def _drop_constant_outputs(

@@ -17,6 +17,7 @@ import torch
 from ortmodule_pytree import Schema
 
 from .config import ExportConfig
+from .guards import Guard
 
 #: the graphs saved for one export, in the order they are made: the file name says which is which
 SAVED_STAGES = {
@@ -67,6 +68,11 @@ class SaveOptions:
         return dataclasses.replace(self, version=max(taken, default=0) + 1)
 
 
+#: output names of the new values of inputs and buffers the forward writes in place
+INPUT_WRITE_PREFIX = "input_write."
+BUFFER_WRITE_PREFIX = "buffer_write."
+
+
 @dataclass(frozen=True)
 class ExtraInput:
     """A graph input a post-export pass added that is neither a user tensor nor a parameter.
@@ -114,6 +120,11 @@ class ExportedModel:
     config: ExportConfig = field(default_factory=ExportConfig)
     #: graph inputs added by post-export passes: name -> what the runtime feeds
     extra_inputs: dict[str, ExtraInput] = field(default_factory=dict)
+    #: extra graph outputs holding the new value of an input the forward wrote in place:
+    #: output name -> input name (the runtime copies it into the user's tensor)
+    input_writes: dict[str, str] = field(default_factory=dict)
+    #: tensor -> Python conversions the trace baked in: (output name, guard), checked each run
+    guards: tuple[tuple[str, Guard], ...] = ()
 
     @property
     def user_output_names(self) -> tuple[str, ...]:

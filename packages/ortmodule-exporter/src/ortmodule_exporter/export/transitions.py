@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -33,6 +34,43 @@ def parameter_signature(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[Para
     return tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in named)
 
 
+def trace_state() -> tuple[Any, ...]:
+    """The process state a trace reads besides the module and its inputs: autocast (device
+    types, dtypes, weight-cast cache), the default dtype, the deterministic-algorithms flag,
+    grad mode and inference mode. A forward may branch on any of them, and autocast puts its
+    casts into the graph, so each is part of the graph key (about 2 us a call without autocast).
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     inside = trace_state()
+    >>> inside != trace_state()
+    True
+    """
+    autocast: tuple[Any, ...] = ()
+    if torch._C._is_any_autocast_enabled():
+        autocast = tuple(
+            (device, torch.get_autocast_dtype(device))
+            for device in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(device)
+        ) + (torch.is_autocast_cache_enabled(),)
+    return (
+        autocast,
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+    )
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_TRACE_STATE_NAMES = (
+    "autocast",
+    "default dtype",
+    "deterministic algorithms",
+    "grad mode",
+    "inference mode",
+)
+
+
 @dataclass(frozen=True)
 class GraphKey:
     """Everything that, when it changes, makes the built graph wrong."""
@@ -43,12 +81,21 @@ class GraphKey:
     device: str
     params: tuple[ParamSig, ...]
     options: tuple[tuple[str, Any], ...] = field(default=())
+    #: :func:`trace_state` at the call
+    state: tuple[Any, ...] = field(default=())
+    #: which graph of a guarded family this is: empty for the first, else the guard that
+    #: changed (see ``ortmodule_exporter.export.guards``)
+    guards: tuple[str, ...] = field(default=())
 
     @property
     def mode(self) -> str:
         if self.build_gradient:
             return "training"
         return "training-mode inference" if self.training else "inference"
+
+    def without_guards(self) -> GraphKey:
+        """This key for the first graph of its guarded family."""
+        return dataclasses.replace(self, guards=()) if self.guards else self
 
 
 def describe_change(old: GraphKey | None, new: GraphKey) -> str:
@@ -61,6 +108,17 @@ def describe_change(old: GraphKey | None, new: GraphKey) -> str:
         return f"device changed {old.device} -> {new.device}"
     if old.params != new.params:
         return _describe_params(old.params, new.params)
+    if old.state != new.state:
+        return (
+            "; ".join(
+                f"{name} changed {a!r} -> {b!r}"
+                for name, a, b in zip(_TRACE_STATE_NAMES, old.state, new.state, strict=False)
+                if a != b
+            )
+            or "trace state changed"
+        )
+    if old.guards != new.guards and new.guards:
+        return new.guards[-1]
     if old.options != new.options:
         before, after = dict(old.options), dict(new.options)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
@@ -119,6 +177,13 @@ class GraphTransitionManager(Generic[T]):
             self.builds += 1
             self.history.append(reason)
             return value
+
+    def switch(self, key: GraphKey, value: T, reason: str) -> None:
+        """Make ``value``, built earlier for ``key``, the current graph of its mode again (a
+        guard's value went back to one an earlier graph was built for)."""
+        with self._lock:
+            logger.info("graph switched (%s): %s", key.mode, reason)
+            self._slots[(key.training, key.build_gradient)] = (key, value)
 
     def current(self, training: bool, build_gradient: bool) -> T | None:
         slot = self._slots.get((training, build_gradient))

@@ -1,0 +1,260 @@
+"""What a trace cannot see: Python values taken from tensors, in-place writes, global state.
+
+Each case gave a result different from eager with no error before guards, written-state
+outputs and the trace state in the graph key. Every comparison is against eager on the same
+inputs, with fallback disabled (conftest) unless a test sets the policy itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from ortmodule import ORTModule
+from ortmodule_exporter import GuardError
+
+
+def _pair(cls: type[torch.nn.Module]) -> tuple[torch.nn.Module, ORTModule]:
+    torch.manual_seed(0)
+    eager = cls()
+    return eager, ORTModule(copy.deepcopy(eager))
+
+
+def _step(eager: torch.nn.Module, wrapped: ORTModule, x: torch.Tensor) -> None:
+    """One forward and backward in both; losses and every gradient equal."""
+    want = eager(x.clone())
+    got = wrapped(x.clone())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    want.backward()
+    got.backward()
+    for (name, p), (_, q) in zip(
+        eager.named_parameters(), wrapped.module.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+        p.grad = None
+        q.grad = None
+
+
+class Branch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if y.sum() > 0:
+            return (y * 2).sum()
+        return (y * -3).pow(2).sum()
+
+
+def _signed(sign: float) -> torch.Tensor:
+    torch.manual_seed(1)
+    return sign * (torch.rand(3, 4) + 2.0)
+
+
+def test_data_dependent_branch_follows_eager_and_reuses_graphs() -> None:
+    eager, wrapped = _pair(Branch)
+    with torch.no_grad():  # make the branch follow the input's sign
+        eager.lin.weight.copy_(torch.eye(4))
+        wrapped.module.lin.weight.copy_(torch.eye(4))
+    for sign in (1.0, -1.0, 1.0, -1.0, -1.0):
+        _step(eager, wrapped, _signed(sign))
+    runner = wrapped._runner
+    # one graph per branch; going back to a branch takes its graph again, no third export
+    assert runner.exports == 2
+    assert runner.transitions.builds == 2
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum() * float(self.scale)
+
+
+def test_python_float_that_does_not_change_trains() -> None:
+    eager, wrapped = _pair(Scaled)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        _step(eager, wrapped, torch.randn(3, 4))
+    assert wrapped._runner.exports == 1
+
+
+class FloatOfData(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum() * float(x.abs().max())
+
+
+def test_python_float_of_data_is_an_error_naming_the_line() -> None:
+    eager, wrapped = _pair(FloatOfData)
+    _step(eager, wrapped, torch.ones(2, 4))
+    with pytest.raises(GuardError, match=r"float\(\) at .*test_guards.py:\d+: .*float\(x.abs"):
+        wrapped(torch.ones(2, 4) * 3)
+
+
+def test_python_float_of_data_falls_back_under_the_default_policy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ORTMODULE_FALLBACK_POLICY")
+    eager, wrapped = _pair(FloatOfData)
+    _step(eager, wrapped, torch.ones(2, 4))
+    with pytest.warns(UserWarning, match="float"):
+        _step(eager, wrapped, torch.ones(2, 4) * 3)
+    _step(eager, wrapped, torch.ones(2, 4) * 5)  # in PyTorch from now on, as eager
+
+
+class CountPositive(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = int((x > 0).sum())
+        return self.lin(x).sum() * n + n
+
+
+def test_python_int_of_data_builds_a_graph_per_value() -> None:
+    eager, wrapped = _pair(CountPositive)
+    base = -torch.ones(2, 4)
+    for positives in (1, 3, 1, 3):
+        x = base.clone()
+        x.view(-1)[:positives] = 1.0
+        _step(eager, wrapped, x)
+    assert wrapped._runner.exports == 2
+
+
+def test_a_value_that_keeps_changing_stops_with_an_error() -> None:
+    from ortmodule.execution import GUARDED_GRAPHS_PER_KEY
+
+    eager, wrapped = _pair(CountPositive)
+    base = -torch.ones(3, 4)
+    with pytest.raises(GuardError, match="keeps changing"):
+        for positives in range(GUARDED_GRAPHS_PER_KEY + 2):
+            x = base.clone()
+            x.view(-1)[:positives] = 1.0
+            _step(eager, wrapped, x)
+    assert wrapped._runner.exports == GUARDED_GRAPHS_PER_KEY
+
+
+class IterateRows(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(self.lin(row).sum() for row in x)
+
+
+def test_tracer_warnings_reach_the_user_with_the_line(caplog: pytest.LogCaptureFixture) -> None:
+    eager, wrapped = _pair(IterateRows)
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        _step(eager, wrapped, torch.randn(3, 4))
+    text = caplog.text
+    assert "may not follow the Python at" in text
+    assert "test_guards.py" in text and "Iterating over a tensor" in text
+
+
+class Counter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return self.lin(x).sum() * self.count
+
+
+def test_buffer_written_in_place_is_written_every_call() -> None:
+    eager, wrapped = _pair(Counter)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        _step(eager, wrapped, torch.randn(3, 4))
+    assert float(wrapped.module.count) == float(eager.count) == 3.0
+    wrapped.eval()
+    eager.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(torch.ones(1, 4)), eager(torch.ones(1, 4)))
+    assert float(wrapped.module.count) == 4.0
+
+
+class AddToInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return self.lin(x).sum()
+
+
+def test_input_written_in_place_is_written_every_call() -> None:
+    eager, wrapped = _pair(AddToInput)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = torch.randn(3, 4)
+        x_eager, x_wrapped = x.clone(), x.clone()
+        want, got = eager(x_eager), wrapped(x_wrapped)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(x_wrapped, x_eager)  # written once, as eager writes it
+        torch.testing.assert_close(x_wrapped, x + 1)
+
+
+def test_input_written_in_place_that_requires_grad_is_refused() -> None:
+    from ortmodule_exporter import ExportError
+
+    wrapped = ORTModule(AddToInput())
+    x = torch.randn(3, 4, requires_grad=True).clone()
+    with pytest.raises(ExportError, match="writes in place to its input 'input.x'"):
+        wrapped(x)
+
+
+class Deterministic(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if torch.are_deterministic_algorithms_enabled():
+            y = y * 2
+        return y.sum()
+
+
+def test_global_state_the_trace_reads_is_part_of_the_key() -> None:
+    eager, wrapped = _pair(Deterministic)
+    x = torch.randn(3, 4)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for flag in (False, True, False):
+            torch.use_deterministic_algorithms(flag)
+            _step(eager, wrapped, x)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    # each mode keeps the graph of its last key: going back to the flag's first value
+    # exports again (guards, not the key, keep several graphs)
+    assert wrapped._runner.exports == 3
+
+
+def test_autocast_entered_after_the_first_call_is_not_the_float32_graph() -> None:
+    eager, wrapped = _pair(Deterministic)
+    x = torch.randn(3, 4)
+    wrapped(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = eager(x)
+        try:
+            got = wrapped(x)
+        except Exception as err:  # the engine may not build the bf16 graph: then it says so
+            assert "bfloat16" in str(err) or "BFloat16" in str(err) or "bf16" in str(err).lower()
+            return
+    assert got.dtype == want.dtype == torch.bfloat16
