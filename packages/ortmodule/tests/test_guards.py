@@ -258,3 +258,31 @@ def test_autocast_entered_after_the_first_call_is_not_the_float32_graph() -> Non
             assert "bfloat16" in str(err) or "BFloat16" in str(err) or "bf16" in str(err).lower()
             return
     assert got.dtype == want.dtype == torch.bfloat16
+
+
+class LoopOverSequence(torch.nn.Module):
+    """A Python loop over a traced size: ``range`` bakes the length into the trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = torch.zeros_like(x[:, 0])
+        outs = []
+        for i in range(x.shape[1]):
+            state = torch.tanh(self.lin(x[:, i]) + state)
+            outs.append(state)
+        return torch.stack(outs, dim=1).pow(2).sum()
+
+
+def test_size_turned_into_a_python_int_is_checked_before_the_run() -> None:
+    eager, wrapped = _pair(LoopOverSequence)
+    for length in (3, 5, 3, 5):
+        torch.manual_seed(length)
+        _step(eager, wrapped, torch.randn(2, length, 4))
+    graph = wrapped._runner.transitions.current(True, True)
+    assert graph is not None and graph.shape_guards and not graph.guards
+    assert wrapped._runner.exports == 2  # one per length, each found again
+    _step(eager, wrapped, torch.randn(7, 3, 4))  # a new batch size keeps the graph
+    assert wrapped._runner.exports == 2

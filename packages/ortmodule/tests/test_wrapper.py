@@ -331,6 +331,20 @@ def test_user_methods_call_the_engine() -> None:
     _assert_grads_equal(eager, wrapped)
 
 
+class ChecksItsSignature(Switchable):
+    """Like Hugging Face's generate: a method that reads its own forward's signature."""
+
+    def forward_parameters(self) -> list[str]:
+        import inspect
+
+        return list(inspect.signature(self.forward).parameters)
+
+
+def test_methods_see_the_forward_signature_while_routed() -> None:
+    wrapped = ORTModule(ChecksItsSignature())
+    assert wrapped.forward_parameters() == ["x", "scale"]
+
+
 def test_forward_signature_is_the_wrapped_modules() -> None:
     import inspect
 

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,8 +22,10 @@ import onnx
 import torch
 
 from ortmodule_exporter import (
+    EngineBuildError,
     ExportCache,
     ExportConfig,
+    ExportedModel,
     GraphKey,
     GraphTransitionManager,
     Guard,
@@ -52,6 +55,7 @@ from ortmodule_exporter.engine import (
     build_graph,
 )
 from ortmodule_exporter.export import bind_arguments, forward_signature
+from ortmodule_exporter.export.shape_guards import ShapeGuard
 from ortmodule_pytree import FlattenMemo, unflatten
 
 from .log import PhaseTimer, log_initialisation_summary
@@ -178,6 +182,11 @@ class CompiledGraph:
     input_writes: list[tuple[int, int]] = field(default_factory=list)
     #: (forward output index, guard): a tensor -> Python conversion the trace baked in
     guards: list[tuple[int, Guard]] = field(default_factory=list)
+    #: conversions of sizes, checked from the inputs' shapes before the graph runs
+    shape_guards: list[ShapeGuard] = field(default_factory=list)
+    #: graph input name -> index into the flat user tensors, for the shape guards
+    shape_inputs: dict[str, int] = field(default_factory=dict)
+    _shapes_checked: tuple[Any, ...] | None = None
     _reached: dict[frozenset[int], frozenset[str]] = field(default_factory=dict)
     _returned: dict[frozenset[int], list[int]] = field(default_factory=dict)
     _backward_feeds: tuple[tuple[int, torch.dtype, torch.device], ...] | None = None
@@ -219,6 +228,25 @@ class CompiledGraph:
         for position, (index, guard) in enumerate(self.guards):
             if not guard.holds(outputs[index]):
                 return position
+        return None
+
+    def fits_shapes(self, flat: Sequence[torch.Tensor]) -> bool:
+        return self.failed_shape_guard(flat) is None
+
+    def failed_shape_guard(
+        self, flat: Sequence[torch.Tensor]
+    ) -> tuple[ShapeGuard, torch.Tensor] | None:
+        """The first shape guard that does not hold for these inputs and its value now, if
+        any (checked once per new set of input shapes)."""
+        shapes = tuple(flat[i].shape for i in self.shape_inputs.values())
+        if shapes == self._shapes_checked:
+            return None
+        inputs = self.shape_inputs
+        for guard in self.shape_guards:
+            now = guard.value(lambda name: flat[inputs[name]].shape)
+            if not guard.guard.holds(now):
+                return guard, now
+        self._shapes_checked = shapes
         return None
 
     def guards_hold_for(self, other: CompiledGraph, outputs: Sequence[torch.Tensor]) -> bool:
@@ -509,6 +537,8 @@ class GraphRunner:
         )
         training_graph = self.module.training and wants_grad
         graph = self._graph(args, kwargs, flat, schema, training_graph, device, params)
+        if graph.shape_guards:
+            graph = self._shape_checked(graph, args, kwargs, flat, device)
         outputs, kept = self._run(graph, flat, phases, training_graph)
         if graph.guards:
             graph, outputs, kept = self._guarded(
@@ -567,27 +597,70 @@ class GraphRunner:
             with torch.no_grad():
                 for u, value in zip(graph.buffer_updates, saved, strict=True):
                     getattr(u.owner, u.attr).copy_(value)
-            graph = self._graph_for_guards(graph, failed, outputs, args, kwargs, flat, device)
+            index, guard = graph.guards[failed]
+
+            def fits(other: CompiledGraph, ran: CompiledGraph = graph, out: Any = outputs) -> bool:
+                return other.guards_hold_for(ran, out) and other.fits_shapes(flat)
+
+            graph = self._graph_for_guards(
+                graph,
+                guard,
+                outputs[index],
+                fits,
+                args,
+                kwargs,
+                flat,
+                device,
+            )
             saved = [getattr(u.owner, u.attr).clone() for u in graph.buffer_updates]
             outputs, kept = self._run(graph, flat, phases, training_graph)
         raise GuardError(  # pragma: no cover - each pass above builds or finds a new graph
             f"ORTModule: no graph of {type(self.module).__qualname__} holds for this input"
         )
 
-    def _graph_for_guards(
+    def _shape_checked(
         self,
         graph: CompiledGraph,
-        failed: int,
-        outputs: Any,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         flat: list[torch.Tensor],
         device: torch.device,
     ) -> CompiledGraph:
-        """The graph for the values ``graph``'s guards have on this call: one built earlier
-        for them, else a new export, up to :data:`GUARDED_GRAPHS_PER_KEY` per key."""
-        index, guard = graph.guards[failed]
-        now = outputs[index]
+        """``graph``, or while one of its size guards fails for these inputs' shapes, the
+        graph built for the new sizes (before anything runs)."""
+        for _ in range(GUARDED_GRAPHS_PER_KEY + 1):
+            failed = graph.failed_shape_guard(flat)
+            if failed is None:
+                return graph
+            guard, now = failed
+            graph = self._graph_for_guards(
+                graph,
+                guard.guard,
+                now,
+                lambda other: other.fits_shapes(flat),
+                args,
+                kwargs,
+                flat,
+                device,
+            )
+        raise GuardError(  # pragma: no cover - each pass above builds or finds a new graph
+            f"ORTModule: no graph of {type(self.module).__qualname__} holds for these shapes"
+        )
+
+    def _graph_for_guards(
+        self,
+        graph: CompiledGraph,
+        guard: Guard,
+        now: torch.Tensor,
+        fits: Callable[[CompiledGraph], bool],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        flat: list[torch.Tensor],
+        device: torch.device,
+    ) -> CompiledGraph:
+        """The graph for the value ``guard`` of ``graph`` has now (``now``): one built earlier
+        for the key that ``fits`` this call, else a new export, up to
+        :data:`GUARDED_GRAPHS_PER_KEY` per key."""
         change = guard.describe(now)
         where = type(self.module).__qualname__
         if not guard.discrete:
@@ -605,7 +678,7 @@ class GraphRunner:
             self._families[slot] = family
         graphs = family[1]
         for other in graphs:
-            if other is not graph and other.guards_hold_for(graph, outputs):
+            if other is not graph and fits(other):
                 self.transitions.switch(other.key, other, change)
                 self._last = None
                 return other
@@ -756,7 +829,7 @@ class GraphRunner:
             device_type=device.type,
         )
         with times.phase("graph build"), self._silenced():
-            built = build_graph(exported, graph_config)
+            built = _build_graph(exported, graph_config)
 
         hooks = step_hooks()
         context = None
@@ -816,6 +889,8 @@ class GraphRunner:
             for out_name, name in exported.input_writes.items()
         ]
         guards = [(output_names.index(out_name), guard) for out_name, guard in exported.guards]
+        shape_guards = list(exported.shape_guards)
+        shape_inputs = {name: index_of[name] for g in shape_guards for name in sorted(g.inputs)}
         position = {name: j for j, name in enumerate(built.fetch_names)}
         grad_by_input = {target: position[fetch] for fetch, target in built.grad_of.items()}
         grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]
@@ -834,10 +909,38 @@ class GraphRunner:
             buffer_updates=updates,
             input_writes=input_writes,
             guards=guards,
+            shape_guards=shape_guards,
+            shape_inputs=shape_inputs,
             times=times,
             grad_index=grad_index,
             without_grad=built.non_differentiable_outputs | exported.outputs_without_grad,
         )
+
+
+_FOLDED_GUARD = re.compile(r"(guard\.\d+): couldn't find the producer node")
+
+
+def _build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
+    """``build_graph``, without the guard outputs the engine folded into constants.
+
+    The engine's optimizer folds a value it can compute from fixed sizes into an initializer,
+    and its gradient builder then refuses a graph output no node produces. Such a guard can
+    never change, so it is dropped.
+    """
+    while True:
+        try:
+            return build_graph(exported, config)
+        except EngineBuildError as err:
+            found = _FOLDED_GUARD.search(str(err))
+            names = {name for name, _ in exported.guards}
+            if found is None or found.group(1) not in names:
+                raise
+            name = found.group(1)
+            logger.debug("guard %s is a constant in the built graph: dropped", name)
+            exported.guards = tuple((n, g) for n, g in exported.guards if n != name)
+            kept = [vi for vi in exported.model.graph.output if vi.name != name]
+            del exported.model.graph.output[:]
+            exported.model.graph.output.extend(kept)
 
 
 class _Null:

@@ -134,6 +134,9 @@ class ORTModule(torch.nn.Module):
                 finally:
                     module.__dict__["forward"] = routed
 
+            # with the forward's signature: Hugging Face's generate checks the keyword
+            # arguments it passes (pixel_values, ...) against inspect.signature(self.forward)
+            functools.update_wrapper(routed, module.forward)
             module.__dict__["forward"] = routed
             try:
                 return bound(*args, **kwargs)

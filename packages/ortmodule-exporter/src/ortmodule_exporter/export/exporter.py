@@ -35,6 +35,7 @@ from .cache import ExportCache
 from .config import DEFAULT_OPSET, ExportConfig
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX, ExportedModel, SaveOptions
+from .shape_guards import split_shape_guards
 
 logger = logging.getLogger("ortmodule.exporter")
 
@@ -433,7 +434,7 @@ def _export(
     )
     exported.constant_outputs = _drop_constant_outputs(model, flat.traced_outputs)
     _keep_written_state(exported, flat, tensors, module_path(module))
-    exported.guards = _kept_guards(model, flat.guards)
+    _keep_guards(exported, flat.guards, tensors)
     exported.config = config
     exported.export_seconds = time.perf_counter() - start
     # the cache holds no tensors: a model with constant outputs or guards (whose values are
@@ -443,6 +444,7 @@ def _export(
         and key is not None
         and not exported.constant_outputs
         and not exported.guards
+        and not exported.shape_guards
         and not exported.input_writes
     ):
         cache.store(key, exported)
@@ -532,20 +534,36 @@ def _keep_written_state(
         exported.buffer_updates[f"{BUFFER_WRITE_PREFIX}{buffer}"] = buffer
 
 
-def _kept_guards(model: onnx.ModelProto, guards: Sequence[Guard]) -> tuple[tuple[str, Guard], ...]:
-    """The guards whose value depends on a graph input, by output name; the outputs of the
-    others (computed from constants alone, so they never change) are removed."""
+def _keep_guards(
+    exported: ExportedModel, guards: Sequence[Guard], tensors: Sequence[torch.Tensor]
+) -> None:
+    """The guards whose value depends on a graph input: those computed from input shapes
+    alone are checked before the graph runs (``exported.shape_guards``), the others stay graph
+    outputs (``exported.guards``). The outputs of the rest (computed from constants and fixed
+    sizes, so they never change) are removed."""
     if not guards:
-        return ()
+        return
+    model = exported.model
     names = [guard_output_name(i) for i in range(len(guards))]
     deps = onnx_graph.output_dependencies(model, names)
-    kept = tuple((n, g) for n, g, d in zip(names, guards, deps, strict=True) if d)
+    kept = [(n, g) for n, g, d in zip(names, guards, deps, strict=True) if d]
     dropped = {n for n, _, d in zip(names, guards, deps, strict=True) if not d}
-    if dropped:
-        outputs = [vi for vi in model.graph.output if vi.name not in dropped]
-        del model.graph.output[:]
-        model.graph.output.extend(outputs)
-    return kept
+    names_in = exported.input_schema.names
+    traced = {name: tuple(t.shape) for name, t in zip(names_in, tensors, strict=True)}
+    for vi in model.graph.input:  # parameters and buffers: their declared, fixed shapes
+        if vi.name not in traced:
+            traced[vi.name] = tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
+    data, from_shapes = split_shape_guards(model, kept, traced)
+    dropped |= {g.output for g in from_shapes}
+    outputs = [vi for vi in model.graph.output if vi.name not in dropped]
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
+    exported.guards = tuple(data)
+    exported.shape_guards = tuple(g for g in from_shapes if g.inputs)
+
+
+# tracer warnings about what the guards check (``len(t)`` goes through ``__index__``)
+_GUARDED_WARNINGS = ("Converting a tensor to a Python", "Using len to get tensor shape")
 
 
 def _report_trace_warnings(caught: Sequence[warnings.WarningMessage], where: str) -> None:
@@ -560,7 +578,7 @@ def _report_trace_warnings(caught: Sequence[warnings.WarningMessage], where: str
         if not issubclass(w.category, torch.jit.TracerWarning):
             continue
         text = str(w.message)
-        if text.startswith("Converting a tensor to a Python"):
+        if text.startswith(_GUARDED_WARNINGS):
             continue
         if (w.filename, w.lineno) in seen:
             continue

@@ -103,6 +103,8 @@ _CONVERSIONS = {
     "item": "item",
     "tolist": "tolist",
 }
+# ``len(t)`` needs no entry: under the tracer ``Tensor.__len__`` returns the traced size, which
+# Python turns into an int through ``__index__``
 
 _ACTIVE = threading.local()
 _LOCK = threading.Lock()
@@ -127,10 +129,11 @@ def _recorder(attr: str, kind: str, original: Any) -> Any:
     def convert(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         seen = getattr(_ACTIVE, "seen", None)
-        if seen is not None and torch.jit.is_tracing():
-            seen.append(Guard(kind, self.detach().clone(), _user_source()))
-            seen_tensors: list[torch.Tensor] = _ACTIVE.tensors
-            seen_tensors.append(self)
+        if seen is None or not torch.jit.is_tracing():
+            return result
+        seen.append(Guard(kind, self.detach().clone(), _user_source()))
+        seen_tensors: list[torch.Tensor] = _ACTIVE.tensors
+        seen_tensors.append(self)
         return result
 
     convert.__name__ = attr

@@ -18,6 +18,7 @@ from ortmodule_pytree import Schema
 
 from .config import ExportConfig
 from .guards import Guard
+from .shape_guards import ShapeGuard
 
 #: the graphs saved for one export, in the order they are made: the file name says which is which
 SAVED_STAGES = {
@@ -125,6 +126,8 @@ class ExportedModel:
     input_writes: dict[str, str] = field(default_factory=dict)
     #: tensor -> Python conversions the trace baked in: (output name, guard), checked each run
     guards: tuple[tuple[str, Guard], ...] = ()
+    #: conversions of sizes: checked from the fed inputs' shapes before the graph runs
+    shape_guards: tuple[ShapeGuard, ...] = ()
 
     @property
     def user_output_names(self) -> tuple[str, ...]:

@@ -1,0 +1,316 @@
+"""Guards on sizes: checked from the input shapes before the graph runs.
+
+Under the TorchScript tracer ``x.shape[i]`` is a traced 0-d tensor, and a forward that turns it
+into a Python int (``t.split(d)``, ``range(n)``, ``view(b * h, ...)`` through ``int()``) bakes
+the traced size into the graph: on another size the graph fails in a ``Reshape`` or, worse,
+runs and gives wrong numbers. Such a guard (see :mod:`.guards`) reads nothing but shapes, so
+its value follows from the shapes of the graph inputs alone. :func:`split_shape_guards` turns
+each into a :class:`ShapeGuard`, a few shape operations evaluated in Python on the fed inputs'
+shapes before the engine runs, instead of a graph output (the engine folds the sizes it knows
+into constants, and then cannot build a graph that outputs them).
+
+>>> import numpy as np
+>>> ShapeGuard.evaluate_node("Gather", [np.array([2, 5, 8]), np.array(1)], {})
+array(5)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import torch
+
+from .guards import Guard
+
+__all__ = ["Dim", "ShapeGuard", "split_shape_guards"]
+
+
+@dataclass(frozen=True)
+class Dim:
+    """Dimension ``axis`` of the graph input ``input``, known only when it is fed."""
+
+    input: str
+    axis: int
+
+
+# where a value's dims are kept while a guard is evaluated (apart from the value itself)
+_SHAPE_KEY = "shape of "
+
+
+@dataclass(frozen=True)
+class _Step:
+    op: str
+    inputs: tuple[str, ...]
+    output: str
+    attrs: tuple[tuple[str, Any], ...]
+
+
+# the operations a size computation is made of (what the exporter writes for Python int
+# arithmetic on traced sizes); anything else keeps the guard a graph output
+_SHAPE_OPS = frozenset(
+    {
+        "Shape",
+        "Size",
+        "Constant",
+        "Gather",
+        "Cast",
+        "Squeeze",
+        "Unsqueeze",
+        "Concat",
+        "Slice",
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Mod",
+        "Neg",
+        "Identity",
+        "Floor",
+        "Ceil",
+        "Max",
+        "Min",
+        "Equal",
+        "Less",
+        "Greater",
+        "Not",
+        "ReduceProd",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ShapeGuard:
+    """A guard whose value is computed from input shapes: ``steps`` in graph order."""
+
+    guard: Guard
+    steps: tuple[_Step, ...]
+    output: str
+    #: for each value a ``Shape``/``Size`` reads: its dims, fixed, taken from a fed input or
+    #: unknown (None: no guard reads one, :func:`split_shape_guards` checks)
+    shapes: tuple[tuple[str, tuple[int | Dim | None, ...]], ...]
+
+    @property
+    def inputs(self) -> frozenset[str]:
+        """The graph inputs whose fed shape decides the value."""
+        return frozenset(d.input for _, dims in self.shapes for d in dims if isinstance(d, Dim))
+
+    def value(self, shape_of: Callable[[str], Sequence[int]]) -> torch.Tensor:
+        """The guard's value for inputs of these shapes (``shape_of(input name)``)."""
+        values: dict[str, np.ndarray] = {}
+        for name, dims in self.shapes:
+            known = [shape_of(d.input)[d.axis] if isinstance(d, Dim) else d for d in dims]
+            # an unknown dim (None) fails any step that reads it: such a guard stays an output
+            values[_SHAPE_KEY + name] = np.array(known, dtype=object if None in known else np.int64)
+        for step in self.steps:
+            if step.op == "Shape":
+                attrs = dict(step.attrs)
+                full = values[_SHAPE_KEY + step.inputs[0]]
+                values[step.output] = full[attrs.get("start", 0) : attrs.get("end", len(full))]
+            elif step.op == "Size":
+                size = np.prod(values[_SHAPE_KEY + step.inputs[0]])
+                values[step.output] = np.array(int(size), np.int64)
+            else:
+                args = [values[i] if i else None for i in step.inputs]
+                values[step.output] = self.evaluate_node(step.op, args, dict(step.attrs))
+        result = np.asarray(values[self.output])
+        if result.dtype == object:
+            result = result.astype(np.int64)
+        return torch.from_numpy(result.copy()).to(self.guard.value.dtype)
+
+    def holds(self, shape_of: Callable[[str], Sequence[int]]) -> bool:
+        return self.guard.holds(self.value(shape_of))
+
+    @staticmethod
+    def evaluate_node(op: str, args: list[Any], attrs: Mapping[str, Any]) -> np.ndarray:
+        """One shape operation on numpy values, with ONNX semantics."""
+        if op == "Constant":
+            return np.asarray(attrs["value"])
+        a = args[0]
+        if op == "Identity":
+            return np.asarray(a)
+        if op == "Gather":
+            return np.take(a, args[1], axis=attrs.get("axis", 0))
+        if op == "Cast":
+            return np.asarray(a).astype(onnx.helper.tensor_dtype_to_np_dtype(attrs["to"]))
+        if op in ("Squeeze", "Unsqueeze"):
+            axes = attrs.get("axes")
+            if axes is None and len(args) > 1 and args[1] is not None:
+                axes = [int(x) for x in np.atleast_1d(args[1])]
+            if op == "Squeeze":
+                return np.squeeze(a, axis=None if axes is None else tuple(axes))
+            out = np.asarray(a)
+            for axis in sorted(x if x >= 0 else x + out.ndim + len(axes) for x in axes):
+                out = np.expand_dims(out, axis)
+            return out
+        if op == "Concat":
+            return np.concatenate([np.atleast_1d(x) for x in args], axis=attrs.get("axis", 0))
+        if op == "Slice":
+            starts, ends = args[1], args[2]
+            axes = args[3] if len(args) > 3 and args[3] is not None else range(len(starts))
+            steps = args[4] if len(args) > 4 and args[4] is not None else [1] * len(starts)
+            index = [slice(None)] * np.ndim(a)
+            for s, e, ax, st in zip(starts, ends, axes, steps, strict=False):
+                index[int(ax)] = slice(int(s), int(e), int(st))
+            return np.asarray(a)[tuple(index)]
+        if op == "Neg":
+            return -np.asarray(a)
+        if op in ("Floor", "Ceil"):
+            return np.floor(a) if op == "Floor" else np.ceil(a)
+        if op == "Not":
+            return np.logical_not(a)
+        if op == "ReduceProd":
+            return np.prod(a, keepdims=bool(attrs.get("keepdims", 1)))
+        b = args[1]
+        if op == "Add":
+            return np.asarray(a + b)
+        if op == "Sub":
+            return np.asarray(a - b)
+        if op == "Mul":
+            return np.asarray(a * b)
+        if op == "Div":
+            if np.issubdtype(np.asarray(a).dtype, np.integer):
+                return np.asarray(np.fix(np.asarray(a) / np.asarray(b))).astype(np.asarray(a).dtype)
+            return np.asarray(a / b)
+        if op == "Mod":
+            return np.fmod(a, b) if attrs.get("fmod", 0) else np.mod(a, b)
+        if op == "Max":
+            return np.maximum(a, b)
+        if op == "Min":
+            return np.minimum(a, b)
+        if op == "Equal":
+            return np.equal(a, b)
+        if op == "Less":
+            return np.less(a, b)
+        if op == "Greater":
+            return np.greater(a, b)
+        raise NotImplementedError(op)  # pragma: no cover - _SHAPE_OPS lists what is handled
+
+
+def _attrs(node: onnx.NodeProto) -> tuple[tuple[str, Any], ...]:
+    found = []
+    for a in node.attribute:
+        value = onnx.helper.get_attribute_value(a)
+        if isinstance(value, onnx.TensorProto):
+            value = onnx.numpy_helper.to_array(value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        found.append((a.name, value))
+    return tuple(found)
+
+
+def _declared_dims(
+    vi: onnx.ValueInfoProto, by_param: Mapping[str, Dim]
+) -> tuple[int | Dim | None, ...] | None:
+    t = vi.type.tensor_type
+    if not vi.type.HasField("tensor_type") or not t.HasField("shape"):
+        return None
+    dims: list[int | Dim | None] = []
+    for d in t.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        else:
+            dims.append(by_param.get(d.dim_param))
+    return tuple(dims)
+
+
+def split_shape_guards(
+    model: onnx.ModelProto,
+    guards: Sequence[tuple[str, Guard]],
+    traced_shapes: Mapping[str, Sequence[int]],
+) -> tuple[list[tuple[str, Guard]], list[ShapeGuard]]:
+    """Guards (by output name) -> (those that stay graph outputs, those computed from shapes).
+
+    A guard is computed from shapes when every path from it back to a graph input passes a
+    ``Shape`` or ``Size`` whose input's dims it reads are known: fixed, or a dynamic dim of a
+    graph input (the exporter names them, and ONNX shape inference carries the names through
+    the graph), and when so computed on the traced inputs' shapes (``traced_shapes``, by graph
+    input name) it gives the traced value. The graph outputs of these are removed from
+    ``model``.
+    """
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output if o}
+    graph_inputs = {vi.name: vi for vi in graph.input}
+    by_param: dict[str, Dim] = {}
+    for vi in graph.input:
+        t = vi.type.tensor_type
+        for axis, d in enumerate(t.shape.dim if t.HasField("shape") else ()):
+            if d.dim_param:
+                by_param.setdefault(d.dim_param, Dim(vi.name, axis))
+    inferred: dict[str, onnx.ValueInfoProto] | None = None
+
+    def dims_of(name: str) -> tuple[int | Dim | None, ...] | None:
+        nonlocal inferred
+        if name in graph_inputs:
+            return _declared_dims(graph_inputs[name], by_param)
+        if inferred is None:
+            try:
+                done = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+                inferred = {vi.name: vi for vi in done.graph.value_info}
+            except Exception:  # noqa: BLE001 - then only graph inputs' shapes are known
+                inferred = {}
+        vi = inferred.get(name)
+        return _declared_dims(vi, by_param) if vi is not None else None
+
+    kept: list[tuple[str, Guard]] = []
+    from_shapes: list[ShapeGuard] = []
+    for out, guard in guards:
+        found = _shape_program(out, producer, graph_inputs, dims_of)
+        if found is None:
+            kept.append((out, guard))
+            continue
+        nodes, shapes = found
+        order = [n for n in graph.node if id(n) in nodes]
+        steps = tuple(_Step(n.op_type, tuple(n.input), n.output[0], _attrs(n)) for n in order)
+        candidate = ShapeGuard(guard, steps, out, tuple(shapes.items()))
+        try:
+            holds = candidate.holds(lambda name: traced_shapes[name])
+        except (TypeError, ValueError, KeyError, IndexError):
+            holds = False  # it reads a dim shape inference left unknown
+        if holds:
+            from_shapes.append(candidate)
+        else:
+            kept.append((out, guard))
+    removed = {g.output for g in from_shapes}
+    if removed:
+        outputs = [vi for vi in graph.output if vi.name not in removed]
+        del graph.output[:]
+        graph.output.extend(outputs)
+    return kept, from_shapes
+
+
+def _shape_program(
+    out: str,
+    producer: Mapping[str, onnx.NodeProto],
+    graph_inputs: Mapping[str, onnx.ValueInfoProto],
+    dims_of: Callable[[str], tuple[int | Dim | None, ...] | None],
+) -> tuple[set[int], dict[str, tuple[int | Dim | None, ...]]] | None:
+    """The nodes computing ``out`` and the dims of each value a ``Shape``/``Size`` reads, or
+    None when ``out`` reads data (or an operation or a dim this module cannot evaluate)."""
+    nodes: set[int] = set()
+    shapes: dict[str, tuple[int | Dim | None, ...]] = {}
+    stack = [out]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        node = producer.get(name)
+        if node is None:
+            return None  # a graph input read as data (or an initializer)
+        if node.op_type not in _SHAPE_OPS or node.domain not in ("", "ai.onnx"):
+            return None
+        nodes.add(id(node))
+        if node.op_type in ("Shape", "Size"):
+            dims = dims_of(node.input[0])
+            if dims is None:
+                return None
+            shapes[node.input[0]] = dims
+            continue
+        stack.extend(node.input)
+    return nodes, shapes
