@@ -562,8 +562,14 @@ def _keep_guards(
     exported.shape_guards = tuple(g for g in from_shapes if g.inputs)
 
 
-# tracer warnings about what the guards check (``len(t)`` goes through ``__index__``)
-_GUARDED_WARNINGS = ("Converting a tensor to a Python", "Using len to get tensor shape")
+# tracer warnings about what the guards check: ``len(t)`` goes through ``__index__``, and a
+# ``torch.tensor(...)`` constant holds Python values, which are either constants or came from a
+# traced tensor through a guarded conversion
+_GUARDED_WARNINGS = (
+    "Converting a tensor to a Python",
+    "Using len to get tensor shape",
+    "torch.tensor results are registered as constants",
+)
 
 
 def _report_trace_warnings(caught: Sequence[warnings.WarningMessage], where: str) -> None:

@@ -67,6 +67,9 @@ class Guard:
 
     def holds(self, now: torch.Tensor) -> bool:
         """Whether the graph's current value equals the traced one (NaN equals NaN)."""
+        if now.numel() == 1 and self.value.numel() == 1:  # the usual case, ~1 us
+            was, is_ = self.value.item(), now.item()
+            return bool(was == is_ or (was != was and is_ != is_))
         return _same(self.value, now)
 
     def describe(self, now: torch.Tensor | None = None) -> str:
