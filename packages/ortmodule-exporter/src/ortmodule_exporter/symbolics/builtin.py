@@ -22,8 +22,10 @@ from .attention import feature_dropout, scaled_dot_product_attention
 from .convolution import convolution, convolution_mode
 from .einsum import einsum, outer
 from .embedding import embedding
+from .expand import expand
 from .gelu import gelu
 from .losses import cross_entropy_loss, nll_loss
+from .matmul import matmul
 from .max_min import _amax_amin, _max_min
 from .normalization import group_norm, layer_norm
 from .pooling import _adaptive_avg_pool, _adaptive_max_pool, _avg_pool, _max_pool
@@ -56,6 +58,8 @@ def register_builtin_symbolics() -> None:
         "aten::amin": _amax_amin(largest=False),
         "aten::squeeze": squeeze,
         "aten::einsum": einsum,
+        "aten::matmul": matmul,
+        "aten::expand": expand,
         "aten::outer": outer,
         "aten::scaled_dot_product_attention": scaled_dot_product_attention,
         "aten::feature_dropout": feature_dropout,

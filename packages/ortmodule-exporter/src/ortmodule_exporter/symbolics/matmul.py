@@ -1,0 +1,22 @@
+"""``matmul`` symbolic: a vector times a batch of matrices as a batch of 1-row matrices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.onnx import symbolic_helper as sh
+
+from .helpers import Value, _squeeze, _unsqueeze
+
+# -- matmul ----------------------------------------------------------------------------------
+
+
+def matmul(g: Any, a: Value, b: Value) -> Value:
+    # ONNX MatMul takes a 1-D left operand as numpy does, but the engine's MatMul gradient for
+    # a 1-D left operand and a right one of rank 3 or more multiplies the (..., m) output
+    # gradient by b's transpose as if both were plain matrices and sums: a's gradient came back
+    # several units off (found by the differential fuzzer). A (1, k) row gives the same product
+    # and takes the batched gradient the engine gets right; the other ranks export as they are.
+    if sh._get_tensor_rank(a) == 1 and (sh._get_tensor_rank(b) or 0) >= 3:
+        return _squeeze(g, g.op("MatMul", _unsqueeze(g, a, [0]), b), [-2])
+    return g.op("MatMul", a, b)
