@@ -142,3 +142,37 @@ def test_random_creation_with_traced_sizes_trains(op: str) -> None:
     with torch.no_grad():
         torch.testing.assert_close(out, model.linear(x) * r, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(ort.linear.weight.grad, r[:, None] * x.sum(0), rtol=RTOL, atol=ATOL)
+
+
+# -- an engine crash is an error, never a dead process (forked.py) -------------------------------
+
+
+def _crashing_build(monkeypatch: pytest.MonkeyPatch) -> Make:
+    """The issue's graph with its fix switched off: the engine's build segfaults on it."""
+    from ortmodule_exporter.passes import engine_graph_fixes
+
+    monkeypatch.setattr(engine_graph_fixes, "_unit_reciprocals", lambda model: 0)
+    return CASES["linspace_unit_span"]
+
+
+def test_an_engine_crash_in_the_build_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ortmodule import EngineBuildError
+
+    make = _crashing_build(monkeypatch)
+    with pytest.raises(EngineBuildError, match="SIGSEGV"):
+        ORTModule(Model(make))(torch.randn(2, WIDTH))
+
+
+def test_an_engine_crash_in_the_build_falls_back_to_pytorch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    make = _crashing_build(monkeypatch)
+    monkeypatch.delenv("ORTMODULE_FALLBACK_POLICY")  # the default policy
+    torch.manual_seed(0)
+    eager = Model(make)
+    ort = ORTModule(Model(make))
+    ort.load_state_dict(eager.state_dict())
+    x = torch.randn(2, WIDTH)
+    with pytest.warns(UserWarning, match="SIGSEGV"):
+        got = ort(x)
+    torch.testing.assert_close(got, eager(x).detach(), rtol=RTOL, atol=ATOL)
