@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx.numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 from .registry import register_post_export_pass
 
@@ -123,9 +124,8 @@ def _constant_values(model: onnx.ModelProto, names: list[str]) -> dict[str, np.n
         )
         sub = onnx.helper.make_model(small, opset_imports=model.opset_import)
         try:
-            from onnx.reference import ReferenceEvaluator
-
-            values[name] = np.asarray(ReferenceEvaluator(sub).run(None, {})[0])
+            computed: Any = ReferenceEvaluator(sub).run(None, {})
+            values[name] = np.asarray(computed[0])
         except Exception:  # noqa: BLE001 -- an expression we cannot evaluate is not rewritten
             continue
     return values
