@@ -1,8 +1,9 @@
 """Tensor-creation operators whose sizes or bounds come from traced shapes (issue #42).
 
 ``torch.linspace(0.5, 1.5, y.shape[-1])`` killed the process while the engine built the gradient
-graph: the export's step ``(end - start) / (steps - 1)`` is ``1 / (steps - 1)``, and the engine's
-``DivMulFusion`` rewrite of ``1 / d * x`` crashed (``passes/engine_graph_fixes.py``). Each case
+graph: torch's export of the step ``(end - start) / (steps - 1)`` is ``1 / (steps - 1)``, and the
+engine's ``DivMulFusion`` rewrite of ``1 / d * x`` crashed (``passes/engine_graph_fixes.py``
+rewrites that Div; ``symbolics/creation.py`` exports linspace now). Each case
 here trains with fallback disabled (conftest) in the engine and matches eager on the output and
 on every parameter gradient (fp32: rtol 1e-4, atol 1e-5). The sizes are traced: the input's
 width is the operator's size.
@@ -33,15 +34,30 @@ def _triu_pairs(y: torch.Tensor) -> torch.Tensor:
     return y[:, i] * y[:, j]
 
 
+def _unit_step_schedule(y: torch.Tensor) -> torch.Tensor:
+    # a schedule written out by hand: start + i * (end - start) / (n - 1) with end - start == 1;
+    # this one still crashes the engine's build without passes/engine_graph_fixes.py's rewrite
+    n = y.shape[-1]
+    step = (torch.tensor(1.5) - torch.tensor(0.5)) / (n - 1)
+    return y * (torch.arange(n).to(torch.float32) * step + 0.5)
+
+
 #: name -> y (batch, WIDTH) -> a tensor built from y and a creation op sized by y's shape
 CASES: dict[str, Make] = {
     # end - start == 1: the step is 1 / (steps - 1), the graph that crashed the engine
     "linspace_unit_span": lambda y: y * torch.linspace(0.5, 1.5, y.shape[-1]),
     "linspace_negative_unit_span": lambda y: y * torch.linspace(-1.0, 0.0, y.shape[-1]),
+    "linspace_added": lambda y: y + torch.linspace(0.0, 1.0, y.shape[-1]),
+    # steps from the batch dim, which the engine cannot know before the run
+    "linspace_dynamic_steps": lambda y: y * torch.linspace(0.0, 1.0, y.shape[0])[:, None],
+    "linspace_float64": lambda y: y * torch.linspace(0.0, 1.0, y.shape[-1], dtype=torch.float64),
     "linspace": lambda y: y * torch.linspace(-2.0, 3.0, y.shape[-1]),
+    "linspace_one_step": lambda y: y * torch.linspace(0.5, 1.5, y.shape[0] - 1),
+    "linspace_int64": lambda y: y * torch.linspace(0, 30, y.shape[-1], dtype=torch.int64),
     "linspace_of_two_sizes": lambda y: y * torch.linspace(0.0, y.shape[0], y.shape[-1]),
     "logspace_unit_span": lambda y: y * torch.logspace(0.0, 1.0, y.shape[-1]),
     "logspace_base2": lambda y: y * torch.logspace(-1.0, 1.0, y.shape[-1], base=2.0),
+    "arange_unit_step_schedule": _unit_step_schedule,
     "arange_float_step": lambda y: y * torch.arange(0.0, y.shape[-1] * 0.25, 0.25),
     "arange_float_start": lambda y: y * torch.arange(0.5, y.shape[-1]),
     "arange_int": lambda y: y * torch.arange(y.shape[-1]),
@@ -148,11 +164,11 @@ def test_random_creation_with_traced_sizes_trains(op: str) -> None:
 
 
 def _crashing_build(monkeypatch: pytest.MonkeyPatch) -> Make:
-    """The issue's graph with its fix switched off: the engine's build segfaults on it."""
+    """A graph the engine's build segfaults on (1 / d * x, the Reciprocal rewrite off)."""
     from ortmodule_exporter.passes import engine_graph_fixes
 
     monkeypatch.setattr(engine_graph_fixes, "_unit_reciprocals", lambda model: 0)
-    return CASES["linspace_unit_span"]
+    return _unit_step_schedule
 
 
 def test_an_engine_crash_in_the_build_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,8 +1,10 @@
-"""Creation symbolics: ``logspace``, ``tril_indices``, ``triu_indices``.
+"""Creation symbolics: ``linspace``, ``logspace``, ``tril_indices``, ``triu_indices``.
 
-torch exports none of them for sizes that come from traced shapes (``torch.logspace(0, 1,
-t.shape[-1])``): the operator went to PyTorch as an ATen node whose output type the engine
-could not infer, and the build failed. Here they are ONNX arithmetic on ``Range``.
+torch exports none of the last three for sizes that come from traced shapes
+(``torch.logspace(0, 1, t.shape[-1])``): the operator went to PyTorch as an ATen node whose
+output type the engine could not infer, and the build failed. torch's ``linspace`` ignores its
+``dtype`` (float64 came out float32) and divides by zero for one step. Here they are ONNX
+arithmetic on ``Range``.
 
 >>> from ortmodule_exporter.symbolics.registry import registered_symbolics
 >>> "aten::tril_indices" in registered_symbolics()  # after ortmodule_exporter is imported
@@ -38,6 +40,40 @@ def _dtype(dtype: Value, op: str) -> torch.dtype:
     return sh._type_utils.JitScalarType(code).dtype()
 
 
+def _onnx_type(dtype: torch.dtype) -> Any:
+    return sh._type_utils.JitScalarType.from_dtype(dtype).onnx_type()
+
+
+def _evenly_spaced(g: Any, start: Value, end: Value, steps: Value, work: torch.dtype) -> Value:
+    """``start + i * (end - start) / (steps - 1)`` for i in [0, steps), in ``work``; one step
+    gives ``start``. (A unit span makes the step ``1 / (steps - 1)``, the Div the engine's
+    DivMulFusion crashes on: passes/engine_graph_fixes.py rewrites it.)"""
+    to = _onnx_type(work)
+    start_f = g.op("Cast", start, to_i=to)
+    end_f = g.op("Cast", end, to_i=to)
+    index = g.op("Cast", _range(g, steps), to_i=to)
+    last = g.op("Cast", g.op("Sub", _scalar_int(g, steps), _const(g, 1, torch.int64)), to_i=to)
+    last = g.op("Max", last, _const(g, 1.0, work))
+    step = g.op("Div", g.op("Sub", end_f, start_f), last)
+    return g.op("Add", g.op("Mul", index, step), start_f)
+
+
+def linspace(
+    g: Any,
+    start: Value,
+    end: Value,
+    steps: Value,
+    dtype: Value,
+    layout: Value = None,
+    device: Value = None,
+    pin_memory: Value = None,
+) -> Value:
+    out = _dtype(dtype, "aten::linspace")
+    work = torch.float64 if out == torch.float64 else torch.float32
+    values = _evenly_spaced(g, start, end, steps, work)
+    return values if out == work else g.op("Cast", values, to_i=_onnx_type(out))
+
+
 def logspace(
     g: Any,
     start: Value,
@@ -53,19 +89,9 @@ def logspace(
     # result is double), as eager does; a result of one step is base ** start
     out = _dtype(dtype, "aten::logspace")
     work = torch.float64 if out == torch.float64 else torch.float32
-    to = sh._type_utils.JitScalarType.from_dtype(work).onnx_type()
-    start_f = g.op("Cast", start, to_i=to)
-    end_f = g.op("Cast", end, to_i=to)
-    index = g.op("Cast", _range(g, steps), to_i=to)
-    last = g.op("Cast", g.op("Sub", _scalar_int(g, steps), _const(g, 1, torch.int64)), to_i=to)
-    # steps == 1: divide by 1, not 0 (the one exponent is start either way)
-    last = g.op("Max", last, _const(g, 1.0, work))
-    step = g.op("Div", g.op("Sub", end_f, start_f), last)
-    exponent = g.op("Add", g.op("Mul", index, step), start_f)
-    power = g.op("Pow", g.op("Cast", base, to_i=to), exponent)
-    if out != work:
-        power = g.op("Cast", power, to_i=sh._type_utils.JitScalarType.from_dtype(out).onnx_type())
-    return power
+    exponent = _evenly_spaced(g, start, end, steps, work)
+    power = g.op("Pow", g.op("Cast", base, to_i=_onnx_type(work)), exponent)
+    return power if out == work else g.op("Cast", power, to_i=_onnx_type(out))
 
 
 def _triangle_indices(lower: bool) -> Any:
@@ -94,9 +120,7 @@ def _triangle_indices(lower: bool) -> Any:
         indices = g.op("NonZero", mask)
         out = torch.int64 if dtype is None or sh._is_none(dtype) else _dtype(dtype, op)
         if out != torch.int64:
-            indices = g.op(
-                "Cast", indices, to_i=sh._type_utils.JitScalarType.from_dtype(out).onnx_type()
-            )
+            indices = g.op("Cast", indices, to_i=_onnx_type(out))
         return indices
 
     return symbolic
