@@ -90,3 +90,62 @@ def test_an_inference_graph_is_left_alone() -> None:
     model = _training_graph(["Mul"])
     del model.graph.node[1:]  # no YieldOp: no backward half
     assert keep_scalar_gradients(model) == 0
+
+
+def _unit_step(numerator: list[float], folded: bool) -> onnx.ModelProto:
+    """x * ((hi - lo) / d) with hi - lo == numerator: Sub of two Constants (folded=False, as
+    torch.linspace exports its step) or one Constant."""
+    one = np.array(numerator, dtype=np.float32).reshape(() if len(numerator) == 1 else (1, 1))
+    if folded:
+        nodes = [helper.make_node("Constant", [], ["num"], value=onnx.numpy_helper.from_array(one))]
+    else:
+        nodes = [
+            helper.make_node(
+                "Constant", [], ["hi"], value=onnx.numpy_helper.from_array(one + np.float32(0.5))
+            ),
+            helper.make_node(
+                "Constant", [], ["lo"], value=onnx.numpy_helper.from_array(np.float32(0.5))
+            ),
+            helper.make_node("Sub", ["hi", "lo"], ["num"]),
+        ]
+    nodes += [
+        helper.make_node("Div", ["num", "d"], ["step"]),
+        helper.make_node("Mul", ["x", "step"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "unit_step",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("d", TensorProto.FLOAT, [3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize(("numerator", "folded"), [([1.0], False), ([1.0], True), ([[1.0]], True)])
+def test_a_division_of_one_read_by_a_mul_becomes_a_reciprocal(
+    numerator: list[float], folded: bool
+) -> None:
+    # the engine's DivMulFusion (1 / d * x -> x / d) crashed the process (issue #42)
+    model = _unit_step(numerator, folded)
+    rng = np.random.default_rng(0)
+    feeds = {
+        "x": rng.standard_normal((2, 3)).astype(np.float32),
+        "d": rng.uniform(1, 5, 3).astype(np.float32),
+    }
+    expected = _run(model, feeds)
+    assert fix_graph(model) == 1
+    ops = [n.op_type for n in model.graph.node]
+    assert "Div" not in ops and "Reciprocal" in ops
+    got = _run(model, feeds)
+    assert got.shape == expected.shape
+    # the engine's CPU Reciprocal is within an ulp of 1 / d, not always the same float
+    np.testing.assert_allclose(got, expected, rtol=3e-7, atol=0)
+
+
+def test_a_division_of_anything_else_stays() -> None:
+    model = _unit_step([2.0], folded=False)
+    assert fix_graph(model) == 0
+    assert "Div" in [n.op_type for n in model.graph.node]

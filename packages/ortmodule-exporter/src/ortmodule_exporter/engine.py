@@ -29,6 +29,7 @@ from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
 from .errors import EngineBuildError
 from .export.model import ExportedModel, SaveOptions
+from .forked import EngineCrashed, run_forked
 from .onnx_graph import output_dependencies
 from .passes import density
 from .passes.built_graph import run_built_graph_passes
@@ -57,6 +58,40 @@ class GraphConfig:
     #: where the built graph runs ("cpu", "cuda"): built-graph passes that time CPU kernels
     #: (passes/row_sums.py) act on CPU graphs only
     device_type: str = "cpu"
+    #: build in a forked child (Linux), so an engine crash is an EngineBuildError (forked.py)
+    build_in_child: bool = True
+
+
+#: a child build that has not answered by then is abandoned and the graph built in-process
+_CHILD_BUILD_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class _BuilderOutput:
+    """What ``build_graph`` reads from an ``OrtModuleGraphBuilder``, as plain (picklable) data."""
+
+    model_bytes: bytes
+    user_output_names: list[str]
+    output_grad_indices_non_differentiable: list[int]
+    frontier_count: int
+    initializer_names_to_train: list[str]
+    initializer_grad_names_to_train: list[str]
+    user_input_grad_names: dict[str, str]
+
+    @classmethod
+    def of(cls, builder: Any, gradient: bool) -> _BuilderOutput:
+        info = builder.get_graph_info()
+        return cls(
+            model_bytes=builder.get_gradient_model() if gradient else builder.get_forward_model(),
+            user_output_names=list(info.user_output_names),
+            output_grad_indices_non_differentiable=list(
+                info.output_grad_indices_non_differentiable
+            ),
+            frontier_count=len(info.frontier_node_arg_map),
+            initializer_names_to_train=list(info.initializer_names_to_train),
+            initializer_grad_names_to_train=list(info.initializer_grad_names_to_train),
+            user_input_grad_names=dict(info.user_input_grad_names),
+        )
 
 
 @dataclass
@@ -269,7 +304,8 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
         return builder
 
     named = _named_dims(exported.model) if config.build_gradient else None
-    try:
+
+    def build() -> _BuilderOutput:
         try:
             builder = None if named is None else _build_named(named, run_builder, transformer)
             if builder is None:
@@ -290,18 +326,27 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
                 model.CopyFrom(exported.model)
                 density.strip_density_flags(model, keep_printing=True)
             builder = run_builder(model)
+        return _BuilderOutput.of(builder, config.build_gradient)
+
+    what = "gradient" if config.build_gradient else "inference"
+    try:
+        # Some graphs make the engine's build segfault or abort instead of failing (issue #42);
+        # in a child process that is an error here, and the fallback policy decides.
+        info = run_forked(build, _CHILD_BUILD_TIMEOUT_S) if config.build_in_child else build()
+    except EngineCrashed as crash:
+        raise EngineBuildError(
+            f"{crash} while building the {what} graph (in a child process, so this one lives "
+            "on). The module runs in PyTorch where the fallback policy allows it "
+            "(FALLBACK_UNSUPPORTED_ONNX_MODEL); please report the model, "
+            "DebugOptions(save_onnx=True) saves its exported graph"
+        ) from crash
     except Exception as err:
         raise EngineBuildError(
-            f"the engine could not build the {'gradient' if config.build_gradient else 'inference'} "
-            f"graph{onnx_graph.node_location(str(err))}: {err}"
+            f"the engine could not build the {what} graph{onnx_graph.node_location(str(err))}: {err}"
         ) from err
-    info = builder.get_graph_info()
     # under the export's settings: a pass may make a kernel choice (passes/row_sums.py)
     with exported.config.applied():
-        model_bytes = run_built_graph_passes(
-            builder.get_gradient_model() if config.build_gradient else builder.get_forward_model(),
-            config,
-        )
+        model_bytes = run_built_graph_passes(info.model_bytes, config)
     model = onnx.load_from_string(model_bytes)
     if config.save is not None:
         stage = "gradient" if config.build_gradient else "built"
@@ -324,7 +369,7 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
         user_output_names=list(info.user_output_names),
         non_differentiable_outputs=frozenset(info.output_grad_indices_non_differentiable),
         grad_of=grad_of,
-        frontier_count=len(info.frontier_node_arg_map),
+        frontier_count=info.frontier_count,
         output_dependencies=output_dependencies(exported.model, list(info.user_output_names)),
     )
 

@@ -12,6 +12,13 @@
   the engine's gradient stops at sequence values ("Cannot compute the partial derivative ...
   unreachable from the output"). It becomes ``Concat`` of the sequence's tensors, each through
   an ``Unsqueeze`` first when the node stacks (``new_axis=1``).
+* ``Div(1, d)`` read by one ``Mul`` (``torch.linspace(a, a + 1, t.shape[-1])`` exports its
+  step as ``(end - start) / (steps - 1)``, which is ``1 / (steps - 1)``): the engine's
+  pre-gradient rewrite ``DivMulFusion`` (``1 / d * x -> x / d``) leaves the graph broken and
+  the process dies with a segmentation fault while the gradient graph is built (1.19.2; the
+  numerator may be any constant expression, the engine folds it to 1 first). The Div becomes
+  ``Reciprocal(d)``: the same number up to the last bit (the engine's CPU Reciprocal was
+  within one ulp of ``1 / d`` in the tests, 2026-11-26).
 
 >>> from ortmodule_exporter import engine_graph_fixes
 >>> engine_graph_fixes.fix_graph(model)  # done by a post-export pass
@@ -22,7 +29,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 from .registry import register_post_export_pass
 
@@ -65,8 +75,119 @@ def _concat(node: onnx.NodeProto, members: list[str]) -> list[onnx.NodeProto]:
     return nodes
 
 
+#: float element types Reciprocal takes (an integer ``1 / d`` is left alone)
+_RECIPROCAL_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)
+#: the most nodes a constant expression may have for :func:`_constant_values` to evaluate it
+_MAX_CONSTANT_NODES = 32
+
+
+def _constant_values(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
+    """The values of those of ``names`` that only Constant nodes and initializers decide (the
+    engine's constant folding computes them before its rewrites run)."""
+    graph = model.graph
+    producer = {out: n for n in graph.node for out in n.output}
+    initializers = {t.name: t for t in graph.initializer}
+    inputs = {vi.name for vi in graph.input}
+    values: dict[str, np.ndarray] = {}
+    for name in names:
+        if name in initializers and name not in inputs:
+            values[name] = onnx.numpy_helper.to_array(initializers[name])
+            continue
+        needed: list[onnx.NodeProto] = []
+        used: set[str] = set()
+        todo, seen, constant = [name], set(), True
+        while todo and constant:
+            value = todo.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            if value in initializers and value not in inputs:
+                used.add(value)
+            elif value in producer and producer[value].domain in ("", "ai.onnx"):
+                node = producer[value]
+                needed.append(node)
+                todo.extend(i for i in node.input if i)
+                constant = len(needed) <= _MAX_CONSTANT_NODES and not any(
+                    a.type == onnx.AttributeProto.GRAPH for a in node.attribute
+                )
+            else:
+                constant = False  # a graph input, a custom op or a missing value
+        if not constant:
+            continue
+        order = [n for n in graph.node if any(n is m for m in needed)]
+        small = onnx.helper.make_graph(
+            order,
+            "constant",
+            [],
+            [onnx.helper.make_empty_tensor_value_info(name)],
+            [initializers[u] for u in sorted(used)],
+        )
+        sub = onnx.helper.make_model(small, opset_imports=model.opset_import)
+        try:
+            computed: Any = ReferenceEvaluator(sub).run(None, {})
+            values[name] = np.asarray(computed[0])
+        except Exception:  # noqa: BLE001 -- an expression we cannot evaluate is not rewritten
+            continue
+    return values
+
+
+def _unit_reciprocals(model: onnx.ModelProto) -> int:
+    """``Div(1, d)`` read by exactly one ``Mul`` becomes ``Reciprocal(d)`` (``Mul(one,
+    Reciprocal(d))`` when the 1 has dimensions, to keep the broadcast shape)."""
+    graph = model.graph
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for name in set(n.input):
+            readers.setdefault(name, []).append(n)
+    outputs = {vi.name for vi in graph.output}
+    divs = [
+        n
+        for n in graph.node
+        if n.op_type == "Div"
+        and n.domain in ("", "ai.onnx")
+        and n.output[0] not in outputs
+        and [r.op_type for r in readers.get(n.output[0], [])] == ["Mul"]
+    ]
+    if not divs:
+        return 0
+    values = _constant_values(model, [n.input[0] for n in divs])
+    changed = 0
+    nodes: list[onnx.NodeProto] = []
+    rewrite = {}
+    for div in divs:
+        value = values.get(div.input[0])
+        if (
+            value is None
+            or value.size != 1
+            or onnx.helper.np_dtype_to_tensor_dtype(value.dtype) not in _RECIPROCAL_TYPES
+            or value.reshape(()).item() != 1.0
+        ):
+            continue
+        if value.ndim == 0:
+            rewrite[id(div)] = [
+                onnx.helper.make_node("Reciprocal", [div.input[1]], list(div.output), name=div.name)
+            ]
+        else:
+            inverse = f"{div.output[0]}__reciprocal"
+            rewrite[id(div)] = [
+                onnx.helper.make_node("Reciprocal", [div.input[1]], [inverse], name=div.name),
+                onnx.helper.make_node("Mul", [div.input[0], inverse], list(div.output)),
+            ]
+    for n in graph.node:
+        if id(n) in rewrite:
+            nodes.extend(rewrite[id(n)])
+            changed += 1
+        else:
+            nodes.append(n)
+    if changed:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return changed
+
+
 def fix_graph(model: onnx.ModelProto) -> int:
     """Apply the rewrites to ``model`` in place; returns how many nodes changed."""
+    reciprocals = _unit_reciprocals(model)
     graph = model.graph
     types = _types(graph)
     inputs = {vi.name for vi in graph.input}
@@ -121,7 +242,7 @@ def fix_graph(model: onnx.ModelProto) -> int:
         ]
         del graph.node[:]
         graph.node.extend(nodes)
-    return changed
+    return changed + reciprocals
 
 
 def _pass(exported: Any, _options: Mapping[str, Any]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from .attention import feature_dropout, scaled_dot_product_attention
 from .convolution import convolution, convolution_mode
+from .creation import linspace, logspace, tril_indices, triu_indices
 from .einsum import einsum, outer
 from .embedding import embedding
 from .expand import expand
@@ -65,6 +66,10 @@ def register_builtin_symbolics() -> None:
         "aten::feature_dropout": feature_dropout,
         "aten::_convolution": convolution,
         "aten::_convolution_mode": convolution_mode,
+        "aten::linspace": linspace,
+        "aten::logspace": logspace,
+        "aten::tril_indices": tril_indices,
+        "aten::triu_indices": triu_indices,
     }
     for n in (1, 2, 3):
         builtins[f"aten::max_pool{n}d"] = _max_pool(n, with_indices=False)
