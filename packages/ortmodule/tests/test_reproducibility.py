@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -203,3 +204,57 @@ def test_aten_dropout_p0_and_eval_draw_nothing(monkeypatch: pytest.MonkeyPatch) 
     with torch.no_grad():
         model(torch.ones(2, 8))
     assert torch.equal(torch.get_rng_state(), before)
+
+
+class _FeatureDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.drop = nn.Dropout2d(0.4)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.relu(self.conv(x)))
+        return self.head(h.mean(dim=(2, 3))).sum()  # type: ignore[no-any-return]
+
+
+def _gpt() -> nn.Module:
+    from ortmodule_testing.zoo.gpt import GPTConfig, GPTDecoder
+
+    torch.manual_seed(0)
+    small = GPTConfig.small()
+    # dropout 0.1 everywhere, attention's dropout_p (scaled_dot_product_attention) included
+    return GPTDecoder(GPTConfig(**{**small.__dict__, "dropout": 0.1}))
+
+
+def _record(model: nn.Module, inputs: list[torch.Tensor], **kwargs: object) -> list[object]:
+    torch.manual_seed(21)
+    record: list[object] = []
+    for x in inputs:
+        out = model(x, **kwargs)
+        loss = out[0] if isinstance(out, tuple) else out
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        record.append((loss.detach(), [g.clone() for g in grads], torch.get_rng_state().float()))
+    return record
+
+
+@pytest.mark.parametrize("case", ["gpt", "dropout2d"])
+def test_aten_dropout_covers_attention_and_feature_dropout(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    monkeypatch.setenv("ORTMODULE_ATEN_DROPOUT", "1")
+    gen = torch.Generator().manual_seed(0)
+    if case == "gpt":
+        make: Any = _gpt
+        inputs = [torch.randint(0, 128, (2, 16), generator=gen) for _ in range(2)]
+        kwargs: dict[str, object] = {"labels": inputs[0]}
+    else:
+        make = lambda: (torch.manual_seed(0), _FeatureDropout())[1]  # noqa: E731
+        inputs = [torch.randn(2, 3, 5, 5, generator=gen) for _ in range(2)]
+        kwargs = {}
+    eager = _record(make(), inputs, **kwargs)
+    model = ORTModule(make())
+    ours = _record(model, inputs, **kwargs)
+    assert "native_dropout" in _aten_operators(model)
+    assert "Dropout" not in _node_types(model)
+    assert_tree_close(ours, eager, RTOL, ATOL)

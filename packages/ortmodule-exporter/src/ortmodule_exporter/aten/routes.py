@@ -294,6 +294,11 @@ def _dropout(g: Any, x: Any, p: Any, train: Any) -> Any:
         return x
     if not 0.0 < rate < 1.0:
         return default(g, x, p, train)
+    return native_dropout_node(g, x, rate)
+
+
+def native_dropout_node(g: Any, x: Any, rate: float) -> Any:
+    """An ATen ``native_dropout`` node (training mode, 0 < ``rate`` < 1): its output."""
     out, mask = _aten(
         g,
         "native_dropout",
