@@ -74,7 +74,11 @@ def seed_from_torch(device: torch.device) -> int:
     every step wait for the GPU to hand the number back.
     """
     if device.type == "cuda":
-        generator = torch.cuda.default_generators[
+        generators = torch.cuda.default_generators
+        if not generators:  # filled when CUDA initialises (an IndexError before)
+            torch.cuda.init()
+            generators = torch.cuda.default_generators
+        generator = generators[
             device.index if device.index is not None else torch.cuda.current_device()
         ]
         offset = generator.get_offset()
