@@ -27,6 +27,7 @@ from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
 from .aten.token_rows import PUT_ROWS, TAKE_ROWS
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
+from .engine_random import draws_random, seed_engine, seed_engine_at_build
 from .errors import EngineBuildError
 from .export.model import ExportedModel, SaveOptions
 from .forked import EngineCrashed, run_forked
@@ -571,8 +572,11 @@ class TrainingSession(_ThreadedRuns):
     def __init__(self, built: BuiltGraph, cfg: SessionConfig) -> None:
         C = _C()
         self.built = built
+        seed_engine_at_build()
         self._session = _session(built.model_bytes, cfg)
         self._threads, self._trial = _thread_setting(cfg, "training graph")
+        #: the device whose PyTorch generator seeds each run, or None: the graph draws nothing
+        self._seed_device = cfg.device if draws_random(built.exported.model) else None
         device = _ort_device(cfg.device)
         n_fw = len(built.user_output_names) + built.frontier_count
         self._agent = C.TrainingAgent(
@@ -591,6 +595,8 @@ class TrainingSession(_ThreadedRuns):
 
     def forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         C = _C()
+        if self._seed_device is not None:
+            seed_engine(self._seed_device)
         state = C.PartialGraphExecutionState()
         outputs = C.OrtValueVector()
         self._first_run(self._agent.run_forward, _feeds(feeds), outputs, state, None)
@@ -607,12 +613,16 @@ class InferenceSession(_ThreadedRuns):
 
     def __init__(self, built: BuiltGraph, cfg: SessionConfig) -> None:
         self.built = built
+        seed_engine_at_build()
         self._session = _session(built.model_bytes, cfg)
         self._device = cfg.device
         self._threads, self._trial = _thread_setting(cfg, "inference graph")
+        self._seed_device = cfg.device if draws_random(built.exported.model) else None
 
     def forward(self, feeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         C = _C()
+        if self._seed_device is not None:
+            seed_engine(self._seed_device)
         binding = self._session.io_binding()._iobinding
         for name, tensor in zip(self.built.feed_names, feeds, strict=True):
             tensor = _dense(tensor)

@@ -71,6 +71,8 @@ class DebugOptions:
     memory_opt_level: int | None = None
     #: ``ORTMODULE_MEMORY_OPT_CONFIG`` from code: the JSON file of recompute plans
     memory_opt_config: str | None = None
+    #: ``ORTMODULE_ATEN_DROPOUT`` from code: dropout on PyTorch's kernel, eager's masks
+    aten_dropout: bool | None = None
 
     def __post_init__(self) -> None:
         # frozen: normalise through object.__setattr__ so "INFO" and 2 become LogLevel.INFO
@@ -102,6 +104,11 @@ class DebugOptions:
             raise InvalidOptionError(
                 f"DebugOptions.memory_opt_config={self.memory_opt_config!r} must be the path of a "
                 'JSON file of recompute plans, e.g. "plans.json" holding ["Gelu+:1:-1"].'
+            )
+        if self.aten_dropout is not None and not isinstance(self.aten_dropout, bool):
+            raise InvalidOptionError(
+                f"DebugOptions.aten_dropout={self.aten_dropout!r} must be True (dropout on "
+                "PyTorch's kernel, eager's masks), False (the engine's Dropout) or None (unset)."
             )
         if any(sep in self.onnx_prefix for sep in ("/", "\\")):
             raise InvalidOptionError(

@@ -315,6 +315,12 @@ class _EngineFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            # autograd runs a backward with grad mode on only for create_graph=True. The
+            # engine's gradients come back as plain tensors, without a graph of their own:
+            # handed back, a penalty on them would get no gradient ("does not require grad"),
+            # or none silently when added to a loss that has one.
+            raise RuntimeError(_HIGHER_ORDER_MESSAGE)
         graph: CompiledGraph = ctx.graph
         state = ctx.state
         if state is None:
@@ -338,6 +344,15 @@ class _EngineFunction(torch.autograd.Function):
         for hook in phases.post_backward:
             hook.post_backward(phases.ctx)
         return (None, None, *[grads[j] if j >= 0 else None for j in graph.returned_grads(used)])
+
+
+_HIGHER_ORDER_MESSAGE = (
+    "ORTModule: higher-order gradients (create_graph=True in torch.autograd.grad or "
+    ".backward) do not go through the engine: the gradients it computes cannot be "
+    "differentiated again. Compute the term that needs them (a gradient penalty, a Hessian-"
+    "vector product) with the wrapped module in eager, e.g. model.module(x), and use the "
+    "ORTModule for the rest of the loss; or call backward without create_graph=True."
+)
 
 
 # ``Function.apply`` in Python binds nothing for us (no ``setup_context``) and, outside functorch

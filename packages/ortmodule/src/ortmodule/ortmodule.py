@@ -44,6 +44,8 @@ class ORTModule(torch.nn.Module):
 
     The wrapper behaves like the module it wraps: ``state_dict`` keys, parameters, buffers and
     children are the wrapped module's, attributes fall through to it, ``.module`` returns it.
+    ``model.__class__`` is the wrapped module's class, so ``isinstance`` holds for it as for the
+    module (``type(model)`` stays ``ORTModule``, and so does ``isinstance(model, ORTModule)``).
     Attribute writes reach the wrapped module (``model.use_cache = False``) and a changed flag
     re-exports; the wrapped module's own methods run with ``self`` being the wrapper, so their
     ``self(...)`` calls go through the engine; ``forward`` has the wrapped module's signature.
@@ -99,6 +101,25 @@ class ORTModule(torch.nn.Module):
     @property
     def options(self) -> RuntimeOptions:
         return self._options  # type: ignore[no-any-return]
+
+    # Libraries decide what a model is from ``model.__class__``: Hugging Face's Trainer finds the
+    # label names in ``find_labels(model.__class__)`` (the forward's signature and the class
+    # name) and saves with ``save_pretrained`` only when ``isinstance(model, PreTrainedModel)``.
+    # Seeing ORTModule there, it computed no eval loss and saved weights without config.json.
+    # ``isinstance`` consults ``__class__`` when ``type()`` does not match, so presenting the
+    # wrapped module's class makes the wrapper pass for its module wherever a library asks.
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: F811
+        modules = self.__dict__.get("_modules")
+        if modules is None or _WRAPPED not in modules:
+            return type(self)
+        return type(modules[_WRAPPED])
+
+    def _get_name(self) -> str:  # repr: the wrapper's own name, not its module's
+        return type(self).__name__
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(type(self))))
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -277,6 +298,11 @@ class ORTModule(torch.nn.Module):
         self.__dict__.update(state)
         self._setup()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle's default reduction names the class by ``obj.__class__`` (the wrapped
+        # module's, see above) and then refuses the mismatch with ``type(obj)``; name ours
+        return (_new_wrapper, (type(self),), self.__getstate__())
+
     def __deepcopy__(self, memo: dict[int, Any]) -> ORTModule:
         import copy
 
@@ -287,6 +313,11 @@ class ORTModule(torch.nn.Module):
 
 
 _DELETED = object()
+
+
+def _new_wrapper(cls: type[ORTModule]) -> ORTModule:
+    """An empty ``cls`` for unpickling; ``__setstate__`` fills it."""
+    return cls.__new__(cls)
 
 
 def _token(value: Any) -> Hashable:

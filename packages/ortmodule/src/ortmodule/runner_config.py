@@ -72,6 +72,7 @@ def export_config(options: RuntimeOptions) -> ExportConfig:
         allow_autograd_checkpoint=options.allow_autograd_checkpoint,
         aten_sdpa_fallback=options.aten_sdpa_fallback or fused_attention,
         efficient_attention=options.use_efficient_attention,
+        aten_dropout=options.aten_dropout,
         kernel_choice=kernel_choice,
         kernel_choice_threads=kernel_choice_threads(options.torch_threads_in_engine),
     )

@@ -192,6 +192,21 @@ def _register_builtin_gradients() -> None:
         ],
     )
     register_stop_gradient_edges("embedding", "", [1, 2, 3, 4])
+    # dropout with eager's masks (ORTMODULE_ATEN_DROPOUT): the forward's mask, scaled by
+    # 1 / (1 - p), p being the node's float input
+    register_aten_gradient(
+        "native_dropout",
+        "",
+        [
+            GradientNode.onnx("Constant", [], ["One"], value=(1.0, "float", True)),
+            GradientNode.onnx("Sub", ["One", "I(1)"], ["Keep"]),
+            GradientNode.onnx("Reciprocal", ["Keep"], ["Scale"]),
+            GradientNode.aten(
+                "native_dropout_backward", [*_refs("GO", 0), "O(1)", "Scale"], _refs("GI", 0)
+            ),
+        ],
+    )
+    register_stop_gradient_edges("native_dropout", "", [1, 2])
     # PyTorch's CPU flash attention and its backward (ORTMODULE_ATEN_SDPA_FALLBACK)
     register_aten_gradient(
         "_scaled_dot_product_flash_attention_for_cpu",

@@ -14,6 +14,9 @@ Three routes lead there:
   trainable (as a PythonOp running :class:`~ortmodule_exporter.aten.aten_op.AtenOp` when no
   gradient definition exists), so one unsupported operator no longer sends the whole model
   back to PyTorch;
+* ``ORTMODULE_ATEN_DROPOUT=1`` exports training-mode ``dropout`` as PyTorch's
+  ``native_dropout``, so the mask is drawn by PyTorch's generator as eager draws it, and its
+  gradient reuses that mask (``native_dropout_backward``);
 * ``ORTMODULE_USE_EFFICIENT_ATTENTION=1`` also fuses the unfused attention pattern
   ``Softmax(Q @ K^T * scale [+ mask]) @ V`` into PyTorch's attention kernel
   (:mod:`ortmodule_exporter.passes.attention_fusion`).
@@ -65,6 +68,7 @@ class _Routes:
     sdpa_fallback: bool = False
     efficient_attention: bool = False
     embedding: bool = False
+    dropout: bool = False
 
 
 _ROUTES = _Routes()
@@ -105,11 +109,15 @@ def _previous(op: str, default: Any) -> Any:
 
 
 def configure_aten_routes(
-    sdpa_fallback: bool = False, efficient_attention: bool = False, embedding: bool = False
+    sdpa_fallback: bool = False,
+    efficient_attention: bool = False,
+    embedding: bool = False,
+    dropout: bool = False,
 ) -> None:
     """Install the ATen symbolics; ``sdpa_fallback``/``efficient_attention`` route attention,
     ``embedding`` routes embeddings with ``padding_idx``/``scale_grad_by_freq`` (by default
-    :mod:`ortmodule_exporter.symbolics.embedding` exports those as ONNX, which the engine trains exactly).
+    :mod:`ortmodule_exporter.symbolics.embedding` exports those as ONNX, which the engine trains
+    exactly), ``dropout`` routes training-mode dropout to PyTorch's kernel (eager's masks).
 
     Each symbolic here hands the cases it does not route to the symbolic registered before it.
     They only apply to ORTModule's exports (see :mod:`ortmodule_exporter.symbolics.registry`).
@@ -117,6 +125,7 @@ def configure_aten_routes(
     _ROUTES.sdpa_fallback = bool(sdpa_fallback)
     _ROUTES.efficient_attention = bool(efficient_attention)
     _ROUTES.embedding = bool(embedding)
+    _ROUTES.dropout = bool(dropout)
     _install("aten::einsum", _einsum, 12)
     for op in DEFAULT_ROUTES:
         register_aten_route(op)
@@ -128,6 +137,11 @@ def configure_aten_routes(
         _install("aten::scaled_dot_product_attention", _sdpa, 14)
     else:
         _uninstall("aten::scaled_dot_product_attention")
+    for op in _DROPOUT_OPS:
+        if dropout:
+            _install(op, _dropout, 12)
+        else:
+            _uninstall(op)
 
 
 def operator_export_type() -> torch.onnx.OperatorExportTypes:
@@ -143,7 +157,8 @@ def export_settings() -> str:
     r = _ROUTES
     return (
         f"aten_fallback={int(aten_executor.installed())},sdpa={int(r.sdpa_fallback)},"
-        f"attention={int(r.efficient_attention)},embedding={int(r.embedding)}"
+        f"attention={int(r.efficient_attention)},embedding={int(r.embedding)},"
+        f"dropout={int(r.dropout)}"
     )
 
 
@@ -251,6 +266,48 @@ def embedding_node(
     if index_sizes is not None and weight_sizes is not None and len(weight_sizes) == 2:
         sizes = [*index_sizes, weight_sizes[1]]
     return _typed(out, weight, sizes)
+
+
+# -- dropout -----------------------------------------------------------------------------------
+
+#: the traced forms of ``F.dropout`` / ``nn.Dropout`` (``inplace=True`` traces as ``dropout_``)
+_DROPOUT_OPS = ("aten::dropout", "aten::dropout_")
+
+
+def _dropout(g: Any, x: Any, p: Any, train: Any) -> Any:
+    """Training-mode dropout as PyTorch's ``native_dropout``: the engine calls PyTorch, which
+    draws the mask from its own generator exactly as eager's ``dropout`` does (same draws, same
+    generator state after), and the gradient is ``native_dropout_backward`` of that mask.
+
+    Eager draws nothing for p = 0 (the input comes back) nor for p = 1, and ``native_dropout``
+    would draw, shifting every later draw of the step: p = 0 returns the input, p = 1 and
+    anything not constant keep the ONNX export.
+    """
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset12
+
+    default = _previous(g.original_node.kind(), symbolic_opset12.dropout)
+    rate = sh._maybe_get_const(p, "f")
+    training = sh._maybe_get_const(train, "b")
+    if not isinstance(training, (bool, int)) or not isinstance(rate, float):
+        return default(g, x, p, train)
+    if not training or rate == 0.0:
+        return x
+    if not 0.0 < rate < 1.0:
+        return default(g, x, p, train)
+    return native_dropout_node(g, x, rate)
+
+
+def native_dropout_node(g: Any, x: Any, rate: float) -> Any:
+    """An ATen ``native_dropout`` node (training mode, 0 < ``rate`` < 1): its output."""
+    out, mask = _aten(
+        g,
+        "native_dropout",
+        [x, _const(g, rate, torch.float), _const(g, True)],
+        outputs=2,
+    )
+    sizes = traced_sizes(x)
+    _typed(mask, x, sizes, torch.bool)
+    return _typed(out, x, sizes)
 
 
 # -- operators routed whole ----------------------------------------------------------------------

@@ -53,6 +53,8 @@ class ExportConfig:
     aten_sdpa_fallback: bool = False
     efficient_attention: bool = False
     aten_embedding: bool = False
+    #: training-mode dropout on PyTorch's kernel, eager's masks (``ORTMODULE_ATEN_DROPOUT``)
+    aten_dropout: bool = False
     #: ``kernel_choice.MODES``: which operators run on PyTorch's kernels (``ORTMODULE_KERNEL_CHOICE``)
     kernel_choice: str = "engine"
     #: PyTorch's threads while the engine runs PyTorch-run nodes (``ORTMODULE_TORCH_THREADS_IN_ENGINE``;
@@ -72,6 +74,7 @@ class ExportConfig:
             aten_sdpa_fallback=routes.sdpa_fallback,
             efficient_attention=routes.efficient_attention,
             aten_embedding=routes.embedding,
+            aten_dropout=routes.dropout,
             kernel_choice=kernel_choice.current_mode(),
             kernel_choice_threads=kernel_choice.current_torch_threads(),
         )
@@ -93,6 +96,7 @@ class ExportConfig:
             sdpa_fallback=self.aten_sdpa_fallback,
             efficient_attention=self.efficient_attention,
             embedding=self.aten_embedding,
+            dropout=self.aten_dropout,
         )
         kernel_choice.configure_kernel_choice(self.kernel_choice, self.kernel_choice_threads)
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.onnx import symbolic_helper as sh
 
+from ..aten.routes import aten_routes, native_dropout_node
 from .helpers import (
     _TORCH_TYPE,
     Value,
@@ -27,6 +28,11 @@ from .helpers import (
 
 
 def _dropout_train(g: Any, x: Value, p: float) -> Value:
+    if aten_routes().dropout and 0.0 < p < 1.0:
+        # ORTMODULE_ATEN_DROPOUT: eager's masks. Eager's attention with dropout on CPU is the
+        # math path, dropout on the probabilities; feature dropout draws over (N, C, 1, 1)
+        # as here over the ones tensor: the same draws as native_dropout on these shapes
+        return native_dropout_node(g, x, p)
     # Dropout with its mask output, so the gradient reuses the forward's mask.
     ratio = _const(g, p, _TORCH_TYPE[_float_type(x)])
     y, _mask = g.op("Dropout", x, ratio, _const(g, True, torch.bool), outputs=2)

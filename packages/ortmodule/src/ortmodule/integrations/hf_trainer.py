@@ -1,10 +1,10 @@
 """``ORTTrainer``: Hugging Face's ``Trainer`` for an ``ORTModule``-wrapped ``PreTrainedModel``.
 
-``Trainer`` trains an ``ORTModule`` as it is (the wrapper has the model's ``forward`` signature,
-``config`` and state dict keys), but it saves with ``save_pretrained`` only when the model is a
-``PreTrainedModel``: for a wrapper it writes bare weights without ``config.json``, which
-``from_pretrained`` cannot load. ``ORTTrainer`` saves the wrapped model instead, so a checkpoint
-loads into a plain model::
+A plain ``Trainer`` trains, evaluates and saves an ``ORTModule`` as it does the model: the
+wrapper has the model's ``forward`` signature, ``config`` and state dict keys, and presents the
+model's class (``model.__class__``), so ``Trainer`` finds the label names (``eval_loss`` in
+``evaluate``) and saves with ``save_pretrained`` (``config.json`` included). ``ORTTrainer`` adds
+the loss-only training steps below; a checkpoint from either loads into a plain model::
 
     from ortmodule import ORTModule
     from ortmodule.integrations.hf_trainer import ORTTrainer
@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, Trainer
+from transformers import Trainer
 
 from ..ortmodule import ORTModule
 
@@ -63,8 +63,8 @@ class _LossOf(torch.nn.Module):
 
 
 class ORTTrainer(Trainer):
-    """``transformers.Trainer`` that saves the model inside an ``ORTModule`` and trains through
-    its loss alone (``loss_only``; see the module's text)."""
+    """``transformers.Trainer`` that trains an ``ORTModule`` through its loss alone
+    (``loss_only``; see the module's text)."""
 
     def __init__(self, *args: Any, loss_only: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -107,17 +107,3 @@ class ORTTrainer(Trainer):
         loss_model = self._loss_model[1]
         loss_model.train(wrapper.training)
         return loss_model
-
-    def _save(
-        self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
-    ) -> None:
-        wrapper: Any = self.model  # type: ignore[has-type]  # transformers leaves it unannotated
-        if not (isinstance(wrapper, ORTModule) and isinstance(wrapper.module, PreTrainedModel)):
-            super()._save(output_dir, state_dict)
-            return
-        # the wrapper's state dict is the wrapped model's (same keys, same tensors)
-        self.model = wrapper.module
-        try:
-            super()._save(output_dir, state_dict)
-        finally:
-            self.model = wrapper
