@@ -4,7 +4,8 @@
 ======================  =========================================================================
 ``ordered``             :class:`OrderedPasses`, the named ordered registry both kinds of pass use
 ``registry``            :func:`register_post_export_pass`, :func:`run_post_export_passes`
-``batchnorm``           BatchNorm running statistics as graph outputs (order 10)
+``batchnorm``           BatchNorm running statistics as graph outputs (order 10); an eval-mode
+                        BatchNormalization in a training graph as elementwise ops (11)
 ``python_op``           refuse Functions this process did not export (0); PythonOp dims (20)
 ``attention_fusion``    ``ORTMODULE_USE_EFFICIENT_ATTENTION``: attention into one ATen node (30)
 ``attention_layout``    fused CPU attention reads its inputs without the heads' Transposes (35)

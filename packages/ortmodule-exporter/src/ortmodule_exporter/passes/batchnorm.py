@@ -1,6 +1,6 @@
 """The BatchNorm running-statistics pass (post-export pass order 10).
 
-See :func:`expose_batchnorm_running_stats`.
+See :func:`expose_batchnorm_running_stats` and :func:`decompose_eval_batchnorm` (order 11).
 """
 
 from __future__ import annotations
@@ -76,3 +76,92 @@ def expose_batchnorm_running_stats(exported: ExportedModel, _options: Mapping[st
 
 
 register_post_export_pass("batchnorm_running_stats", expose_batchnorm_running_stats, order=10)
+
+
+def decompose_eval_batchnorm(exported: ExportedModel, _options: Mapping[str, Any]) -> None:
+    """Spell an inference-mode BatchNormalization in a training graph as elementwise ops.
+
+    Engine workaround (onnxruntime-training 1.19.2): the gradient build rewrites every
+    BatchNormalization into BatchNormInternal with ``training_mode=1`` (its
+    ``BatchNormReplacement`` rule), so a node that must normalize with the given running
+    statistics (``F.batch_norm(..., training=False)``, a BatchNorm layer put in eval mode inside
+    a module that trains) normalizes with the batch's statistics instead, and its gradient is
+    the batch-statistics one. ``(x - mean) * (weight / sqrt(var + eps)) + bias`` with the
+    per-channel values reshaped to ``(C, 1, ..., 1)`` is the same computation, and the engine
+    differentiates it like PyTorch does (the statistics are constants of the normalization).
+    """
+    if not exported.training:
+        return
+    graph = exported.model.graph
+    types = {
+        vi.name: vi.type.tensor_type.elem_type
+        for vi in (*graph.input, *graph.value_info, *graph.output)
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type
+    }
+    types.update({t.name: t.data_type for t in graph.initializer})
+    h = onnx.helper
+    nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        attrs = {a.name: a for a in node.attribute}
+        if (
+            node.op_type != "BatchNormalization"
+            or node.domain not in ("", "ai.onnx")
+            or len(node.input) < 5
+            or (attrs["training_mode"].i if "training_mode" in attrs else 0) != 0
+        ):
+            nodes.append(node)
+            continue
+        x, weight, bias, mean, var = node.input[:5]
+        eps = attrs["epsilon"].f if "epsilon" in attrs else 1e-5
+        tag = f"eval_bn{index}"
+        stat_type = types.get(var, types.get(x, onnx.TensorProto.FLOAT))
+        x_type = types.get(x, stat_type)
+        eps_value = np.array(eps, dtype=onnx.helper.tensor_dtype_to_np_dtype(stat_type))
+        if x_type != stat_type:
+            # compute in the statistics' type (float for half inputs), as PyTorch does
+            nodes.append(h.make_node("Cast", [x], [f"{tag}_x"], to=stat_type))
+            x = f"{tag}_x"
+        nodes += [
+            # (C, 1, ..., 1): -1 followed by rank(x) - 2 ones, whatever x's rank
+            h.make_node("Shape", [x], [f"{tag}_shape"]),
+            h.make_node("Shape", [f"{tag}_shape"], [f"{tag}_rank"]),
+            h.make_node(
+                "Constant", [], [f"{tag}_two"], value=onnx.numpy_helper.from_array(np.array([2]))
+            ),
+            h.make_node("Sub", [f"{tag}_rank", f"{tag}_two"], [f"{tag}_spatial"]),
+            h.make_node(
+                "ConstantOfShape",
+                [f"{tag}_spatial"],
+                [f"{tag}_ones"],
+                value=onnx.numpy_helper.from_array(np.array([1])),
+            ),
+            h.make_node(
+                "Constant",
+                [],
+                [f"{tag}_minus1"],
+                value=onnx.numpy_helper.from_array(np.array([-1])),
+            ),
+            h.make_node("Concat", [f"{tag}_minus1", f"{tag}_ones"], [f"{tag}_cshape"], axis=0),
+            h.make_node(
+                "Constant", [], [f"{tag}_eps"], value=onnx.numpy_helper.from_array(eps_value)
+            ),
+            h.make_node("Add", [var, f"{tag}_eps"], [f"{tag}_var_eps"]),
+            h.make_node("Sqrt", [f"{tag}_var_eps"], [f"{tag}_std"]),
+            h.make_node("Div", [weight, f"{tag}_std"], [f"{tag}_scale"]),
+            h.make_node("Reshape", [f"{tag}_scale", f"{tag}_cshape"], [f"{tag}_scale_c"]),
+            h.make_node("Reshape", [mean, f"{tag}_cshape"], [f"{tag}_mean_c"]),
+            h.make_node("Reshape", [bias, f"{tag}_cshape"], [f"{tag}_bias_c"]),
+            h.make_node("Sub", [x, f"{tag}_mean_c"], [f"{tag}_centered"]),
+            h.make_node("Mul", [f"{tag}_centered", f"{tag}_scale_c"], [f"{tag}_scaled"]),
+        ]
+        y = node.output[0]
+        if x_type != stat_type:
+            nodes.append(h.make_node("Add", [f"{tag}_scaled", f"{tag}_bias_c"], [f"{tag}_y"]))
+            nodes.append(h.make_node("Cast", [f"{tag}_y"], [y], to=x_type))
+        else:
+            nodes.append(h.make_node("Add", [f"{tag}_scaled", f"{tag}_bias_c"], [y]))
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+register_post_export_pass("batchnorm_eval_decomposition", decompose_eval_batchnorm, order=11)
