@@ -91,12 +91,6 @@ class FrozenBatchNorm(nn.Module):
         return self.head(self.bn(self.conv(x)).mean((2, 3)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (2026-11-26): the export runs in torch.onnx.TrainingMode.TRAINING, which puts "
-    "every submodule in train mode while tracing, so the eval-mode layer is exported as "
-    "training-mode BatchNormalization (export/exporter.py)",
-)
 @pytest.mark.parametrize("choice", KERNEL_CHOICES)
 def test_frozen_batch_norm_layer_in_a_training_module(
     monkeypatch: pytest.MonkeyPatch, choice: str

@@ -534,7 +534,7 @@ def _untrainable_reasons(node: Any, inputs: list[Any], emitted: list[Any]) -> li
         # the engine's gradient builder aborts the process on some If/Loop subgraphs
         # (diagonal, hstack): control flow over a float input is never handed to it
         bad.append("control flow")
-    if GLOBALS.training_mode != torch.onnx.TrainingMode.TRAINING:
+    if not GLOBALS.export_training:
         # an inference graph needs no gradient, only shapes the engine accepts
         bad = [b for b in bad if b.endswith("tensor")]
     return bad

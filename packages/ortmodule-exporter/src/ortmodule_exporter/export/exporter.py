@@ -367,8 +367,14 @@ def _export(
     flat = _FlatModule(target, input_schema)
     buf = io.BytesIO()
     names = list(input_schema.names)
-    mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+    # each submodule keeps its own mode, as in eager: a BatchNorm or Dropout set to eval()
+    # inside a module that trains uses its running statistics (TrainingMode.TRAINING would
+    # put every submodule in train mode for the trace). Asked for the other mode than the
+    # module is in, every submodule is put in that mode.
+    mode = torch.onnx.TrainingMode.PRESERVE
     was_training = target.training
+    if was_training != training:
+        target.train(training)
     try:
         with (
             _preserved_state(target),

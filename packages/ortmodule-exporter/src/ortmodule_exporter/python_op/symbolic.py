@@ -239,7 +239,9 @@ def _onnx_type(value_type: Any) -> int | None:
 def _training_mode() -> bool:
     from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 
-    return bool(GLOBALS.training_mode == torch.onnx.TrainingMode.TRAINING)
+    # the export keeps each submodule's own mode (TrainingMode.PRESERVE); export_training says
+    # whether the module as a whole trains
+    return bool(GLOBALS.export_training)
 
 
 def _checkpoint_message(name: str) -> str:
