@@ -187,6 +187,9 @@ class CompiledGraph:
     #: graph input name -> index into the flat user tensors, for the shape guards
     shape_inputs: dict[str, int] = field(default_factory=dict)
     _shapes_checked: tuple[Any, ...] | None = None
+    #: forward outputs handed back as copies: views of a buffer the engine reuses in backward
+    #: (see :func:`_viewed_outputs`)
+    copied_outputs: frozenset[int] = frozenset()
     _reached: dict[frozenset[int], frozenset[str]] = field(default_factory=dict)
     _returned: dict[frozenset[int], list[int]] = field(default_factory=dict)
     _backward_feeds: tuple[tuple[int, torch.dtype, torch.device], ...] | None = None
@@ -296,6 +299,9 @@ class _EngineFunction(torch.autograd.Function):
         session = graph.session
         assert isinstance(session, TrainingSession)
         outputs, state = session.forward(feeds)
+        if graph.copied_outputs:
+            copied = graph.copied_outputs
+            outputs = [o.clone() if i in copied else o for i, o in enumerate(outputs)]
         ctx.graph = graph
         ctx.phases = phases
         ctx.state = state
@@ -924,12 +930,44 @@ class GraphRunner:
             buffer_updates=updates,
             input_writes=input_writes,
             guards=guards,
+            copied_outputs=_viewed_outputs(built) if key.build_gradient else frozenset(),
             shape_guards=shape_guards,
             shape_inputs=shape_inputs,
             times=times,
             grad_index=grad_index,
             without_grad=built.non_differentiable_outputs | exported.outputs_without_grad,
         )
+
+
+#: engine kernels whose output shares its input's buffer
+_ALIASING_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+
+def _viewed_outputs(built: BuiltGraph) -> frozenset[int]:
+    """Forward outputs the engine computes as a view of a value of its own (``Reshape``,
+    ``Unsqueeze``, ... of an intermediate).
+
+    Engine bug (1.19.2): the memory planner frees the viewed buffer after its last reader in
+    the graph, the view, though the view is handed to PyTorch at the end of the forward, and
+    gives the buffer to a backward value: ``kept = (x * 2).unsqueeze(0)`` returned beside a loss
+    held the loss's gradient after ``backward()`` (found by the differential fuzzer). Such an
+    output is copied before it is handed back. A view of a graph input (a parameter, the
+    user's tensor) is not: that buffer is never the engine's to reuse.
+    """
+    model = built.model
+    producer = {o: n for n in model.graph.node for o in n.output if o}
+    inputs = {vi.name for vi in model.graph.input}
+    found = set()
+    for index, name in enumerate(built.user_output_names):
+        node = producer.get(name)
+        if node is None or node.op_type not in _ALIASING_OPS:
+            continue
+        while node is not None and node.op_type in _ALIASING_OPS:
+            source = node.input[0]
+            node = producer.get(source)
+        if source not in inputs:
+            found.add(index)
+    return frozenset(found)
 
 
 _FOLDED_GUARD = re.compile(r"(guard\.\d+): couldn't find the producer node")
