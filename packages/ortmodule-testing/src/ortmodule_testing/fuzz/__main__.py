@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         linspace_by_shape=args.linspace_by_shape,
         input_inplace=args.input_inplace,
         dynamic_loops=args.dynamic_loops,
+        vector_batched_matmul=args.vector_batched_matmul,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     counts: collections.Counter[str] = collections.Counter()

@@ -29,6 +29,8 @@ class GenConfig:
     ``dynamic_loops``: Python loops over a dim whose size changes between steps (the trace
     unrolls the loop; off while ORTModule replays the first step's trip count, found
     2026-11-26 by this fuzzer).
+    ``vector_batched_matmul``: ``torch.matmul(v, x)`` with ``v`` 1-D and ``x`` batched (off while
+    the engine's MatMul gradient for it is wrong or fails, found 2026-11-26 by this fuzzer).
     """
 
     max_ops: int = 8
@@ -39,6 +41,7 @@ class GenConfig:
     creation: int = 4
     dynamic_shapes: bool = True
     dynamic_loops: bool = False
+    vector_batched_matmul: bool = False
 
 
 DEFAULT = GenConfig()
@@ -478,7 +481,7 @@ def _gen_matmul(b: Builder) -> Op | None:
         return Op(b.fresh(), "matmul", (x, w), (), shape[:-1])
     if how == 2 and len(shape) >= 2:  # vector-matrix: w (n,) @ x (..., n, k)
         n = shape[-2]
-        if not isinstance(n, int):
+        if not isinstance(n, int) or (len(shape) > 2 and not b.config.vector_batched_matmul):
             return None
         w = b.param((n,))
         return Op(b.fresh(), "matmul", (w, x), (), shape[:-2] + (k,))

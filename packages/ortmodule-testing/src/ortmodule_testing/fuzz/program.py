@@ -165,7 +165,10 @@ if __name__ == "__main__":
                 err = "None vs tensor"
             else:
                 scale = max(1.0, float(want.abs().max()))
-                ok = torch.allclose(got, want, rtol=1e-4, atol=1e-5 * scale, equal_nan=True)
-                err = f"max abs err {float((got - want).abs().max()):.3g}"
+                if got.shape != want.shape:
+                    ok, err = False, f"shape {tuple(got.shape)} vs {tuple(want.shape)} in eager"
+                else:
+                    ok = torch.allclose(got, want, rtol=1e-4, atol=1e-5 * scale, equal_nan=True)
+                    err = f"max abs err {float((got - want).abs().max()):.3g}"
             print(f"step {step} {what}: {'ok' if ok else 'DIFFERS, ' + err}")
 '''.splitlines()

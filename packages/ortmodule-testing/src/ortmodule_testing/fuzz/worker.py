@@ -27,7 +27,7 @@ STARTUP_TIMEOUT = 600
 def _recv_or_none(conn: Connection) -> object:
     try:
         return conn.recv()
-    except EOFError:
+    except (EOFError, OSError):
         return None
 
 
@@ -97,7 +97,7 @@ class Worker:
             try:
                 outcome: Outcome = self._conn.recv()
                 return outcome
-            except EOFError:
+            except (EOFError, OSError):  # the child died while answering
                 pass
         else:
             self._proc.kill()
