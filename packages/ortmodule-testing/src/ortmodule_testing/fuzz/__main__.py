@@ -49,6 +49,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--input-inplace", action="store_true", help="generate in-place writes to inputs"
     )
+    p.add_argument(
+        "--vector-batched-matmul",
+        action="store_true",
+        help="generate matmul(v, x) with v 1-D and x batched",
+    )
     p.add_argument("--replay", help="run one program given by its comma-separated choices")
     return p.parse_args(argv)
 
@@ -90,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text(_repro(small, small_outcome, program, outcome))
                 failures.append((program, outcome, small, small_outcome, path))
                 print(f"[{n}/{len(seeds)}] seed {seed}: {outcome.status} -> {path}", flush=True)
-            elif n % 50 == 0:
+            if n % 50 == 0:
+                elapsed = time.monotonic() - start
+                (args.out / "summary.md").write_text(
+                    _summary(args, config, counts, failures, elapsed)
+                )
+            if n % 50 == 0 and not outcome.failed:
                 print(
                     f"[{n}/{len(seeds)}] {dict(counts)} {time.monotonic() - start:.0f} s",
                     flush=True,

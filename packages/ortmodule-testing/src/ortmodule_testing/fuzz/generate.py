@@ -80,12 +80,12 @@ def generate(choices: Choices, config: GenConfig = DEFAULT, seed: int = 0) -> Pr
     dynamic = frozenset(sym for sym in SYMBOLS if len({s[sym] for s in sizes}) > 1)
     b = Builder(draw, config, min_size, dynamic)
 
-    inputs = []
+    inputs: list[Tensor] = []
     for i in range(1 + draw(2)):
         shape: Shape
         if i > 0 and draw(2) == 1:  # broadcasts with the first input
-            first = inputs[0].shape
-            shape = tuple(d if draw(3) else 1 for d in first[draw(len(first)) :])
+            first_shape = inputs[0].shape
+            shape = tuple(d if draw(3) else 1 for d in first_shape[draw(len(first_shape)) :])
             shape = shape or (1,)
         else:
             rank = 2 + draw(4)

@@ -314,9 +314,9 @@ def _gen_layout(b: Builder) -> Op | None:
     r = len(shape)
     if how == 0 and r >= 2:
         i, j = b.draw(r), b.draw(r)
-        out = list(shape)
-        out[i], out[j] = out[j], out[i]
-        return Op(b.fresh(), "transpose", (x,), (("dims", (i, j)),), tuple(out))
+        swapped = list(shape)
+        swapped[i], swapped[j] = swapped[j], swapped[i]
+        return Op(b.fresh(), "transpose", (x,), (("dims", (i, j)),), tuple(swapped))
     if how == 1 and r >= 2:
         perm = list(range(r))
         for i in range(r - 1, 0, -1):  # Fisher-Yates on the choices
