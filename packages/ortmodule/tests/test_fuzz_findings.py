@@ -142,11 +142,11 @@ class ReturnedAndUsed(nn.Module):
     strict=True,
     reason="open (found 2026-11-26): a returned intermediate that the next forward op also "
     "reads is overwritten while the engine runs backward: right when forward returns, after "
-    "backward it holds that next op's value (kept * 1.5). Seen where the output is an "
-    "Unsqueeze/Reshape/Squeeze of another intermediate, and for tril of a (1, 6, 3, 1) input "
-    "(not of a (4, 3) one); the same with ORTMODULE_KERNEL_CHOICE=TORCH or ENGINE and "
-    "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=0. Cause not isolated yet (buffer reuse across an "
-    "alias handed to PyTorch is the lead).",
+    "backward it holds kept * 1.5. In the execution graph the returned 'output.1' is an "
+    "Unsqueeze, which aliases the buffer of the Mul before it; that buffer's last reader is the "
+    "Unsqueeze, so the engine's planner reuses it in backward for Mul_2_Grad's PreReduceGrad1 "
+    "(output.0_grad * kept * 1.5), although PyTorch still holds output.1. Also seen for tril of "
+    "a (1, 6, 3, 1) input; independent of ORTMODULE_KERNEL_CHOICE and the compute optimizer.",
 )
 @pytest.mark.parametrize(("kind", "shape"), [("unsqueeze", (4, 3)), ("tril", (1, 6, 3, 1))])
 def test_a_returned_intermediate_survives_backward(kind: str, shape: tuple[int, ...]) -> None:
