@@ -80,10 +80,18 @@ class Worker:
         # The per-program timeout starts once the child has imported torch and the engine.
         ready = parent.poll(STARTUP_TIMEOUT) and _recv_or_none(parent) == "ready"
         if not ready:
+            self._proc.join(5)
+            code = self._proc.exitcode
             self.close()
+            how = (
+                f"exited with code {code}"
+                if code is not None
+                else f"was not ready in {STARTUP_TIMEOUT} s"
+            )
             raise RuntimeError(
-                f"the fuzz worker process did not start within {STARTUP_TIMEOUT} s "
-                "(see its error above); check that torch and ortmodule import in a fresh process"
+                f"the fuzz worker process {how} (its error is above); torch and ortmodule must "
+                "import in a fresh process, and a script that starts workers needs an "
+                "`if __name__ == '__main__':` guard (multiprocessing's spawn re-imports it)"
             )
 
     def run(self, program: Program) -> Outcome:
