@@ -190,6 +190,18 @@ def integration(session: nox.Session) -> None:
 
 
 @nox.session
+def fuzz(session: nox.Session) -> None:
+    """The differential fuzzer: random programs in eager and under ORTModule, compared.
+
+    ``nox -s fuzz`` runs 3000 programs; arguments go to ``python -m ortmodule_testing.fuzz``
+    (``nox -s fuzz -- --programs 200 --seed 7 --out fuzz-out``).
+    """
+    _install(session, *_all_packages_args(), groups=("test",))
+    args = session.posargs or ["--programs", "3000", "--seed", "0", "--out", "fuzz-out"]
+    session.run("python", "-m", "ortmodule_testing.fuzz", *args)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """The benchmark suite: writes benchmarks/results/<date>-<machine>.md."""
     _install(session, *_all_packages_args(), groups=("bench",))
