@@ -939,20 +939,30 @@ class GraphRunner:
         )
 
 
-#: engine kernels whose output shares its input's buffer
-_ALIASING_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+#: engine kernels whose output may share its input's buffer: views, and CPU kernels that may
+#: run in place (each found to hand back an overwritten output, see :func:`_viewed_outputs`)
+_ALIASING_OPS = frozenset(
+    {
+        *("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"),
+        *("Relu", "Tanh", "Sigmoid", "Clip", "Softmax", "LogSoftmax", "Trilu"),
+        *("LeakyRelu", "Elu", "Selu", "Softplus", "Softsign", "HardSigmoid", "ThresholdedRelu"),
+    }
+)
 
 
 def _viewed_outputs(built: BuiltGraph) -> frozenset[int]:
-    """Forward outputs the engine computes as a view of a value of its own (``Reshape``,
-    ``Unsqueeze``, ... of an intermediate).
+    """Forward outputs the engine may compute in the buffer of a value of its own: a view
+    (``Reshape``, ``Unsqueeze``, ... of an intermediate) or a kernel that may run in place.
 
-    Engine bug (1.19.2): the memory planner frees the viewed buffer after its last reader in
-    the graph, the view, though the view is handed to PyTorch at the end of the forward, and
-    gives the buffer to a backward value: ``kept = (x * 2).unsqueeze(0)`` returned beside a loss
-    held the loss's gradient after ``backward()`` (found by the differential fuzzer). Such an
-    output is copied before it is handed back. A view of a graph input (a parameter, the
-    user's tensor) is not: that buffer is never the engine's to reuse.
+    Engine bug (1.19.2): the memory planner frees such a buffer after its last reader in the
+    graph, though the output that shares it is handed to PyTorch at the end of the forward,
+    and gives it to a backward value: ``kept = op(x * 2)`` returned beside a loss that reads it
+    held a gradient after ``backward()`` for ``unsqueeze``, ``reshape``, ``flatten``, ``relu``,
+    ``tanh``, ``sigmoid``, ``clamp``, ``softmax``, ``log_softmax``, ``leaky_relu`` and ``tril``
+    (found by the differential fuzzer; ``neg``, ``exp``, ``abs``, ``gelu``, ``elu``, ``+``,
+    ``*`` and ``where`` were right). Such an
+    output is copied before it is handed back. One computed from a graph input alone (a
+    parameter, the user's tensor) is not: that buffer is never the engine's to reuse.
     """
     model = built.model
     producer = {o: n for n in model.graph.node for o in n.output if o}

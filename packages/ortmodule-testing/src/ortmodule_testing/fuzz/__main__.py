@@ -34,24 +34,33 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--shrink-per-kind", type=int, default=5, help="failures shrunk per kind (status, error)"
     )
     p.add_argument(
-        "--data-dependent", action="store_true", help="generate `if t.sum() > 0`, float(t)"
+        "--data-dependent",
+        action=argparse.BooleanOptionalAction,
+        default=GenConfig.data_dependent,
+        help="generate `if t.sum() > 0`, float(t)",
     )
     p.add_argument(
         "--linspace-by-shape",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=GenConfig.linspace_by_shape,
         help="generate torch.linspace(a, b, t.shape[-1])",
     )
     p.add_argument(
         "--dynamic-loops",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=GenConfig.dynamic_loops,
         help="loop over dims whose size changes between steps",
     )
     p.add_argument(
-        "--input-inplace", action="store_true", help="generate in-place writes to inputs"
+        "--input-inplace",
+        action=argparse.BooleanOptionalAction,
+        default=GenConfig.input_inplace,
+        help="generate in-place writes to inputs",
     )
     p.add_argument(
         "--vector-batched-matmul",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=GenConfig.vector_batched_matmul,
         help="generate matmul(v, x) with v 1-D and x batched",
     )
     p.add_argument("--replay", help="run one program given by its comma-separated choices")

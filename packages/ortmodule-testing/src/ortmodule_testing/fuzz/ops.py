@@ -27,21 +27,22 @@ class GenConfig:
     ``creation``: weight of the tensor-creation ops (``arange``, ``full``, ``eye``, ...).
     ``dynamic_shapes``: symbolic dims may take other values in later steps.
     ``dynamic_loops``: Python loops over a dim whose size changes between steps (the trace
-    unrolls the loop; off while ORTModule replays the first step's trip count, found
-    2026-11-26 by this fuzzer).
-    ``vector_batched_matmul``: ``torch.matmul(v, x)`` with ``v`` 1-D and ``x`` batched (off while
-    the engine's MatMul gradient for it is wrong or fails, found 2026-11-26 by this fuzzer).
+    unrolls the loop; a guard on the size picks the graph for each trip count).
+    ``vector_batched_matmul``: ``torch.matmul(v, x)`` with ``v`` 1-D and ``x`` batched (the
+    engine's MatMul gradient for it was wrong, found 2026-11-26 by this fuzzer; exported as a
+    batch of rows since).
+    Each switch is on; turning one off keeps a run away from that feature.
     """
 
     max_ops: int = 8
     steps: int = 3
-    data_dependent: bool = False
-    linspace_by_shape: bool = False
-    input_inplace: bool = False
+    data_dependent: bool = True
+    linspace_by_shape: bool = True
+    input_inplace: bool = True
     creation: int = 4
     dynamic_shapes: bool = True
-    dynamic_loops: bool = False
-    vector_batched_matmul: bool = False
+    dynamic_loops: bool = True
+    vector_batched_matmul: bool = True
 
 
 DEFAULT = GenConfig()
