@@ -144,7 +144,8 @@ class ShapeGuard:
             if op == "Squeeze":
                 return np.squeeze(a, axis=None if axes is None else tuple(axes))
             out = np.asarray(a)
-            for axis in sorted(x if x >= 0 else x + out.ndim + len(axes) for x in axes):
+            wanted = list(axes or ())
+            for axis in sorted(x if x >= 0 else x + out.ndim + len(wanted) for x in wanted):
                 out = np.expand_dims(out, axis)
             return out
         if op == "Concat":
