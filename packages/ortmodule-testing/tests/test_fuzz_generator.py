@@ -75,13 +75,14 @@ def test_shapes_change_between_steps_and_switches_hold() -> None:
     assert any(len({dict(s).get("B") for s in p.sizes}) > 1 for p in programs_)
     kinds = {op.kind for p in programs_ for op in p.ops}
     assert {"loop", "matmul", "reduce", "inplace", "create", "conv1d", "gather"} <= kinds
-    assert not kinds & {"data_dependent", "input_inplace"}  # off by default
-    sources = [p.to_source() for p in programs_]
+    assert {"data_dependent", "input_inplace"} <= kinds  # on by default
+    off = GenConfig(data_dependent=False, input_inplace=False, linspace_by_shape=False)
+    programs_off = [generate_program(seed, off) for seed in range(200)]
+    assert not {op.kind for p in programs_off for op in p.ops} & {"data_dependent", "input_inplace"}
+    sources = [p.to_source() for p in programs_off]
     assert not any(
         "torch.linspace(-1.0, 1.0, t" in s or "linspace(-1.0, 1.0, x" in s for s in sources
     )
-    on = [generate_program(seed, EVERYTHING) for seed in range(200)]
-    assert {"data_dependent", "input_inplace"} <= {op.kind for p in on for op in p.ops}
 
 
 def _planted(op: Op) -> list[str]:

@@ -667,8 +667,10 @@ def _render_data_dependent(op: Op) -> list[str]:
 
 
 def _gen_input_inplace(b: Builder) -> Op | None:
+    # only as the first op: a write after an op read the input is invalid in eager when that
+    # op saved it for backward (layer_norm, mul)
     inputs = [(n, s) for n, s in b.env if n in b.plain_inputs]
-    if not inputs:
+    if not inputs or b.count:
         return None
     x, shape = b.one_of(inputs)
     return Op(b.fresh(), "input_inplace", (x,), (), shape)
