@@ -5,11 +5,11 @@ steps); loss, outputs and every gradient must match (see ortmodule_testing.fuzz.
 tolerance). Programs run in a child process, so a crash fails this test with its repro instead
 of ending pytest. ``nox -s fuzz`` runs thousands.
 
-Generated features with open bugs are switched off in GenConfig's defaults
-(``data_dependent``, ``linspace_by_shape``, ``input_inplace``, ``dynamic_loops``,
-``vector_batched_matmul``); a seed of this slice that hits another open bug is listed in KNOWN
-with the bug, and must keep failing until the fix lands (then the entry goes). 60 programs took
-64 s on the 2-core development machine (2026-11-26, shared).
+Every generated feature is on (GenConfig's defaults: data-dependent Python, linspace by shape,
+input writes, loops over resized dims, vector @ batched matmul included); a seed of this slice
+that hits an open bug is listed in KNOWN with the bug, and must keep failing until the fix lands
+(then the entry goes). 60 programs took 46-64 s on the 2-core development machine (2026-11-26,
+shared).
 """
 
 from __future__ import annotations

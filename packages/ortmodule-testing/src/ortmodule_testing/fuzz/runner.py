@@ -13,7 +13,9 @@ absolute part scales with the tensor's magnitude because a composed program sums
 values: an element near zero that came from cancelling values of size ``m`` carries rounding
 error of order ``1e-7 * m`` in either implementation, so a fixed atol would report rounding as
 a wrong result. Programs keep values in a sane range (``exp`` reads ``tanh`` of its input,
-division divides by ``1 + b*b``).
+division divides by ``1 + b*b``). A value outside that tolerance still passes when it is as
+close to the program's float64 result as eager's float32 value is, within a factor of 4 (see
+:func:`compare`).
 """
 
 from __future__ import annotations
@@ -99,17 +101,54 @@ def run_program(
     except Exception as err:
         return Outcome("error", _describe(err, with_trace=True))
     problems = compare(got, eager)
+    if problems:
+        reference = _float64_reference(namespace)
+        if reference is not None:
+            problems = compare(got, eager, reference)
     return Outcome("wrong", "\n".join(problems)) if problems else Outcome("equal")
 
 
-def compare(got: list[Any], want: list[Any]) -> list[str]:
-    """Every difference between two ``train`` records (the second is eager)."""
+def _float64_reference(namespace: dict[str, Any]) -> list[Any] | None:
+    """The program's records in float64 (eager), or None when it does not run so."""
+    make_inputs = namespace["make_inputs"]
+
+    def inputs64(step: int) -> tuple[Any, ...]:
+        return tuple(
+            t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            for t in make_inputs(step)
+        )
+
+    namespace["make_inputs"] = inputs64
+    try:
+        records: list[Any] = namespace["train"](namespace["Program"]().double())
+        return records
+    except Exception:  # noqa: BLE001 - no reference: the float32 comparison stands
+        return None
+    finally:
+        namespace["make_inputs"] = make_inputs
+
+
+def compare(got: list[Any], want: list[Any], reference: list[Any] | None = None) -> list[str]:
+    """Every difference between two ``train`` records (the second is eager).
+
+    With ``reference`` (the same program in float64), a value also passes when it is as close
+    to the reference as eager's own float32 value is, within a factor of 4: a program can be
+    ill-conditioned (``sin`` of a value SGD made large), and then two correct float32
+    computations differ by more than the fixed tolerance.
+    """
     problems = []
-    for step, ((lg, og, gg), (lw, ow, gw)) in enumerate(zip(got, want, strict=True)):
-        pairs: list[tuple[str, Any, Any]] = [("loss", lg, lw)]
-        pairs += [(f"output[{i}]", o, w) for i, (o, w) in enumerate(zip(og, ow, strict=True))]
-        pairs += [(f"grad of {name!r}", gg.get(name), g) for name, g in gw.items()]
-        for what, a, b in pairs:
+    refs = reference if reference is not None else [None] * len(want)
+    for step, ((lg, og, gg), (lw, ow, gw), ref) in enumerate(zip(got, want, refs, strict=True)):
+        pairs: list[tuple[str, Any, Any, Any]] = [("loss", lg, lw, ref[0] if ref else None)]
+        pairs += [
+            (f"output[{i}]", o, w, ref[1][i] if ref else None)
+            for i, (o, w) in enumerate(zip(og, ow, strict=True))
+        ]
+        pairs += [
+            (f"grad of {name!r}", gg.get(name), g, ref[2].get(name) if ref else None)
+            for name, g in gw.items()
+        ]
+        for what, a, b, r in pairs:
             if a is None or b is None:
                 if (a is None) != (b is None):
                     problems.append(
@@ -117,9 +156,20 @@ def compare(got: list[Any], want: list[Any]) -> list[str]:
                     )
                 continue
             mismatch = _tensor_mismatch(a, b, RTOL, ATOL * _scale(b))
-            if mismatch:
+            if mismatch and not _as_close_as_eager(a, b, r):
                 problems.append(f"step {step} {what}: {mismatch}")
     return problems
+
+
+def _as_close_as_eager(got: torch.Tensor, eager: torch.Tensor, ref: Any) -> bool:
+    """Whether ``got`` is within 4 times eager's own distance from the float64 value."""
+    if not isinstance(ref, torch.Tensor) or ref.shape != eager.shape or got.shape != eager.shape:
+        return False
+    ref = ref.double()
+    bound = 4 * (eager.double() - ref).abs() + RTOL * ref.abs() + ATOL * _scale(ref)
+    err = (got.double() - ref).abs()
+    same_nan = got.isnan() == ref.isnan()
+    return bool(same_nan.all() and ((err <= bound) | got.isnan()).all())
 
 
 def _scale(t: torch.Tensor) -> float:
