@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
 import torch
@@ -115,3 +116,16 @@ def test_the_rank_is_read_from_the_weight_when_kernel_shape_is_absent() -> None:
     d_x, d_w, _ = _run(model, feeds)
     np.testing.assert_allclose(d_x, x.grad.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(d_w, w.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_3d_conv_grad_runs_on_pytorch_unless_it_cannot() -> None:
+    shapes = ((2, 4, 3, 5, 5), (4, 1, 3, 3, 3), (2, 4, 3, 5, 5))
+    routed = _conv_grad_model(*shapes, group=4, kernel_shape=[3, 3, 3], pads=[1] * 6)
+    assert route_grouped_conv_grads(routed, "cpu") == 1
+    (node,) = routed.graph.node
+    assert (node.domain, node.op_type) == ("org.pytorch.aten", "ATen")
+    assert list(node.output) == ["dX", "dW", "dB"]
+    params = onnx.numpy_helper.to_array(routed.graph.initializer[0]).tolist()
+    assert params == [1, 1, 1, 1, 1, 1, 1, 1, 1, 4]  # strides, padding, dilations, groups
+    asymmetric = _conv_grad_model(*shapes, group=4, kernel_shape=[3, 3, 3], pads=[1, 1, 1, 0, 1, 1])
+    assert route_grouped_conv_grads(asymmetric, "cpu") == 0

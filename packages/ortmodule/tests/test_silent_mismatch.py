@@ -203,6 +203,36 @@ def test_two_layer_selective_scan_block(
     _same_step(TwoScanLayers(), [torch.randn(batch, 6, 16)], monkeypatch, choice)
 
 
+class DepthwiseConv3d(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, 2 * d)
+        self.conv = nn.Conv3d(d, d, 3, groups=d, padding=1)
+        self.D = nn.Parameter(torch.rand(d) + 1)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x, z = self.inp(h).permute(0, 4, 1, 2, 3).chunk(2, dim=1)
+        y = F.silu(self.conv(x)) * self.D[None, :, None, None, None] * F.silu(z)
+        return self.out(y.permute(0, 2, 3, 4, 1))
+
+
+@pytest.mark.parametrize("choice", KERNEL_CHOICES)
+def test_grouped_conv3d_backward_leaves_the_output_alone(
+    monkeypatch: pytest.MonkeyPatch, choice: str
+) -> None:
+    """The same engine bug in 3-D: the backward cleared 336 of the 768 elements of the output
+    the caller still held (2026-11-26); the gradient now runs in PyTorch inside the engine."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 4, 8)
+    _same_step(DepthwiseConv3d(), [x], monkeypatch, choice)
+    eager = DepthwiseConv3d()
+    ours = ORTModule(copy.deepcopy(eager))
+    out_e, out_o = eager(x), ours(x)
+    out_o.sum().backward()
+    torch.testing.assert_close(out_o, out_e, rtol=1e-4, atol=1e-5, msg="output after backward")
+
+
 # -- NaN propagation -----------------------------------------------------------------------
 
 

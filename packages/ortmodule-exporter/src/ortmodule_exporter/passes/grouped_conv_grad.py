@@ -1,4 +1,4 @@
-"""Grouped 1-D convolution gradients through the engine's 2-D kernel (a built-graph pass).
+"""Grouped convolution gradients off the engine's faulty kernel path (a built-graph pass).
 
 Engine bug (onnxruntime-training 1.19.2, CPU ``com.microsoft::ConvGrad``): for a convolution
 with ``group > 1`` and a kernel rank other than 2, the input gradient is written group by group
@@ -21,8 +21,13 @@ with a height of 1: ``dY``, ``X`` and ``W`` get an ``Unsqueeze`` at axis 2 (``ke
 in the engine, and the 2-D kernel does the same arithmetic, so the result is equal to the last
 bit. Graphs built for CUDA keep the node (cuDNN computes the gradient there).
 
-Not covered: a grouped ``Conv3d`` (kernel rank 3 takes the same broken path and has no 2-D
-form); see ``docs/operators.md``.
+A grouped ``Conv3d`` takes the same broken path (measured 2026-11-26 on the same machine: the
+backward of a depthwise ``Conv3d(8, 8, 3, groups=8)`` on a ``(2, 8, 3, 4, 4)`` input cleared
+336 = 7 * 48 elements of the module's output the user still held) and has no 2-D form: its
+ConvGrad becomes PyTorch's ``convolution_backward`` inside the engine (the ATen node
+``_ortmodule_conv_backward`` the kernel choice uses), whatever ``ORTMODULE_KERNEL_CHOICE`` says,
+when the input gradient is wanted and the padding is symmetric. An asymmetric explicit padding
+(not something PyTorch exports) is left on the engine's kernel.
 
 >>> from ortmodule_exporter.passes.grouped_conv_grad import route_grouped_conv_grads
 >>> route_grouped_conv_grads(model, "cpu")  # doctest: +SKIP
@@ -36,6 +41,8 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
+from ..aten.executor import ATEN_DOMAIN
+from ..aten.kernel_choice import CONV_BACKWARD
 from ..onnx_graph import attribute, value_shapes
 from .built_graph import register_built_graph_pass
 
@@ -56,7 +63,8 @@ def _spatial_rank(node: onnx.NodeProto, shapes: dict[str, Any]) -> int | None:
 
 
 def route_grouped_conv_grads(model: onnx.ModelProto, device_type: str) -> int:
-    """Rewrite every grouped 1-D ``ConvGrad`` as the 2-D one; returns how many were rewritten."""
+    """Rewrite every grouped 1-D ``ConvGrad`` as the 2-D one and every grouped ``ConvGrad`` of 3
+    or more spatial dims as PyTorch's; returns how many were rewritten."""
     if device_type != "cpu":
         return 0
     graph = model.graph
@@ -65,13 +73,14 @@ def route_grouped_conv_grads(model: onnx.ModelProto, device_type: str) -> int:
     nodes: list[onnx.NodeProto] = []
     changed = 0
     for node in graph.node:
-        if (
-            node.op_type != "ConvGrad"
-            or node.domain != _MS_DOMAIN
-            or attribute(node, "group", 1) <= 1
-            or _spatial_rank(node, shapes) != 1
-        ):
+        rank = _spatial_rank(node, shapes) if node.op_type == "ConvGrad" else None
+        if node.domain != _MS_DOMAIN or attribute(node, "group", 1) <= 1 or rank in (None, 2):
             nodes.append(node)
+            continue
+        if rank != 1:
+            routed = _on_pytorch(node, rank, graph)
+            nodes.extend(routed or [node])
+            changed += bool(routed)
             continue
         tag = f"{node.name or node.output[1]}__as_2d"
         lifted = [f"{tag}/{slot}" for slot in ("dY", "X", "W")]
@@ -113,6 +122,40 @@ def route_grouped_conv_grads(model: onnx.ModelProto, device_type: str) -> int:
         del graph.node[:]
         graph.node.extend(nodes)
     return changed
+
+
+def _on_pytorch(node: onnx.NodeProto, rank: int, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """``node`` (a grouped ConvGrad of ``rank`` spatial dims) as PyTorch's convolution backward
+    in an ATen node, or nothing when it cannot be (no input gradient wanted: the faulty
+    loop does not run; an asymmetric padding or ``auto_pad``: PyTorch has no such setting)."""
+    outputs = list(node.output) + [""] * (3 - len(node.output))
+    d_x, d_w, d_b = outputs
+    pads = attribute(node, "pads") or [0] * (2 * rank)
+    auto_pad = attribute(node, "auto_pad") or "NOTSET"
+    if not d_x or auto_pad != "NOTSET" or list(pads[:rank]) != list(pads[rank:]):
+        return []
+    params = [
+        *(attribute(node, "strides") or [1] * rank),
+        *pads[:rank],
+        *(attribute(node, "dilations") or [1] * rank),
+        attribute(node, "group"),
+    ]
+    tag = f"{node.name or d_x}__on_pytorch"
+    graph.initializer.append(
+        onnx.numpy_helper.from_array(np.array(params, np.int64), f"{tag}/params")
+    )
+    wanted = [d_x, d_w or f"{tag}/dW_unused"] + ([d_b] if d_b else [])
+    return [
+        onnx.helper.make_node(
+            "ATen",
+            [*node.input[:3], f"{tag}/params"],
+            wanted,
+            name=tag,
+            domain=ATEN_DOMAIN,
+            operator=CONV_BACKWARD,
+            overload_name="xwb" if d_b else "xw",
+        )
+    ]
 
 
 def _pass(model: onnx.ModelProto, config: Any) -> bool:
