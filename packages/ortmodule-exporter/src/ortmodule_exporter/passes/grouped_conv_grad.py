@@ -18,8 +18,10 @@ So a grouped ConvGrad with one spatial dim is run as the 2-D ConvGrad of the sam
 with a height of 1: ``dY``, ``X`` and ``W`` get an ``Unsqueeze`` at axis 2 (``kernel_shape
 [k] -> [1, k]``, ``pads [b, e] -> [0, b, 0, e]``, strides and dilations get a leading 1), and
 ``dX``/``dW`` a ``Squeeze`` of that axis (``dB`` is the same). Unsqueeze and Squeeze are views
-in the engine, and the 2-D kernel does the same arithmetic, so the result is equal to the last
-bit. Graphs built for CUDA keep the node (cuDNN computes the gradient there).
+in the engine; the 2-D gradients equal PyTorch's within fp32 tolerance (tests). It is also
+quicker: a depthwise ConvGrad (kernel 4) on ``(8, 256, 128)`` took 13.1 ms as 1-D and 1.7 ms
+as 2-D (``kernel_choice._engine_us``, 2026-11-26, the 2-core CPU machine). Graphs built for
+CUDA keep the node (cuDNN computes the gradient there).
 
 A grouped ``Conv3d`` takes the same broken path (measured 2026-11-26 on the same machine: the
 backward of a depthwise ``Conv3d(8, 8, 3, groups=8)`` on a ``(2, 8, 3, 4, 4)`` input cleared
