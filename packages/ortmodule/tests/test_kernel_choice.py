@@ -270,6 +270,8 @@ def test_a_measurement_that_raises_keeps_the_engine_kernel() -> None:
         (lambda: kernel_choice.measure_relu(1 << 12), 1),
         (lambda: kernel_choice.measure_relu_backward(1 << 12), 1),
         (lambda: kernel_choice.measure_conv((2, 4, 8, 8), (4, 4, 3, 3), (1, 1), (1, 1), (1, 1)), 2),
+        # grouped 1-D: timed as the 2-D kernel the built graph runs (passes/grouped_conv_grad.py)
+        (lambda: kernel_choice.measure_conv((2, 8, 9), (8, 1, 3), (1,), (2,), (1,), 8, True), 2),
         (lambda: kernel_choice.measure_max_pool2d((2, 4, 8, 8), (2, 2), (2, 2), (0, 0), (1, 1)), 2),
     ],
 )

@@ -111,11 +111,14 @@ def test_batch_norm_training_mode_still_uses_batch_statistics(
     _same_step(model, [torch.randn(4, 3, 6, 6)], monkeypatch, "ENGINE")
 
 
-# -- selective scan (Mamba-style): known open bug -------------------------------------------
+# -- selective scan (Mamba-style) ------------------------------------------------------------
+# The engine's CPU ConvGrad of a grouped 1-D convolution cleared memory past its input
+# gradient, so other tensors of the backward lost values (D.grad off, or a Reshape error in the
+# 2-layer block); ortmodule_exporter.passes.grouped_conv_grad runs it as the 2-D kernel.
 
 
 class ScanPieces(nn.Module):
-    """The smallest piece of the selective-scan block that still differs: in_proj, chunk, a
+    """The smallest piece of the selective-scan block that differed: in_proj, chunk, a
     depthwise Conv1d cut back to the sequence length, SiLU, ``x * D[None, :, None]``, SiLU gate."""
 
     def __init__(self, d: int = 16) -> None:
@@ -133,15 +136,95 @@ class ScanPieces(nn.Module):
         return self.out_proj(y.transpose(1, 2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (2026-11-26): the engine's session returns a wrong D gradient for this graph "
-    "at batch 2; the built gradient graph is right when run without session optimizations, "
-    "see the report of issue #36",
-)
-def test_scan_pieces_depthwise_conv_channel_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("choice", KERNEL_CHOICES)
+def test_scan_pieces_depthwise_conv_channel_scale(
+    monkeypatch: pytest.MonkeyPatch, choice: str
+) -> None:
     torch.manual_seed(0)
-    _same_step(ScanPieces(), [torch.randn(2, 6, 16)], monkeypatch, "ENGINE")
+    _same_step(ScanPieces(), [torch.randn(2, 6, 16)], monkeypatch, choice)
+
+
+class SelectiveScanBlock(nn.Module):
+    """A Mamba-style block in plain PyTorch: in_proj, depthwise causal Conv1d, x_proj/dt_proj,
+    softplus as ``log1p(exp(.))``, per-channel broadcasts and a Python loop over the sequence."""
+
+    def __init__(self, d: int = 16, n: int = 4, r: int = 2, k: int = 3) -> None:
+        super().__init__()
+        self.d, self.n, self.r = d, n, r
+        self.in_proj = nn.Linear(d, 2 * d)
+        self.conv = nn.Conv1d(d, d, k, groups=d, padding=k - 1)
+        self.x_proj = nn.Linear(d, r + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(r, d)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1).float()).repeat(d, 1))
+        self.D = nn.Parameter(torch.ones(d))
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        length = h.shape[1]
+        x, z = self.in_proj(h).transpose(1, 2).chunk(2, dim=1)
+        x = F.silu(self.conv(x)[..., :length])
+        dt, b, c = torch.split(self.x_proj(x.transpose(1, 2)), [self.r, self.n, self.n], dim=-1)
+        dt = torch.log1p(torch.exp(self.dt_proj(dt))).transpose(1, 2)
+        a = -torch.exp(self.A_log)
+        d_a = torch.exp(a[None, :, None, :] * dt[:, :, :, None])
+        d_bu = dt[:, :, :, None] * b[:, None, :, :] * x[:, :, :, None]
+        s = torch.zeros(h.shape[0], self.d, self.n)
+        ys = []
+        for i in range(length):
+            s = d_a[:, :, i] * s + d_bu[:, :, i]
+            ys.append(torch.matmul(s, c[:, i, :].unsqueeze(-1))[:, :, 0])
+        y = torch.stack(ys, dim=-1) + x * self.D[None, :, None]
+        return self.out_proj((y * F.silu(z)).transpose(1, 2))
+
+
+class TwoScanLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([SelectiveScanBlock(), SelectiveScanBlock()])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+@pytest.mark.parametrize("choice", KERNEL_CHOICES)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_two_layer_selective_scan_block(
+    monkeypatch: pytest.MonkeyPatch, choice: str, batch: int
+) -> None:
+    torch.manual_seed(0)
+    _same_step(TwoScanLayers(), [torch.randn(batch, 6, 16)], monkeypatch, choice)
+
+
+class DepthwiseConv3d(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, 2 * d)
+        self.conv = nn.Conv3d(d, d, 3, groups=d, padding=1)
+        self.D = nn.Parameter(torch.rand(d) + 1)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x, z = self.inp(h).permute(0, 4, 1, 2, 3).chunk(2, dim=1)
+        y = F.silu(self.conv(x)) * self.D[None, :, None, None, None] * F.silu(z)
+        return self.out(y.permute(0, 2, 3, 4, 1))
+
+
+@pytest.mark.parametrize("choice", KERNEL_CHOICES)
+def test_grouped_conv3d_backward_leaves_the_output_alone(
+    monkeypatch: pytest.MonkeyPatch, choice: str
+) -> None:
+    """The same engine bug in 3-D: the backward cleared 336 of the 768 elements of the output
+    the caller still held (2026-11-26); the gradient now runs in PyTorch inside the engine."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 4, 8)
+    _same_step(DepthwiseConv3d(), [x], monkeypatch, choice)
+    eager = DepthwiseConv3d()
+    ours = ORTModule(copy.deepcopy(eager))
+    out_e, out_o = eager(x), ours(x)
+    out_o.sum().backward()
+    torch.testing.assert_close(out_o, out_e, rtol=1e-4, atol=1e-5, msg="output after backward")
 
 
 # -- NaN propagation -----------------------------------------------------------------------

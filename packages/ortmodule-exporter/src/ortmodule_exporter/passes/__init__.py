@@ -21,6 +21,8 @@
 ``scalar_gradients``    built-graph pass: gradients of 0-d tensors keep rank 0 (10)
 ``engine_forwards``     built-graph pass: a forward exported as an ATen node only for its
                         PyTorch backward (ReLU) goes back on the engine's kernel (55)
+``grouped_conv_grad``   built-graph pass: a grouped 1-D ConvGrad runs as the 2-D one, a 3-D
+                        one on PyTorch (the engine's CPU kernel clears memory past ``dX``) (58)
 ``row_sums``            built-graph pass: bias gradients on PyTorch's ``sum`` where the kernel
                         choice measured it faster (60)
 ======================  =========================================================================
@@ -37,6 +39,7 @@ from . import (  # noqa: F401 - register
     batchnorm,
     engine_forwards,
     engine_graph_fixes,
+    grouped_conv_grad,
     output_ranks,
     python_op,
     row_sums,
