@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ortmodule import ORTModule
@@ -142,3 +143,34 @@ def test_a_returned_intermediate_survives_backward(kind: str, shape: tuple[int, 
     weights = torch.linspace(-1.0, 1.0, kept.numel()).reshape(kept.shape)
     (out.sum() + (kept * weights).sum()).backward()  # type: ignore[no-untyped-call]
     assert_tree_close(kept.detach(), before)
+
+
+class ExpandOfAnInputThatRequiresGrad(nn.Module):
+    """gelu(tanh(x)).expand(-1, 2) of a (2, 1) input that requires grad: symbolic shape
+    inference took x's dynamic dim 1 for the expanded 2, the engine's builder dropped the
+    reduction of x's gradient (wrong under ENGINE, a oneDNN error under AUTO). Such graphs are
+    built without named dims (``GraphConfig.broadcast_grad_inputs``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(torch.tanh(x)).expand(-1, 2) * self.p
+
+
+@pytest.mark.parametrize("choice", ["AUTO", "ENGINE"])
+def test_input_gradient_through_expand(monkeypatch: pytest.MonkeyPatch, choice: str) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", choice)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 1, generator=g) for _ in range(2)]
+    grads = []
+    for model in (ExpandOfAnInputThatRequiresGrad(), ORTModule(ExpandOfAnInputThatRequiresGrad())):
+        got = []
+        for x in xs:
+            x = x.clone().requires_grad_()
+            out = model(x)
+            (out * torch.tensor([[1.0, -2.0], [0.5, 3.0]])).sum().backward()
+            got.append(x.grad)
+        grads.append(got)
+    assert_tree_close(grads[1], grads[0])

@@ -840,6 +840,9 @@ class GraphRunner:
             build_gradient=key.build_gradient,
             params_to_train=trainable,
             inputs_require_grad=input_grads,
+            broadcast_grad_inputs=tuple(
+                n for n in input_grads if n in index_of and 1 in flat[index_of[n]].shape
+            ),
             enable_compute_optimizer=cfg.enable_compute_optimizer,
             print_input_density=cfg.print_input_density,
             use_memory_efficient_gradient=cfg.use_memory_efficient_gradient,
