@@ -27,7 +27,7 @@ from .expand import expand
 from .gelu import gelu
 from .losses import cross_entropy_loss, nll_loss
 from .matmul import matmul
-from .max_min import _amax_amin, _max_min
+from .max_min import _amax_amin, _elementwise, _max_min
 from .normalization import group_norm, layer_norm
 from .pooling import _adaptive_avg_pool, _adaptive_max_pool, _avg_pool, _max_pool
 from .registry import register_symbolic
@@ -55,6 +55,8 @@ def register_builtin_symbolics() -> None:
         "aten::log_softmax": log_softmax,
         "aten::max": _max_min(largest=True),
         "aten::min": _max_min(largest=False),
+        "aten::maximum": _elementwise(largest=True),
+        "aten::minimum": _elementwise(largest=False),
         "aten::amax": _amax_amin(largest=True),
         "aten::amin": _amax_amin(largest=False),
         "aten::squeeze": squeeze,
