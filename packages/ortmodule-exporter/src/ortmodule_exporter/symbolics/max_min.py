@@ -50,16 +50,27 @@ def _elementwise_extreme(g: Any, x: Value, other: Value, largest: bool) -> Value
     both where one is NaN. Nested ``Where`` nodes give exactly that, since the gradient of
     ``Where`` selects: the tie branch is ``(x + other) / 2`` and the unordered branch
     ``x + other`` (NaN, like eager's result)."""
-    if _scalar_type(x) not in _FLOAT_TYPES:
-        return g.op("Max" if largest else "Min", x, other)
-    if _scalar_type(other) != _scalar_type(x):
+    if _scalar_type(other) != _scalar_type(x) and _scalar_type(x) in _FLOAT_TYPES:
         other = _cast(g, other, _float_type(x))
+    sizes = _sizes(x)
+    if _scalar_type(x) not in _FLOAT_TYPES or sizes is None or sizes != _sizes(other):
+        # open (2026-11-26): with operands of different shapes the engine could not build the
+        # gradient of the broadcasting Where nodes ("GetShape(input_grad) ... was false"), so
+        # broadcasting max/min keep Max/Min: a NaN operand there gets no gradient (eager: all)
+        return g.op("Max" if largest else "Min", x, other)
     wins, loses = ("Greater", "Less") if largest else ("Less", "Greater")
     both = g.op("Add", x, other)
     half = _const(g, 0.5, _TORCH_TYPE[_float_type(x)])
     tied = g.op("Where", g.op("Equal", x, other), g.op("Mul", both, half), both)
     picked = g.op("Where", g.op(wins, x, other), x, tied)
     return g.op("Where", g.op(loses, x, other), other, picked)
+
+
+def _sizes(v: Value) -> list[int | None] | None:
+    try:
+        return v.type().varyingSizes()  # type: ignore[no-any-return]
+    except RuntimeError:
+        return None
 
 
 def _elementwise(largest: bool) -> Any:
