@@ -5,7 +5,8 @@ and compares, in the output, the input's gradient and every parameter's gradient
 positions and the Inf positions exactly and the finite values with fp32 tolerance (rtol 1e-4,
 atol 1e-5). Measured before the fix (2026-11-26, 2-core CPU machine): ReLU with an MSE loss and
 one NaN input element left 16 NaNs in the first weight's gradient (eager 128); ``hardtanh``,
-``relu6``, ``clamp`` and ``maximum`` put NaN where eager has finite gradients.
+``relu6``, ``clamp`` and ``maximum`` put NaN where eager has finite gradients; ``clamp(min=0)``
+of an infinite input gave the largest finite float (eager: Inf).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "hardtanh": F.hardtanh,
     "relu6": F.relu6,
     "clamp_both": lambda h: torch.clamp(h, -0.5, 0.5),
+    "clamp_min": lambda h: torch.clamp(h, min=0),
+    "clamp_max": lambda h: h.clamp_max(0.3),
+    "clamp_min_tensor": lambda h: torch.clamp(h, min=torch.zeros(16)),
     "maximum": lambda h: torch.maximum(h, torch.zeros_like(h)),
     "minimum": lambda h: torch.minimum(torch.zeros_like(h), h),
     "minimum_broadcast": lambda h: torch.minimum(torch.tensor(0.0), h),

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .attention import feature_dropout, scaled_dot_product_attention
+from .clamp import clamp, clamp_max, clamp_min
 from .convolution import convolution, convolution_mode
 from .creation import linspace, logspace, tril_indices, triu_indices
 from .einsum import einsum, outer
@@ -55,6 +56,9 @@ def register_builtin_symbolics() -> None:
         "aten::log_softmax": log_softmax,
         "aten::max": _max_min(largest=True),
         "aten::min": _max_min(largest=False),
+        "aten::clamp": clamp,
+        "aten::clamp_min": clamp_min,
+        "aten::clamp_max": clamp_max,
         "aten::maximum": _elementwise(largest=True),
         "aten::minimum": _elementwise(largest=False),
         "aten::amax": _amax_amin(largest=True),
