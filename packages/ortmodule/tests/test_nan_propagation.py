@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ortmodule import ORTModule
+from ortmodule_testing.zoo.mlp import MLP as MLP_ZOO
 
 KERNEL_CHOICES = ("AUTO", "ENGINE")
 NAN, INF = float("nan"), float("inf")
@@ -154,3 +155,24 @@ def test_ties_and_nan_in_maximum_minimum_split_the_gradient_as_eager(
     x[2, 0] = NAN
     target[4, 3] = NAN
     _same_step(model, x, target, monkeypatch, choice)
+
+
+@pytest.mark.parametrize("choice", KERNEL_CHOICES)
+def test_one_nan_input_element_in_the_zoo_mlp_gives_eager_nan_gradients(
+    choice: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's case: the zoo MLP (Linear -> ReLU, twice) with the zoo's MSE loss against
+    ``sin(x)`` and one NaN input element. Eager's first layer gradients are all NaN (512 and 32
+    elements); the engine's ReluGrad had left 32 and 0."""
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", choice)
+    torch.manual_seed(0)
+    eager = MLP_ZOO(16, 8)
+    ours = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(8, 16)
+    x[1, 3] = NAN
+    for model in (eager, ours):
+        out = model(x)
+        F.mse_loss(out, torch.sin(x[:, : out.shape[-1]])).backward()
+    for (name, p_e), p_o in zip(eager.named_parameters(), ours.parameters(), strict=True):
+        assert_same_specials(p_o.grad, p_e.grad, name)
+    assert int(eager.body[0].weight.grad.isnan().sum()) == 512
