@@ -52,12 +52,15 @@ def _elementwise_extreme(g: Any, x: Value, other: Value, largest: bool) -> Value
     ``x + other`` (NaN, like eager's result)."""
     if _scalar_type(other) != _scalar_type(x) and _scalar_type(x) in _FLOAT_TYPES:
         other = _cast(g, other, _float_type(x))
-    sizes = _sizes(x)
-    if _scalar_type(x) not in _FLOAT_TYPES or sizes is None or sizes != _sizes(other):
-        # open (2026-11-26): with operands of different shapes the engine could not build the
-        # gradient of the broadcasting Where nodes ("GetShape(input_grad) ... was false"), so
-        # broadcasting max/min keep Max/Min: a NaN operand there gets no gradient (eager: all)
+    if _scalar_type(x) not in _FLOAT_TYPES:
         return g.op("Max" if largest else "Min", x, other)
+    sizes = _sizes(x)
+    if sizes is None or None in sizes or sizes != _sizes(other):
+        # the engine's gradients of broadcasting Add/Where need the shapes of gradients that its
+        # Where gradient leaves untyped ("GetShape(input_grad) ... was false"): both operands
+        # take the result's shape first, and Expand's gradient sums the broadcast axes
+        shape = g.op("Shape", g.op("Add", x, other))
+        x, other = g.op("Expand", x, shape), g.op("Expand", other, shape)
     wins, loses = ("Greater", "Less") if largest else ("Less", "Greater")
     both = g.op("Add", x, other)
     half = _const(g, 0.5, _TORCH_TYPE[_float_type(x)])
