@@ -240,11 +240,9 @@ class MaximumMLP(nn.Module):
         return self.b(torch.maximum(h, torch.zeros_like(h)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (2026-11-26): where maximum's input is NaN the engine's gradient of Max puts "
-    "NaN into the first layer's gradients (128 NaNs in a.weight, eager 16)",
-)
+# Fixed 2026-11-26: where maximum's input was NaN the engine's gradient of Max put NaN into the
+# first layer's gradients (128 NaNs in a.weight, eager 16); maximum now exports as Where nodes
+# (symbolics/max_min.py) and masks select (passes/nan_gradients.py).
 def test_nan_through_maximum_reaches_the_gradients_eager_reaches() -> None:
     torch.manual_seed(0)
     eager = MaximumMLP()

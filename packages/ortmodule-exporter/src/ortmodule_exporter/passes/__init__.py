@@ -19,6 +19,8 @@
                         (both used by ``ortmodule.sparsity``)
 ``built_graph``         :func:`~ortmodule_exporter.passes.built_graph.register_built_graph_pass`
 ``scalar_gradients``    built-graph pass: gradients of 0-d tensors keep rank 0 (10)
+``nan_gradients``       built-graph pass: masking multiplications and ``ReluGrad`` select like
+                        eager's backward, so NaN and Inf reach the same gradient elements (20)
 ``engine_forwards``     built-graph pass: a forward exported as an ATen node only for its
                         PyTorch backward (ReLU) goes back on the engine's kernel (55)
 ``grouped_conv_grad``   built-graph pass: a grouped 1-D ConvGrad runs as the 2-D one, a 3-D
@@ -40,6 +42,7 @@ from . import (  # noqa: F401 - register
     engine_forwards,
     engine_graph_fixes,
     grouped_conv_grad,
+    nan_gradients,
     output_ranks,
     python_op,
     row_sums,

@@ -3,7 +3,7 @@
 ``registry`` holds them (:func:`~ortmodule_exporter.symbolics.registry.register_symbolic`,
 installed into ``torch.onnx`` only while ORTModule exports); ``builtin`` registers ours, one
 module per operator family (``normalization``, ``losses``, ``embedding``, ``softmax``, ``gelu``,
-``max_min``, ``shapes``, ``einsum``, ``attention``, ``convolution``, ``pooling``,
+``max_min``, ``clamp``, ``shapes``, ``einsum``, ``attention``, ``convolution``, ``pooling``,
 ``upsampling``; ``helpers`` holds what they share) and ``mask`` the attention-mask symbolics.
 This package's ``__init__`` imports nothing, so importing the registry registers nothing.
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .attention import feature_dropout, scaled_dot_product_attention
+from .clamp import clamp, clamp_max, clamp_min
 from .convolution import convolution, convolution_mode
 from .creation import linspace, logspace, tril_indices, triu_indices
 from .einsum import einsum, outer
@@ -27,7 +28,7 @@ from .expand import expand
 from .gelu import gelu
 from .losses import cross_entropy_loss, nll_loss
 from .matmul import matmul
-from .max_min import _amax_amin, _max_min
+from .max_min import _amax_amin, _elementwise, _max_min
 from .normalization import group_norm, layer_norm
 from .pooling import _adaptive_avg_pool, _adaptive_max_pool, _avg_pool, _max_pool
 from .registry import register_symbolic
@@ -55,6 +56,11 @@ def register_builtin_symbolics() -> None:
         "aten::log_softmax": log_softmax,
         "aten::max": _max_min(largest=True),
         "aten::min": _max_min(largest=False),
+        "aten::clamp": clamp,
+        "aten::clamp_min": clamp_min,
+        "aten::clamp_max": clamp_max,
+        "aten::maximum": _elementwise(largest=True),
+        "aten::minimum": _elementwise(largest=False),
         "aten::amax": _amax_amin(largest=True),
         "aten::amin": _amax_amin(largest=False),
         "aten::squeeze": squeeze,

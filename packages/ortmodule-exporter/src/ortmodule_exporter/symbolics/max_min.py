@@ -40,6 +40,49 @@ def _tie_split_extreme(
     return g.op("Div", total, count)
 
 
+def _elementwise_extreme(g: Any, x: Value, other: Value, largest: bool) -> Value:
+    """``maximum``/``minimum`` (and binary ``max``/``min``) with eager's gradient.
+
+    The engine's gradient of ``Max``/``Min`` divides ``dY`` by how many inputs equal the
+    result and multiplies by each input's mask: where an input is NaN no input equals the
+    NaN result, so both got ``0 * (dY / 0)``. Eager gives the whole gradient to the selected
+    input, half to each of two tied ones, and (no order between them) the whole gradient to
+    both where one is NaN. Nested ``Where`` nodes give exactly that, since the gradient of
+    ``Where`` selects: the tie branch is ``(x + other) / 2`` and the unordered branch
+    ``x + other`` (NaN, like eager's result)."""
+    if _scalar_type(other) != _scalar_type(x) and _scalar_type(x) in _FLOAT_TYPES:
+        other = _cast(g, other, _float_type(x))
+    if _scalar_type(x) not in _FLOAT_TYPES:
+        return g.op("Max" if largest else "Min", x, other)
+    sizes = _sizes(x)
+    if sizes is None or None in sizes or sizes != _sizes(other):
+        # the engine's gradients of broadcasting Add/Where need the shapes of gradients that its
+        # Where gradient leaves untyped ("GetShape(input_grad) ... was false"): both operands
+        # take the result's shape first, and Expand's gradient sums the broadcast axes
+        shape = g.op("Shape", g.op("Add", x, other))
+        x, other = g.op("Expand", x, shape), g.op("Expand", other, shape)
+    wins, loses = ("Greater", "Less") if largest else ("Less", "Greater")
+    both = g.op("Add", x, other)
+    half = _const(g, 0.5, _TORCH_TYPE[_float_type(x)])
+    tied = g.op("Where", g.op("Equal", x, other), g.op("Mul", both, half), both)
+    picked = g.op("Where", g.op(wins, x, other), x, tied)
+    return g.op("Where", g.op(loses, x, other), other, picked)
+
+
+def _sizes(v: Value) -> list[int | None] | None:
+    try:
+        return v.type().varyingSizes()  # type: ignore[no-any-return]
+    except RuntimeError:
+        return None
+
+
+def _elementwise(largest: bool) -> Any:
+    def symbolic(g: Any, x: Value, other: Value) -> Value:
+        return _elementwise_extreme(g, x, other, largest)
+
+    return symbolic
+
+
 def _reduce_axes(g: Any, op: str, x: Value, dims: list[int] | None) -> list[int] | None:
     if not dims:
         return None
@@ -53,11 +96,8 @@ def _max_min(largest: bool) -> Any:
     def symbolic(g: Any, x: Value, dim_or_other: Value = None, keepdim: Value = None) -> Any:
         if dim_or_other is None and keepdim is None:
             return _tie_split_extreme(g, x, None, False, largest)
-        if keepdim is None:  # binary max(x, other): the default Max/Min has a gradient
-            other = dim_or_other
-            if _scalar_type(other) != _scalar_type(x) and _scalar_type(x) in _FLOAT_TYPES:
-                other = _cast(g, other, _float_type(x))
-            return g.op("Max" if largest else "Min", x, other)
+        if keepdim is None:  # binary max(x, other)
+            return _elementwise_extreme(g, x, dim_or_other, largest)
         # max(x, dim, keepdim) -> (values, indices): TopK has a gradient and, like eager,
         # returns the first of tied elements.
         dim = sh._get_const(dim_or_other, "i", "dim")
