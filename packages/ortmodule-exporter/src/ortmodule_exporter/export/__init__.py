@@ -25,6 +25,7 @@ from .exporter import (
     check_opset,
     copy_for_export,
     export,
+    fixed_shapes,
     forward_signature,
     module_path,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "copy_for_export",
     "describe_change",
     "export",
+    "fixed_shapes",
     "forward_signature",
     "module_path",
     "parameter_signature",

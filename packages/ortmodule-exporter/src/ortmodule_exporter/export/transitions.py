@@ -68,6 +68,7 @@ _TRACE_STATE_NAMES = (
     "deterministic algorithms",
     "grad mode",
     "inference mode",
+    "fixed shapes of inputs that require grad",
 )
 
 
