@@ -286,3 +286,30 @@ def test_size_turned_into_a_python_int_is_checked_before_the_run() -> None:
     assert wrapped._runner.exports == 2  # one per length, each found again
     _step(eager, wrapped, torch.randn(7, 3, 4))  # a new batch size keeps the graph
     assert wrapped._runner.exports == 2
+
+
+class LoopOverAnIntermediatesDim(torch.nn.Module):
+    """A loop over a dim of an intermediate whose size shape inference cannot name: its guard
+    is read after the run, and on a smaller size the run fails in a Gather first (fuzzer seed
+    40093)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p0 = torch.nn.Parameter(torch.tensor([0.3]))
+        self.p1 = torch.nn.Parameter(torch.tensor([-0.4]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.where(self.p0 > 0, self.p0, x[-2])
+        h = torch.zeros_like(t.select(1, 0))
+        steps = []
+        for i in range(t.shape[1]):
+            h = torch.tanh(h * self.p1 + t.select(1, i))
+            steps.append(h)
+        return torch.stack(steps, dim=1).sum()
+
+
+def test_a_run_that_fails_before_its_guards_exports_for_the_call() -> None:
+    eager, wrapped = _pair(LoopOverAnIntermediatesDim)
+    for size in (3, 4, 2):
+        torch.manual_seed(size)
+        _step(eager, wrapped, torch.randn(4, 6, size))

@@ -561,7 +561,26 @@ class GraphRunner:
         graph = self._graph(args, kwargs, flat, schema, training_graph, device, params)
         if graph.shape_guards:
             graph = self._shape_checked(graph, args, kwargs, flat, device)
-        outputs, kept = self._run(graph, flat, phases, training_graph)
+        try:
+            outputs, kept = self._run(graph, flat, phases, training_graph)
+        except RuntimeError as err:
+            if not graph.guards:
+                raise
+            # a value the graph checks after its run changed so that the run itself failed (a
+            # size taken from an intermediate, baked into a Gather): export for this call
+            failure = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            graph = self._graph_for_guards(
+                graph,
+                graph.guards[0][1],
+                None,
+                lambda other: False,
+                args,
+                kwargs,
+                flat,
+                device,
+                failure=f"the run failed before its guards were checked ({failure[:200]})",
+            )
+            outputs, kept = self._run(graph, flat, phases, training_graph)
         if graph.guards:
             graph, outputs, kept = self._guarded(
                 graph, outputs, kept, args, kwargs, flat, device, phases, training_graph
@@ -673,19 +692,21 @@ class GraphRunner:
         self,
         graph: CompiledGraph,
         guard: Guard,
-        now: torch.Tensor,
+        now: torch.Tensor | None,
         fits: Callable[[CompiledGraph], bool],
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         flat: list[torch.Tensor],
         device: torch.device,
+        failure: str | None = None,
     ) -> CompiledGraph:
         """The graph for the value ``guard`` of ``graph`` has now (``now``): one built earlier
         for the key that ``fits`` this call, else a new export, up to
-        :data:`GUARDED_GRAPHS_PER_KEY` per key."""
-        change = guard.describe(now)
+        :data:`GUARDED_GRAPHS_PER_KEY` per key. ``failure`` says why instead, when the run
+        failed before its guards could be read."""
+        change = failure or guard.describe(now)
         where = type(self.module).__qualname__
-        if not guard.discrete:
+        if failure is None and not guard.discrete:
             raise GuardError(
                 f"ORTModule: {where} turns a tensor into a Python number with {change}. The "
                 "exported graph keeps the number it saw, and a float that changed will keep "
