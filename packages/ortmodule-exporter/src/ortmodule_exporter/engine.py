@@ -59,6 +59,9 @@ class GraphConfig:
     #: where the built graph runs ("cpu", "cuda"): built-graph passes that time CPU kernels
     #: (passes/row_sums.py) act on CPU graphs only
     device_type: str = "cpu"
+    #: inputs that require grad with a dim of size 1 on this call (broadcast candidates): the
+    #: graph is then built without named dims (see ``build_graph``)
+    broadcast_grad_inputs: tuple[str, ...] = ()
     #: build in a forked child (Linux), so an engine crash is an EngineBuildError (forked.py)
     build_in_child: bool = True
 
@@ -304,7 +307,21 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
             builder.build(transformer)
         return builder
 
-    named = _named_dims(exported.model) if config.build_gradient else None
+    named = None
+    if config.build_gradient and config.broadcast_grad_inputs:
+        # symbolic shape inference takes a dynamic dim broadcast against another for equal to it
+        # (it cannot know the dim is 1 on this call), and the builder then drops the reduction
+        # of that input's gradient: x (2, 1) requiring grad, gelu(tanh(x)).expand(-1, 2), had
+        # x.grad wrong (found by the differential fuzzer). Such a graph is built as exported.
+        # (Exporting those dims as fixed 1 instead made the builder fail on Mul's gradient,
+        # whose operand shape it then needs and does not have.)
+        logger.info(
+            "building the graph as exported, without named dims: inputs that require grad "
+            "have a dim of size 1 (%s)",
+            ", ".join(config.broadcast_grad_inputs),
+        )
+    elif config.build_gradient:
+        named = _named_dims(exported.model)
 
     def build() -> _BuilderOutput:
         try:

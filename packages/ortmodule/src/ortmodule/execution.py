@@ -54,7 +54,7 @@ from ortmodule_exporter.engine import (
     TrainingSession,
     build_graph,
 )
-from ortmodule_exporter.export import bind_arguments, fixed_shapes, forward_signature
+from ortmodule_exporter.export import bind_arguments, forward_signature
 from ortmodule_exporter.export.shape_guards import ShapeGuard
 from ortmodule_pytree import FlattenMemo, unflatten
 
@@ -518,8 +518,7 @@ class GraphRunner:
         """
         state = tuple(sorted(self.module_state.items())) if self.module_state else ()
         training = self.module.training
-        # with the fixed shapes of inputs that require grad and have a dim of 1
-        traced = (*trace_state(), fixed_shapes(flat))
+        traced = trace_state()
         parts = (training, training_graph, device, params, state, traced)
         last = self._last
         if last is not None and last[0] is schema and last[1] == parts:
@@ -862,6 +861,9 @@ class GraphRunner:
             build_gradient=key.build_gradient,
             params_to_train=trainable,
             inputs_require_grad=input_grads,
+            broadcast_grad_inputs=tuple(
+                n for n in input_grads if n in index_of and 1 in flat[index_of[n]].shape
+            ),
             enable_compute_optimizer=cfg.enable_compute_optimizer,
             print_input_density=cfg.print_input_density,
             use_memory_efficient_gradient=cfg.use_memory_efficient_gradient,

@@ -25,7 +25,6 @@ from .exporter import (
     check_opset,
     copy_for_export,
     export,
-    fixed_shapes,
     forward_signature,
     module_path,
 )
@@ -59,7 +58,6 @@ __all__ = [
     "copy_for_export",
     "describe_change",
     "export",
-    "fixed_shapes",
     "forward_signature",
     "module_path",
     "parameter_signature",

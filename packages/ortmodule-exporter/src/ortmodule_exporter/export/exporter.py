@@ -257,28 +257,10 @@ def _failed_op(err: BaseException) -> str | None:
 def _dynamic_axes(
     names: Sequence[str], tensors: Sequence[torch.Tensor]
 ) -> dict[str, dict[int, str]]:
-    """Every dim of every input dynamic, but those of :func:`fixed_shapes`."""
     return {
-        name: {} if _fixed(t) else {i: f"{name}_dim{i}" for i in range(t.dim())}
+        name: {i: f"{name}_dim{i}" for i in range(t.dim())}
         for name, t in zip(names, tensors, strict=True)
     }
-
-
-def _fixed(t: torch.Tensor) -> bool:
-    return t.requires_grad and 1 in t.shape
-
-
-def fixed_shapes(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
-    """The shapes exported as fixed: those of inputs that require grad and have a dim of 1.
-
-    The engine's gradient builder takes a dynamic dim met in a broadcast for equal to the other
-    side, so the gradient of an input broadcast along a dim of size 1 came back unreduced or
-    wrong (``sigmoid(x).expand(2, -1)`` of a (1, 6) input: 2.6 times eager's gradient; a (1, 1)
-    input added to a 5-D tensor failed in a Reshape; found by the differential fuzzer). Such an
-    input's shape is fixed in the graph and part of the graph key (a new shape exports again),
-    as parameters' shapes are: the builder gets their gradients right.
-    """
-    return tuple(tuple(t.shape) for t in tensors if _fixed(t))
 
 
 def export(

@@ -68,7 +68,6 @@ _TRACE_STATE_NAMES = (
     "deterministic algorithms",
     "grad mode",
     "inference mode",
-    "fixed shapes of inputs that require grad",
 )
 
 
