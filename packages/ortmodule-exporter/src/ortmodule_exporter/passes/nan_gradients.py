@@ -94,9 +94,10 @@ def select_gradients(model: onnx.ModelProto) -> int:
                 continue
         if node.op_type == "ReluGrad" and node.domain == _MS and len(node.input) == 2:
             dy, y = node.input
-            to = value_types.get(y) or value_types.get(dy)
-            if to in FLOAT_TYPES:
-                assert to is not None
+            relu_type = value_types.get(y) or value_types.get(dy)
+            if relu_type in FLOAT_TYPES:
+                assert relu_type is not None
+                to = relu_type
                 not_positive = f"{node.output[0]}_nan_gradients_le0"
                 out.append(
                     helper.make_node(
