@@ -52,9 +52,12 @@ def _elementwise_extreme(g: Any, x: Value, other: Value, largest: bool) -> Value
     ``x + other`` (NaN, like eager's result)."""
     if _scalar_type(other) != _scalar_type(x) and _scalar_type(x) in _FLOAT_TYPES:
         other = _cast(g, other, _float_type(x))
-    if _scalar_type(x) not in _FLOAT_TYPES:
-        return g.op("Max" if largest else "Min", x, other)
     sizes = _sizes(x)
+    if _scalar_type(x) not in _FLOAT_TYPES or (not sizes and not _sizes(other)):
+        # integers; and two 0-d operands: torch.masked.normalize's maximum(norm,
+        # new_full([], eps)) of a 0-d input got the output shape (1,) through the Where path
+        # below (OpInfo)
+        return g.op("Max" if largest else "Min", x, other)
     if sizes is None or None in sizes or sizes != _sizes(other):
         # the engine's gradients of broadcasting Add/Where need the shapes of gradients that its
         # Where gradient leaves untyped ("GetShape(input_grad) ... was false"): both operands
