@@ -375,6 +375,9 @@ def _export(
     was_training = target.training
     if was_training != training:
         target.train(training)
+    # torch.onnx reads the mode of the module it is given: the wrapper's own flag only (train()
+    # would set every submodule)
+    flat.training = training
     try:
         with (
             _preserved_state(target),
