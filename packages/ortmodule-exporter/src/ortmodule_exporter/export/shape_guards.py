@@ -260,7 +260,7 @@ def split_shape_guards(
     kept: list[tuple[str, Guard]] = []
     from_shapes: list[ShapeGuard] = []
     for out, guard in guards:
-        found = _shape_program(out, producer, graph_inputs, dims_of)
+        found = _shape_program(out, producer, dims_of)
         if found is None:
             kept.append((out, guard))
             continue
@@ -287,7 +287,6 @@ def split_shape_guards(
 def _shape_program(
     out: str,
     producer: Mapping[str, onnx.NodeProto],
-    graph_inputs: Mapping[str, onnx.ValueInfoProto],
     dims_of: Callable[[str], tuple[int | Dim | None, ...] | None],
 ) -> tuple[set[int], dict[str, tuple[int | Dim | None, ...]]] | None:
     """The nodes computing ``out`` and the dims of each value a ``Shape``/``Size`` reads, or
