@@ -629,7 +629,7 @@ class GraphRunner:
         A run whose guard failed is dropped before anything reaches the user: its outputs, its
         autograd node, and the buffers the engine wrote in place (put back from a copy).
         """
-        saved = [getattr(u.owner, u.attr).clone() for u in graph.buffer_updates]
+        saved = _buffer_copies(graph)
         for _ in range(GUARDED_GRAPHS_PER_KEY + 1):
             failed = graph.failed_guard(outputs)
             if failed is None:
@@ -652,7 +652,7 @@ class GraphRunner:
                 flat,
                 device,
             )
-            saved = [getattr(u.owner, u.attr).clone() for u in graph.buffer_updates]
+            saved = _buffer_copies(graph)
             outputs, kept = self._run(graph, flat, phases, training_graph)
         raise GuardError(  # pragma: no cover - each pass above builds or finds a new graph
             f"ORTModule: no graph of {type(self.module).__qualname__} holds for this input"
@@ -961,6 +961,12 @@ class GraphRunner:
             grad_index=grad_index,
             without_grad=built.non_differentiable_outputs | exported.outputs_without_grad,
         )
+
+
+def _buffer_copies(graph: CompiledGraph) -> list[torch.Tensor]:
+    """Copies of the buffers ``graph``'s run updates (the engine writes some in place), so a
+    run dropped for a failed guard can put them back."""
+    return [getattr(u.owner, u.attr).clone() for u in graph.buffer_updates]
 
 
 #: engine kernels whose output may share its input's buffer: views, and CPU kernels that may
