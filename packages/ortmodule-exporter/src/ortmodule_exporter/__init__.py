@@ -8,7 +8,7 @@
 """
 
 from . import passes  # noqa: F401 - registers the built-in post-export passes
-from .aten import empty_tensors, gradient_gaps, uneven_split
+from .aten import empty_tensors, gradient_gaps, low_precision, uneven_split
 from .errors import (
     EngineBuildError,
     ExportError,
@@ -44,6 +44,7 @@ register_builtin_symbolics()
 register_mask_symbolics()
 empty_tensors.install()
 gradient_gaps.install()
+low_precision.install()
 uneven_split.install()
 
 __version__ = "0.1.0"

@@ -17,6 +17,8 @@
 ``empty_tensors``     operators on zero-element tensors run in PyTorch (an untrainable check)
 ``gradient_gaps``     ONNX nodes whose engine gradient fails for some inputs (an untrainable check)
 ``uneven_split``      ``split`` with an uneven last chunk (an untrainable check)
+``low_precision``     bfloat16/float16 operators the CPU engine has no kernel for (an untrainable
+                      check)
 ====================  ===========================================================================
 
 The post-export passes over ATen nodes are in :mod:`ortmodule_exporter.passes.aten_nodes` and

@@ -54,6 +54,7 @@ import math
 import statistics
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -315,7 +316,10 @@ def _label_density(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) ->
     if not isinstance(target, torch.Tensor) or target.is_floating_point():
         return None  # class probabilities, not indices
     ignore_index = bound.arguments.get("ignore_index", -100)
-    return label_density(target.detach().cpu().numpy(), ignore_index)
+    with warnings.catch_warnings():
+        # read during the trace: the tracer's warning would name this line to the user
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return label_density(target.detach().cpu().numpy(), ignore_index)
 
 
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)

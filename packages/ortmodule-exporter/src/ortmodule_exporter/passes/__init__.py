@@ -27,6 +27,8 @@
                         one on PyTorch (the engine's CPU kernel clears memory past ``dX``) (58)
 ``row_sums``            built-graph pass: bias gradients on PyTorch's ``sum`` where the kernel
                         choice measured it faster (60)
+``low_precision_sums``  built-graph pass: the engine's own bfloat16/float16 gradient sums on CPU
+                        computed in float32 and rounded once, as PyTorch's kernels do (70)
 ======================  =========================================================================
 
 Importing this package registers the built-in post-export and built-graph passes.
@@ -42,6 +44,7 @@ from . import (  # noqa: F401 - register
     engine_forwards,
     engine_graph_fixes,
     grouped_conv_grad,
+    low_precision_sums,
     nan_gradients,
     output_ranks,
     python_op,
