@@ -16,10 +16,12 @@ always the reference (eager): tolerances are relative to it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,6 +32,7 @@ from ortmodule_testing.zoo.registry import ZooCase
 
 __all__ = [
     "TrainRecord",
+    "assert_same_mixed_precision_training",
     "assert_same_training",
     "assert_tree_close",
     "clone_model",
@@ -76,13 +79,17 @@ def train_steps(
     steps: int,
     make_optimizer: OptimizerFactory = _adamw,
     grad_accum: int = 1,
+    forward_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> TrainRecord:
     """Train ``model`` in train mode for ``steps`` optimizer steps on ``case``'s batches.
 
     Optimizer step ``s`` runs ``grad_accum`` forward/backward passes on batches
     ``s * grad_accum + i``, each with ``loss / grad_accum``. ``model`` is trained in place.
+    Each forward and loss runs inside ``forward_context()`` (backward outside it, as with
+    ``torch.autocast``).
 
         record = train_steps(clone_model(model), ZOO["mlp"], steps=3, grad_accum=2)
+        record = train_steps(model, case, 3, forward_context=lambda: torch.autocast("cpu"))
     """
     if steps < 1:
         raise ValueError(f"train_steps needs steps >= 1, got {steps}")
@@ -97,7 +104,8 @@ def train_steps(
         step_loss = 0.0
         for micro in range(grad_accum):
             args, kwargs = case.make_batch(step * grad_accum + micro)
-            loss = case.loss_fn(model(*args, **kwargs), args, kwargs) / grad_accum
+            with forward_context():
+                loss = case.loss_fn(model(*args, **kwargs), args, kwargs) / grad_accum
             loss.backward()  # type: ignore[no-untyped-call]
             step_loss += float(loss.detach())
         losses.append(step_loss)
@@ -188,6 +196,60 @@ def assert_same_training(
         raise AssertionError(
             _report(f"training differs from eager (rtol={rtol}, atol={atol})", problems)
         )
+
+
+#: Mixed-precision parity (docs/mixed_precision.md). Each gradient within GRAD_RTOL of its
+#: tensor's largest element: 8 units in the last place of a bfloat16 number (2**-8 apart), room
+#: for a few roundings that land differently where the engine sums in another order; eager alone
+#: moves LayerNorm weight gradients by 1.1 % of their largest element between 1 and 2 threads
+#: (PyTorch's bfloat16 LayerNorm backward, measured 2026-11-26). A gradient that is analytically
+#: zero (an attention key bias: softmax ignores a per-query shift) holds rounding noise only, so
+#: a tensor's scale is at least GRAD_FLOOR of the model's largest gradient.
+GRAD_RTOL = 2**-5
+GRAD_FLOOR = 1e-3
+LOSS_RTOL = 1e-3
+
+
+def assert_same_mixed_precision_training(
+    eager: TrainRecord, other: TrainRecord, param_atol: float
+) -> None:
+    """Like :func:`assert_same_training`, at the tolerances of bfloat16/float16 training:
+    losses within :data:`LOSS_RTOL`, first-step gradients as :data:`GRAD_RTOL` says, final
+    parameters within ``param_atol`` (an Adam step moves an element by about its learning rate
+    whatever its gradient's size, so noise-level gradients of opposite sign part by up to
+    2 * lr a step: pass ``2 * steps * lr``). Gradients keep eager's dtype."""
+    problems: list[str] = []
+    for step, (got, want) in enumerate(zip(other.losses, eager.losses, strict=True)):
+        if not _scalars_close(got, want, LOSS_RTOL, 0.0):
+            problems.append(f"loss at step {step}: {got!r} vs eager {want!r}")
+    problems += _key_problems("gradients", other.first_step_grads, eager.first_step_grads)
+    scale = max(
+        (float(g.detach().float().abs().max()) for g in eager.first_step_grads.values()
+         if g is not None and g.numel()),
+        default=0.0,
+    )  # fmt: skip
+    for name, want in eager.first_step_grads.items():
+        got = other.first_step_grads.get(name)
+        if want is None or got is None:
+            if (want is None) != (got is None):
+                problems.append(f"grad of {name!r}: None in one run only")
+            continue
+        if got.dtype != want.dtype:
+            problems.append(f"grad of {name!r}: dtype {got.dtype} vs eager {want.dtype}")
+            continue
+        bound = GRAD_RTOL * max(float(want.float().abs().max()), GRAD_FLOOR * scale)
+        err = float((got.float() - want.float()).abs().max())
+        if not err <= bound:
+            problems.append(f"grad of {name!r} after step 1: max abs err {err:.3g} > {bound:.3g}")
+    for name, want in eager.final_state.items():
+        got = other.final_state.get(name)
+        if got is None or not want.is_floating_point():
+            continue
+        err = float((got.float() - want.float()).abs().max())
+        if not err <= param_atol:
+            problems.append(f"final {name!r}: max abs err {err:.3g} > {param_atol:.3g}")
+    if problems:
+        raise AssertionError(_report("mixed-precision training differs from eager", problems))
 
 
 def assert_tree_close(

@@ -241,6 +241,12 @@ def call_aten(
     op_name: str, overload_name: str, inputs: Sequence[torch.Tensor | None]
 ) -> list[torch.Tensor | None]:
     """Run ``aten::op_name.overload_name`` on the node's inputs (tensors or None)."""
+    if overload_name.endswith("_hacked_twin") and any(
+        isinstance(v, list) and any(t is None for t in v) for v in inputs
+    ):
+        # the tracer records index's Tensor[] twin; a list with a None (x[..., i]) needs the
+        # Tensor?[] overload it stands for
+        overload_name = overload_name.removesuffix("_hacked_twin")
     op = aten_operator(op_name, overload_name, len(inputs))
     if len(inputs) != len(op.args):
         raise UnsupportedAtenOperatorError(

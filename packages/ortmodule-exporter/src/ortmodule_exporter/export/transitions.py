@@ -2,7 +2,9 @@
 
 Every forward computes a :class:`GraphKey`. Each mode (training with gradients, training mode
 without gradients, eval) keeps the graph it built last and the key it was built for: the same
-key reuses it, a new key builds again and logs why at INFO.
+key reuses it, a new key builds again and logs why at INFO. A graph replaced because the trace
+state changed (autocast entered for training, left for evaluation) is kept, and taken back
+when that state returns.
 
 Example::
 
@@ -152,11 +154,19 @@ def _describe_params(old: tuple[ParamSig, ...], new: tuple[ParamSig, ...]) -> st
     return "parameter order changed"
 
 
+#: graphs kept per mode for other trace states (autocast on for training, off for evaluation):
+#: going back to one switches to it instead of exporting again
+KEPT_STATES_PER_MODE = 2
+
+
 class GraphTransitionManager(Generic[T]):
-    """Keeps one built graph per mode and rebuilds exactly when its key changes."""
+    """Keeps one built graph per mode and rebuilds exactly when its key changes; a graph left
+    for another trace state only (autocast entered or left) is kept, up to
+    :data:`KEPT_STATES_PER_MODE` a mode, and taken back when that state returns."""
 
     def __init__(self) -> None:
         self._slots: dict[tuple[bool, bool], tuple[GraphKey, T]] = {}
+        self._kept: dict[tuple[bool, bool], list[tuple[GraphKey, T]]] = {}
         self._lock = threading.Lock()
         #: how many times a graph was built (each build starts with an export or a cache hit)
         self.builds = 0
@@ -169,6 +179,17 @@ class GraphTransitionManager(Generic[T]):
             current = self._slots.get(slot)
             if current is not None and current[0] == key:
                 return current[1]
+            kept = self._kept.setdefault(slot, [])
+            for i, (old_key, old_value) in enumerate(kept):
+                if old_key == key:
+                    del kept[i]
+                    self._keep(slot, current, key)
+                    self._slots[slot] = (key, old_value)
+                    logger.info(
+                        "graph switched (%s): %s", key.mode, describe_change(current[0], key)
+                    )
+                    return old_value
+            self._keep(slot, current, key)
             reason = describe_change(current[0] if current else None, key)
             verb = "export" if current is None else "re-export"
             logger.info("%s (%s): %s", verb, key.mode, reason)
@@ -177,6 +198,16 @@ class GraphTransitionManager(Generic[T]):
             self.builds += 1
             self.history.append(reason)
             return value
+
+    def _keep(
+        self, slot: tuple[bool, bool], current: tuple[GraphKey, T] | None, key: GraphKey
+    ) -> None:
+        """Keep the graph ``current`` that ``key`` replaces when they differ in trace state only."""
+        if current is None or dataclasses.replace(current[0], state=key.state) != key:
+            return
+        kept = self._kept.setdefault(slot, [])
+        kept.insert(0, current)
+        del kept[KEPT_STATES_PER_MODE:]
 
     def switch(self, key: GraphKey, value: T, reason: str) -> None:
         """Make ``value``, built earlier for ``key``, the current graph of its mode again (a
@@ -192,3 +223,4 @@ class GraphTransitionManager(Generic[T]):
     def clear(self) -> None:
         with self._lock:
             self._slots.clear()
+            self._kept.clear()

@@ -213,6 +213,13 @@ def _as_python_op(
         if name in sequences:
             groups.append(f"{position - 1}:{len(members)}")
         for member in members:
+            if not member:
+                # a None in an optional-tensor list (``x[..., idx]``: index's Tensor?[])
+                convention += "c"
+                pointers.append(REGISTRY.keep(None))
+                positions.append(position)
+                position += 1
+                continue
             convention += "d"
             elem = types.get(member, onnx.TensorProto.FLOAT)
             if elem == onnx.TensorProto.BOOL:

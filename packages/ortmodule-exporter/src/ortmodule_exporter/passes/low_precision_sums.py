@@ -70,7 +70,9 @@ def compute_in_float32(model: onnx.ModelProto) -> int:
             _propagate(node, known)
             continue
         carried = range(len(node.input)) if slots is None else slots
-        dtypes = {known.get(node.input[i]) for i in carried if i < len(node.input) and node.input[i]}
+        dtypes = {
+            known.get(node.input[i]) for i in carried if i < len(node.input) and node.input[i]
+        }
         low = [d for d in dtypes if _low(d)]
         if len(low) != 1 or node.op_type in CPU_KERNELS[_ONNX_NAMES[low[0]]]:
             nodes.append(node)
@@ -110,7 +112,11 @@ def _in_float32(node: onnx.NodeProto, carried: Any, dtype: int) -> list[onnx.Nod
             wide = f"{tag}/in{i}_float32"
             casts.append(
                 onnx.helper.make_node(
-                    "Cast", [node.input[i]], [wide], name=f"{tag}/cast_in{i}", to=onnx.TensorProto.FLOAT
+                    "Cast",
+                    [node.input[i]],
+                    [wide],
+                    name=f"{tag}/cast_in{i}",
+                    to=onnx.TensorProto.FLOAT,
                 )
             )
             inner.input[i] = wide
@@ -119,7 +125,9 @@ def _in_float32(node: onnx.NodeProto, carried: Any, dtype: int) -> list[onnx.Nod
         if out:
             wide = f"{tag}/out{k}_float32"
             inner.output[k] = wide
-            backs.append(onnx.helper.make_node("Cast", [wide], [out], name=f"{tag}/cast_out{k}", to=dtype))
+            backs.append(
+                onnx.helper.make_node("Cast", [wide], [out], name=f"{tag}/cast_out{k}", to=dtype)
+            )
     return [*casts, inner, *backs]
 
 
