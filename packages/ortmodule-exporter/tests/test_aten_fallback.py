@@ -103,6 +103,36 @@ def test_operators_without_symbolic_train_through_aten() -> None:
     torch.testing.assert_close(out, head(x).detach(), rtol=1e-4, atol=1e-5)
 
 
+class GroupedExperts(torch.nn.Module):
+    """Mixture-of-experts' grouped matmul as transformers' default experts call it: rows sorted
+    by expert, ``offs`` the running row count per expert (data-dependent, int32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(1)
+        self.weight = torch.nn.Parameter(torch.randn(3, 8, 8, generator=gen))
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        sorted_expert, order = torch.sort(expert)
+        counts = torch.histc(sorted_expert.float(), bins=3, min=0, max=2)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        return F.grouped_mm(x[order], self.weight, offs=offs).tanh()
+
+
+def test_grouped_mm_trains_through_a_python_op() -> None:
+    # the meta kernel of _grouped_mm takes bfloat16 only, so the outputs of its ATen node were
+    # left untyped and it reached the engine as a plain ATen node without gradient; the types
+    # the trace recorded (routes.TRACED_TYPES) make it an AtenOp PythonOp
+    expert = torch.tensor([2, 0, 1, 0, 2, 2, 0])
+    run = assert_engine_matches_eager(GroupedExperts(), (_x(7, 8), expert))
+    assert "_grouped_mm" in _aten_ops(run.built.exported.model)
+    assert not any(
+        a.name == aten_routes.TRACED_TYPES
+        for n in run.built.exported.model.graph.node
+        for a in n.attribute
+    )
+
+
 def test_symbolic_that_gives_up_becomes_an_aten_node() -> None:
     # a non-zero threshold has no ONNX form; the exporter leaves org.pytorch.aten::threshold
     run = assert_engine_matches_eager(Head(lambda h: F.threshold(h, 0.1, 0.5)), (_x(5, 4),))
