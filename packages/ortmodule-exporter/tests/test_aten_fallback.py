@@ -30,6 +30,7 @@ from ortmodule_exporter.engine import (
     TrainingSession,
     build_graph,
 )
+from ortmodule_exporter.errors import EngineBuildError
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +117,8 @@ class GroupedExperts(torch.nn.Module):
         sorted_expert, order = torch.sort(expert)
         counts = torch.histc(sorted_expert.float(), bins=3, min=0, max=2)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        return F.grouped_mm(x[order], self.weight, offs=offs).tanh()
+        gate, up = F.grouped_mm(x[order], self.weight, offs=offs).chunk(2, dim=-1)
+        return gate.tanh() * up
 
 
 def test_grouped_mm_trains_through_a_python_op() -> None:
@@ -131,6 +133,63 @@ def test_grouped_mm_trains_through_a_python_op() -> None:
         for n in run.built.exported.model.graph.node
         for a in n.attribute
     )
+
+
+class Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = GroupedExperts()
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, expert)
+
+
+def test_an_aten_node_without_gradient_is_named_in_the_build_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # without the traced types, _grouped_mm's node stays an untyped ATen node the engine can
+    # neither type nor differentiate (in Mixtral: "gradient builder has not been registered:
+    # ATen"): the error names the PyTorch operator, its overload and the module
+    monkeypatch.setattr(aten_routes, "_record_traced_types", lambda *args: None)
+    with pytest.raises(EngineBuildError) as info:
+        run_engine(Experts(), (_x(7, 8), torch.tensor([2, 0, 1, 0, 2, 2, 0])))
+    message = str(info.value)
+    assert " at operator ATen (aten::_grouped_mm.default) in experts:" in message
+    assert "register_aten_gradient" in message
+
+
+def test_engine_errors_name_the_operator_an_aten_node_runs() -> None:
+    from ortmodule_exporter.engine import _pytorch_operator
+    from ortmodule_exporter.onnx_graph import node_location
+
+    def aten(name: str, operator: str, n_inputs: int) -> onnx.NodeProto:
+        return onnx.helper.make_node(
+            "ATen",
+            [f"{name}_{i}" for i in range(n_inputs)],
+            [f"{name}_out"],
+            name=name,
+            domain="org.pytorch.aten",
+            operator=operator,
+            overload_name="",
+        )
+
+    graph = onnx.helper.make_graph(
+        [
+            aten("/_ortmodule_wrapped/model/mlp/ATen_3", "index_fill", 4),
+            aten("/_ortmodule_wrapped/head/ATen", "histc", 4),
+        ],
+        "g",
+        [],
+        [],
+    )
+    message = "The gradient builder has not been registered: ATen for node "
+    mlp, head = (f"{message}/_ortmodule_wrapped/{p}" for p in ("model/mlp/ATen_3", "head/ATen"))
+    assert node_location(mlp) == " at operator ATen in model.mlp"
+    # an empty overload is named as the executor resolves it, by argument count
+    where = node_location(mlp, graph, _pytorch_operator)
+    assert where == " at operator ATen (aten::index_fill.int_Scalar) in model.mlp"
+    where = node_location(head, graph, _pytorch_operator)
+    assert where == " at operator ATen (aten::histc.default) in head"
 
 
 def test_symbolic_that_gives_up_becomes_an_aten_node() -> None:
