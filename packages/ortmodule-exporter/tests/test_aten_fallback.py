@@ -30,6 +30,7 @@ from ortmodule_exporter.engine import (
     TrainingSession,
     build_graph,
 )
+from ortmodule_exporter.errors import EngineBuildError
 
 
 @pytest.fixture(autouse=True)
@@ -101,6 +102,94 @@ def test_operators_without_symbolic_train_through_aten() -> None:
     x = _x(5, 4).detach()
     (out,) = session.forward([x if n == "input.x" else params[n] for n in session.built.feed_names])
     torch.testing.assert_close(out, head(x).detach(), rtol=1e-4, atol=1e-5)
+
+
+class GroupedExperts(torch.nn.Module):
+    """Mixture-of-experts' grouped matmul as transformers' default experts call it: rows sorted
+    by expert, ``offs`` the running row count per expert (data-dependent, int32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(1)
+        self.weight = torch.nn.Parameter(torch.randn(3, 8, 8, generator=gen))
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        sorted_expert, order = torch.sort(expert)
+        counts = torch.histc(sorted_expert.float(), bins=3, min=0, max=2)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate, up = F.grouped_mm(x[order], self.weight, offs=offs).chunk(2, dim=-1)
+        return gate.tanh() * up
+
+
+def test_grouped_mm_trains_through_a_python_op() -> None:
+    # the meta kernel of _grouped_mm takes bfloat16 only, so the outputs of its ATen node were
+    # left untyped and it reached the engine as a plain ATen node without gradient; the types
+    # the trace recorded (routes.TRACED_TYPES) make it an AtenOp PythonOp
+    expert = torch.tensor([2, 0, 1, 0, 2, 2, 0])
+    run = assert_engine_matches_eager(GroupedExperts(), (_x(7, 8), expert))
+    assert "_grouped_mm" in _aten_ops(run.built.exported.model)
+    assert not any(
+        a.name == aten_routes.TRACED_TYPES
+        for n in run.built.exported.model.graph.node
+        for a in n.attribute
+    )
+
+
+class Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = GroupedExperts()
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, expert)
+
+
+def test_an_aten_node_without_gradient_is_named_in_the_build_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # without the traced types, _grouped_mm's node stays an untyped ATen node the engine can
+    # neither type nor differentiate (in Mixtral: "gradient builder has not been registered:
+    # ATen"): the error names the PyTorch operator, its overload and the module
+    monkeypatch.setattr(aten_routes, "_record_traced_types", lambda *args: None)
+    with pytest.raises(EngineBuildError) as info:
+        run_engine(Experts(), (_x(7, 8), torch.tensor([2, 0, 1, 0, 2, 2, 0])))
+    message = str(info.value)
+    assert " at operator ATen (aten::_grouped_mm.default) in experts:" in message
+    assert "register_aten_gradient" in message
+
+
+def test_engine_errors_name_the_operator_an_aten_node_runs() -> None:
+    from ortmodule_exporter.engine import _pytorch_operator
+    from ortmodule_exporter.onnx_graph import node_location
+
+    def aten(name: str, operator: str, n_inputs: int) -> onnx.NodeProto:
+        return onnx.helper.make_node(
+            "ATen",
+            [f"{name}_{i}" for i in range(n_inputs)],
+            [f"{name}_out"],
+            name=name,
+            domain="org.pytorch.aten",
+            operator=operator,
+            overload_name="",
+        )
+
+    graph = onnx.helper.make_graph(
+        [
+            aten("/_ortmodule_wrapped/model/mlp/ATen_3", "index_fill", 4),
+            aten("/_ortmodule_wrapped/head/ATen", "histc", 4),
+        ],
+        "g",
+        [],
+        [],
+    )
+    message = "The gradient builder has not been registered: ATen for node "
+    mlp, head = (f"{message}/_ortmodule_wrapped/{p}" for p in ("model/mlp/ATen_3", "head/ATen"))
+    assert node_location(mlp) == " at operator ATen in model.mlp"
+    # an empty overload is named as the executor resolves it, by argument count
+    where = node_location(mlp, graph, _pytorch_operator)
+    assert where == " at operator ATen (aten::index_fill.int_Scalar) in model.mlp"
+    where = node_location(head, graph, _pytorch_operator)
+    assert where == " at operator ATen (aten::histc.default) in head"
 
 
 def test_symbolic_that_gives_up_becomes_an_aten_node() -> None:

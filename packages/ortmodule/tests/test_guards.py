@@ -313,3 +313,39 @@ def test_a_run_that_fails_before_its_guards_exports_for_the_call() -> None:
     for size in (3, 4, 2):
         torch.manual_seed(size)
         _step(eager, wrapped, torch.randn(4, 6, size))
+
+
+class ExpertLoop(torch.nn.Module):
+    """Mixtral's eager experts in small: a loop over the experts a batch hit (``nonzero``, a
+    count of data that the trace bakes into a Split) with a branch on each expert (a guard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expert = x[:, 0].detach().long().clamp(0, 2)
+        hit = (torch.nn.functional.one_hot(expert, 3).sum(0) > 0).nonzero()
+        out = torch.zeros_like(x[:, 0])
+        for e in hit:
+            e = e[0]
+            if e == 2:
+                continue
+            rows = torch.where(expert == e)[0]
+            out = out.index_add(0, rows, (x[rows] * self.w[e]).sum(1))
+        return out.square().sum()
+
+
+def test_a_run_that_fails_on_a_baked_count_takes_the_graph_built_for_that_count() -> None:
+    eager, wrapped = _pair(ExpertLoop)
+
+    def routed(*experts: int) -> torch.Tensor:
+        x = torch.randn(len(experts), 4)
+        x[:, 0] = torch.tensor(experts, dtype=torch.float)
+        return x
+
+    for experts in ((0, 1, 1), (2, 0, 1, 0), (1, 0, 0), (0, 2, 1)):
+        _step(eager, wrapped, routed(*experts))
+    # one graph per count of experts hit: the third and fourth calls failed in the other
+    # graph's Split and ran on the one built for their count (once, each was exported again)
+    assert wrapped._runner.exports == 2

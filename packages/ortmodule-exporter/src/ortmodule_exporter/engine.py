@@ -21,7 +21,7 @@ from torch.utils.dlpack import to_dlpack
 
 from . import onnx_graph
 from .aten.attention_layout import FLASH, FLASH_BSHD
-from .aten.executor import ATEN_DOMAIN
+from .aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError, aten_operator
 from .aten.kernel_choice import CROSS_ENTROPY, GELU, LAYER_NORM
 from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
 from .aten.token_rows import PUT_ROWS, TAKE_ROWS
@@ -263,6 +263,29 @@ def _build_named(
     return None
 
 
+#: the engine's build errors on an ATen node it can neither differentiate nor type
+_UNTYPED_ATEN_MESSAGES = ("gradient builder has not been registered: ATen", "type inference failed")
+
+
+def _pytorch_operator(node: onnx.NodeProto) -> str:
+    """`` (aten::_grouped_mm.default)``: the PyTorch operator an ATen node, or a PythonOp
+    running one, calls ("" for other nodes). An ATen node's empty overload is resolved as the
+    executor resolves it (by argument count)."""
+    attrs = {a.name: a for a in node.attribute}
+    if node.domain == ATEN_DOMAIN and "operator" in attrs:
+        operator = attrs["operator"].s.decode()
+        overload = attrs["overload_name"].s.decode() if "overload_name" in attrs else ""
+        if operator.startswith("_ortmodule"):  # one of ours (aten.executor.register_aten_function)
+            return f" ({operator}{'.' + overload if overload else ''})"
+        try:
+            overload = aten_operator(operator, overload, len(node.input)).overload
+        except UnsupportedAtenOperatorError:
+            pass
+        return f" (aten::{operator}.{overload or 'default'})"
+    comment = attrs["comment"].s.decode() if "comment" in attrs else ""
+    return f" ({comment})" if node.op_type == "PythonOp" and comment.startswith("aten::") else ""
+
+
 def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     """Run ``OrtModuleGraphBuilder`` on an exported model.
 
@@ -359,8 +382,18 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
             "DebugOptions(save_onnx=True) saves its exported graph"
         ) from crash
     except Exception as err:
+        where = onnx_graph.node_location(str(err), exported.model.graph, _pytorch_operator)
+        hint = ""
+        if "(aten::" in where and any(m in str(err) for m in _UNTYPED_ATEN_MESSAGES):
+            hint = (
+                "\nThe engine has neither a gradient nor output types for that PyTorch operator; "
+                "the ATen pass makes such a node a PythonOp when it knows its output types "
+                "(recorded at export, else found by running the operator on the meta device). "
+                "Give it a gradient with ortmodule_exporter.aten.gradients.register_aten_gradient, "
+                "or report the model (DebugOptions(save_onnx=True) saves the exported graph)."
+            )
         raise EngineBuildError(
-            f"the engine could not build the {what} graph{onnx_graph.node_location(str(err))}: {err}"
+            f"the engine could not build the {what} graph{where}: {err}{hint}"
         ) from err
     # under the export's settings: a pass may make a kernel choice (passes/row_sums.py)
     with exported.config.applied():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -138,18 +139,30 @@ def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[froz
 
 # an exported node's name is its module scope then the operator: /_ortmodule_wrapped/model/
 # layers.0/self_attn/CumSum_3 (the prefix is the exporter's wrapper attribute)
-_NODE_NAME = re.compile(r"/_ortmodule_wrapped/((?:[^/\s()']+/)*)([A-Za-z]+)(?:_\d+)?[)'\s:]")
+_NODE_NAME = re.compile(
+    r"(/_ortmodule_wrapped/((?:[^/\s()']+/)*)([A-Za-z]+)(?:_\d+)?)(?=[)'\s:]|$)"
+)
 _NAMED_NODE = re.compile(r"[Nn]ode \(?'?" + _NODE_NAME.pattern)
 
 
-def node_location(message: str) -> str:
+def node_location(
+    message: str,
+    graph: onnx.GraphProto | None = None,
+    describe: Callable[[onnx.NodeProto], str] | None = None,
+) -> str:
     """`` at operator CumSum in model.layers.0.self_attn`` for the first exported node named in
-    an engine error message, or ``""`` when it names none."""
+    an engine error message, or ``""`` when it names none. ``describe(node)``, given the
+    ``graph`` the message is about, adds to the operator's name (the engine's ATen nodes name
+    the PyTorch operator they run: `` at operator ATen (aten::_grouped_mm.default) in ...``)."""
     m = _NAMED_NODE.search(message) or _NODE_NAME.search(message)
     if m is None:
         return ""
-    path = m.group(1).strip("/").replace("/", ".")
-    return f" at operator {m.group(2)} in {path or 'the module itself'}"
+    path = m.group(2).strip("/").replace("/", ".")
+    node = None
+    if graph is not None and describe is not None:
+        node = next((n for n in graph.node if n.name == m.group(1)), None)
+    detail = describe(node) if node is not None and describe is not None else ""
+    return f" at operator {m.group(3)}{detail} in {path or 'the module itself'}"
 
 
 def value_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, list[int | None] | None]]:

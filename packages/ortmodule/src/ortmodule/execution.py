@@ -566,20 +566,27 @@ class GraphRunner:
             if not graph.guards:
                 raise
             # a value the graph checks after its run changed so that the run itself failed (a
-            # size taken from an intermediate, baked into a Gather): export for this call
-            failure = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            graph = self._graph_for_guards(
-                graph,
-                graph.guards[0][1],
-                None,
-                lambda other: False,
-                args,
-                kwargs,
-                flat,
-                device,
-                failure=f"the run failed before its guards were checked ({failure[:200]})",
-            )
-            outputs, kept = self._run(graph, flat, phases, training_graph)
+            # size taken from an intermediate, baked into a Gather or a Split): a graph built
+            # earlier for other values may run this call (its guards are checked below), else
+            # export for this call
+            ran = self._run_another(graph, flat, phases, training_graph)
+            if ran is not None:
+                graph, outputs, kept = ran
+            else:
+                failure = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                graph = self._graph_for_guards(
+                    graph,
+                    graph.guards[0][1],
+                    None,
+                    lambda other: False,
+                    args,
+                    kwargs,
+                    flat,
+                    device,
+                    failure="the run failed before its guards were checked "
+                    f"({failure[:200] or type(err).__name__})",
+                )
+                outputs, kept = self._run(graph, flat, phases, training_graph)
         if graph.guards:
             graph, outputs, kept = self._guarded(
                 graph, outputs, kept, args, kwargs, flat, device, phases, training_graph
@@ -610,6 +617,37 @@ class GraphRunner:
             return _engine_apply(graph, phases, feeds), kept
         assert isinstance(graph.session, InferenceSession)
         return graph.session.forward(feeds), kept
+
+    def _run_another(
+        self,
+        failed: CompiledGraph,
+        flat: Sequence[torch.Tensor],
+        phases: StepPhases,
+        training_graph: bool,
+    ) -> tuple[CompiledGraph, Any, list[torch.Tensor]] | None:
+        """Run this call on the first other graph of ``failed``'s key (built for other guard
+        values, fitting these shapes) whose run does not fail: the graph, its outputs and kept
+        values, or None when there is none. Without this, a run that fails on a size baked
+        from data (a mixture-of-experts loop over the experts a batch hit) exported again each
+        time, even for a routing an earlier graph was built for, until the limit of graphs."""
+        family = self._families.get((failed.key.training, failed.key.build_gradient))
+        if family is None or family[0] != failed.key.without_guards():
+            return None
+        for other in family[1]:
+            if other is failed or not other.fits_shapes(flat):
+                continue
+            saved = _buffer_copies(other)
+            try:
+                outputs, kept = self._run(other, flat, phases, training_graph)
+            except RuntimeError:
+                with torch.no_grad():
+                    for u, value in zip(other.buffer_updates, saved, strict=True):
+                        getattr(u.owner, u.attr).copy_(value)
+                continue
+            self.transitions.switch(other.key, other, "the run of another graph failed")
+            self._last = None
+            return other, outputs, kept
+        return None
 
     def _guarded(
         self,

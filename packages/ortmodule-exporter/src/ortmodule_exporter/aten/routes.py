@@ -45,6 +45,7 @@ from .overloads import resolve_fallback_overloads, resolve_overload
 __all__ = [
     "DEFAULT_ROUTES",
     "EINSUM",
+    "TRACED_TYPES",
     "aten_routes",
     "configure_aten_routes",
     "export_settings",
@@ -540,12 +541,71 @@ def _untrainable_reasons(node: Any, inputs: list[Any], emitted: list[Any]) -> li
     return bad
 
 
+#: attribute of an exported ATen node: its outputs' traced types, ``"elem:rank,..."`` (ONNX
+#: element type, "" where unknown). The ATen pass reads and removes it
+#: (:func:`ortmodule_exporter.passes.aten_nodes.prepare_aten_nodes`): torch writes no
+#: value_info, and the meta kernels the pass otherwise types outputs with reject calls the CPU
+#: kernel runs (``_grouped_mm``'s wants bfloat16), which left the node untyped, hence neither
+#: routed to a PythonOp nor differentiable by the engine.
+TRACED_TYPES = "_ortmodule_traced_types"
+
+
+def _traced_type(value: Any) -> str:
+    """``"elem:rank"`` of a traced value ("" when its dtype or rank is unknown)."""
+    from torch.onnx._internal.torchscript_exporter import _type_utils
+
+    if value.type().kind() != "TensorType":  # a list (dsplit) or a scalar: no tensor type
+        return ""
+    undefined = _type_utils.JitScalarType.UNDEFINED
+    scalar = _type_utils.JitScalarType.from_value(value, undefined)
+    rank = _rank(value)
+    if scalar == undefined or rank is None:
+        return ""
+    return f"{int(scalar.onnx_type())}:{rank}"
+
+
+def _record_traced_types(node: Any, result: Any, created: Sequence[Any]) -> None:
+    """Write :data:`TRACED_TYPES` on the ATen nodes in ``created`` that produce the values
+    ``result`` stands for (the traced ``node``'s outputs)."""
+    values = list(result) if isinstance(result, (list, tuple)) else [result]
+    if result is None or len(values) != node.outputsSize():
+        return
+    traced = {v.unique(): o for v, o in zip(values, node.outputs(), strict=True) if v is not None}
+    for made in created:
+        if not made.kind().endswith("::ATen") or made.hasAttribute(TRACED_TYPES):
+            continue
+        types = [
+            _traced_type(traced[o.unique()]) if o.unique() in traced else "" for o in made.outputs()
+        ]
+        if any(types):
+            made.s_(TRACED_TYPES, ",".join(types))
+
+
 def _route_untrainable(original: Any) -> Any:
     """Wrap torch's per-node symbolic dispatch: when the ONNX nodes a symbolic emitted hold one
     the engine cannot differentiate (CumSum, Floor, ReduceMax, ...) on a float path of a training
-    export, replace them with one ATen node, which PyTorch runs and differentiates."""
+    export, replace them with one ATen node, which PyTorch runs and differentiates. Every ATen
+    node a traced node turned into records that node's output types (:data:`TRACED_TYPES`)."""
 
     def run(
+        graph: Any,
+        block: Any,
+        node: Any,
+        inputs: Any,
+        env: Any,
+        values_in_env: Any,
+        new_nodes: list[Any],
+        operator_export_type: Any = torch.onnx.OperatorExportTypes.ONNX,
+    ) -> Any:
+        mark = len(new_nodes)
+        result = dispatch(
+            graph, block, node, inputs, env, values_in_env, new_nodes, operator_export_type
+        )
+        if node.kind().startswith("aten::"):
+            _record_traced_types(node, result, new_nodes[mark:])
+        return result
+
+    def dispatch(
         graph: Any,
         block: Any,
         node: Any,

@@ -20,7 +20,7 @@ from ..aten import executor as aten_executor
 from ..aten.aten_op import AtenOp
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.gradients import has_gradient
-from ..aten.routes import EINSUM
+from ..aten.routes import EINSUM, TRACED_TYPES
 from ..onnx_graph import FLOAT_TYPES, attribute, value_shapes
 from ..python_op import runner as python_op_runner
 from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
@@ -123,6 +123,27 @@ def _output_types(
         np_dtype = torch.empty(0, dtype=r.dtype).numpy().dtype
         types.append((onnx.helper.np_dtype_to_tensor_dtype(np_dtype), r.dim()))
     return types
+
+
+def _declare_traced_types(graph: onnx.GraphProto) -> None:
+    """Declare the types the export recorded on ATen nodes (:data:`TRACED_TYPES`) as value_info,
+    and remove that attribute (the engine knows no such attribute)."""
+    declared = {
+        vi.name for vi in (*graph.value_info, *graph.output) if vi.type.tensor_type.elem_type
+    }
+    for node in graph.node:
+        if node.domain != ATEN_DOMAIN:
+            continue
+        found = [a for a in node.attribute if a.name == TRACED_TYPES]
+        if not found:
+            continue
+        node.attribute.remove(found[0])
+        for name, spec in zip(node.output, found[0].s.decode().split(","), strict=False):
+            if not name or not spec or name in declared:
+                continue
+            elem, rank = (int(v) for v in spec.split(":"))
+            graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, [None] * rank))
+            declared.add(name)
 
 
 def _type_aten_outputs(model: onnx.ModelProto) -> None:
@@ -359,6 +380,7 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
       and bool outputs are cast back from the uint8 the executor returns.
     """
     graph = model.graph
+    _declare_traced_types(graph)
     for node in graph.node:
         if node.domain == ATEN_DOMAIN and node.op_type != "ATen":
             operator = node.op_type
