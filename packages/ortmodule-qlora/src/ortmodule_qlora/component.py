@@ -1,7 +1,7 @@
 """The ``qlora`` component: announced through the ``ortmodule.components`` entry point.
 
-``register()`` installs the ``MatMul4Bit`` -> ``MatMulBnb4`` exporter, the refusals (with what to
-do) of direct ``bitsandbytes::gemm_4bit`` / ``gemv_4bit`` calls and the CPU backward rewrite when
+``register()`` installs the ``MatMul4Bit`` -> ``MatMulBnb4`` exporter, the ``bitsandbytes::gemm_4bit``
+/ ``gemv_4bit`` -> ``MatMulBnb4`` symbolics and the CPU backward rewrite when
 bitsandbytes is installed, without importing it; otherwise ``check()`` says why the component is
 idle.
 
@@ -19,7 +19,7 @@ from ortmodule_exporter.python_op import register_python_op_exporter
 from ortmodule_exporter.symbolics.registry import register_symbolic
 
 from .backward_rewrite import rewrite_matmul_bnb4_backward
-from .gemm_4bit import GEMM_4BIT, GEMV_4BIT, refuse_gemm_4bit, refuse_gemv_4bit
+from .gemm_4bit import GEMM_4BIT, GEMV_4BIT, export_gemm_4bit, export_gemv_4bit
 from .matmul_bnb4 import MATMUL_4BIT, export_matmul_4bit
 
 __all__ = ["BACKWARD_PASS", "COMPONENT", "check", "register"]
@@ -45,8 +45,8 @@ def register() -> None:
     if check() is not None:
         return
     register_python_op_exporter(MATMUL_4BIT, export_matmul_4bit)
-    register_symbolic(GEMM_4BIT, refuse_gemm_4bit, 1)
-    register_symbolic(GEMV_4BIT, refuse_gemv_4bit, 1)
+    register_symbolic(GEMM_4BIT, export_gemm_4bit, 1)
+    register_symbolic(GEMV_4BIT, export_gemv_4bit, 1)
     register_built_graph_pass(BACKWARD_PASS, rewrite_matmul_bnb4_backward, order=50)
 
 
