@@ -106,6 +106,20 @@ def test_qlora_llama_unchanged_trains_like_eager(exported_ops: list[str]) -> Non
             )
 
 
+def test_qlora_llama_inference_under_no_grad_matches_eager(exported_ops: list[str]) -> None:
+    """Under no_grad bitsandbytes calls gemm_4bit for every 4-bit layer."""
+    peft_model = qlora_llama("nf4", seed=3)
+    model = peft_model.base_model.model.eval()
+    eager_model = copy.deepcopy(model)
+    ids, mask = batch(0)
+    with torch.no_grad():
+        got = ORTModule(model)(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        want = eager_model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert exported_ops.count("MatMulBnb4") == 2 * 7 + 1
+    assert "PythonOp" not in exported_ops
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
 def test_adapter_state_dict_and_save_pretrained_match_eager(
     tmp_path: Path, exported_ops: list[str]
 ) -> None:

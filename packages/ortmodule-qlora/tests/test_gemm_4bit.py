@@ -50,12 +50,23 @@ def test_gemm_4bit_exports_as_matmul_bnb4_and_matches_eager(quant_type: str, nes
         torch.testing.assert_close(grad, want[name], rtol=RTOL, atol=ATOL, msg=name)
 
 
-def test_gemm_4bit_the_node_cannot_express_is_refused_with_what_to_do() -> None:
-    """K=32 in blocks of 64 (MatMulBnb4 needs whole blocks per row): no route but a message."""
+@pytest.mark.parametrize(
+    ("k", "dtype", "message"),
+    [
+        # MatMulBnb4 needs whole blocks per row
+        (32, torch.float32, "not a multiple of its block size"),
+        (64, torch.bfloat16, "its input is BFloat16"),
+    ],
+    ids=["rows-not-whole-blocks", "bfloat16"],
+)
+def test_gemm_4bit_the_node_cannot_express_is_refused_with_what_to_do(
+    k: int, dtype: torch.dtype, message: str
+) -> None:
+    """The operator has no autograd Function to run as a PythonOp: no route but a message."""
     torch.manual_seed(0)
-    layer = FourBitBlock(32, 16, "nf4", bias=False).q
-    with pytest.raises(ExportError, match="not a multiple of its block size.*enable_input_require"):
-        export(layer, (torch.randn(2, 32),), training=True)
+    layer = FourBitBlock(k, 16, "nf4", bias=False).q.to(dtype)
+    with pytest.raises(ExportError, match=f"{message}.*enable_input_require_grads"):
+        export(layer, (torch.randn(2, k, dtype=dtype),), training=True)
 
 
 class DirectGemv(torch.nn.Module):

@@ -83,8 +83,8 @@ def _tensor(op: str, value: Any, what: str) -> torch.Tensor:
 
 
 def _dtype(op: str, a: Any, scales: torch.Tensor) -> torch.dtype:
-    scalar = sh._type_utils.JitScalarType.from_value(a, sh._type_utils.JitScalarType.UNDEFINED)
-    name = scalar.scalar_name() if scalar != sh._type_utils.JitScalarType.UNDEFINED else None
+    value_type = a.type()
+    name = value_type.scalarType() if hasattr(value_type, "scalarType") else None
     if name not in _DTYPES:
         raise _refuse(op, f"its input is {name}; MatMulBnb4 takes float32 or float16")
     if name == "Half" and scales.device.type == "cpu":
