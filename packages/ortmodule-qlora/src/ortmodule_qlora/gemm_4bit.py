@@ -148,7 +148,7 @@ def export_gemv_4bit(
     if scales.device.type == "cpu":
         from bitsandbytes.functional import has_avx512bf16
 
-        if has_avx512bf16():
+        if has_avx512bf16():  # type: ignore[no-untyped-call]
             raise ExportError(GEMV_PACKED_MESSAGE, op=op)
     table = _tensor(op, code, "code table")
     # how bitsandbytes' own kernels tell the two 4-bit types apart
