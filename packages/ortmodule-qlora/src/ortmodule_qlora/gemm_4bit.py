@@ -144,12 +144,13 @@ def export_gemv_4bit(
 ) -> Any:
     """The ``gemv_4bit`` symbolic: ``MatMulBnb4``, or an ExportError saying what to do."""
     op = GEMV_4BIT
-    scales = _tensor(op, absmax, "scales")
-    if scales.device.type == "cpu":
+    device = a.type().device() if hasattr(a.type(), "device") else None
+    if device is None or device.type == "cpu":  # decided before reading the scales: their layout
         from bitsandbytes.functional import has_avx512bf16
 
         if has_avx512bf16():  # type: ignore[no-untyped-call]
             raise ExportError(GEMV_PACKED_MESSAGE, op=op)
+    scales = _tensor(op, absmax, "scales")
     table = _tensor(op, code, "code table")
     # how bitsandbytes' own kernels tell the two 4-bit types apart
     quant = "fp4" if float(table[1]) > 0 else "nf4"
