@@ -81,6 +81,45 @@ def test_qlora_llama_trains_like_eager(quant_type: str, exported_ops: list[str])
             )
 
 
+def test_qlora_llama_unchanged_trains_like_eager(exported_ops: list[str]) -> None:
+    """No enable_input_require_grads(): the first layer's 4-bit projections take the embedding's
+    output, which needs no gradient, so bitsandbytes calls its gemm_4bit operator for them."""
+    peft_model = qlora_llama("nf4", seed=2, input_require_grads=False)
+    eager_model = copy.deepcopy(peft_model)
+    ort_losses, ort_grads = _train(peft_model, wrap=True, steps=3)
+    eager_losses, eager_grads = _train(eager_model, wrap=False, steps=3)
+
+    assert exported_ops.count("MatMulBnb4") == 2 * 7 + 1
+    assert "PythonOp" not in exported_ops
+    torch.testing.assert_close(
+        torch.tensor(ort_losses), torch.tensor(eager_losses), rtol=RTOL, atol=ATOL
+    )
+    for step, (got, want) in enumerate(zip(ort_grads, eager_grads, strict=True)):
+        assert set(got) == set(want) and len(want) == 2 * 2 * 4
+        for name in want:
+            torch.testing.assert_close(
+                got[name],
+                want[name],
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda m, n=name, s=step: f"step {s} {n}: {m}",
+            )
+
+
+def test_qlora_llama_inference_under_no_grad_matches_eager(exported_ops: list[str]) -> None:
+    """Under no_grad bitsandbytes calls gemm_4bit for every 4-bit layer."""
+    peft_model = qlora_llama("nf4", seed=3)
+    model = peft_model.base_model.model.eval()
+    eager_model = copy.deepcopy(model)
+    ids, mask = batch(0)
+    with torch.no_grad():
+        got = ORTModule(model)(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        want = eager_model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert exported_ops.count("MatMulBnb4") == 2 * 7 + 1
+    assert "PythonOp" not in exported_ops
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
 def test_adapter_state_dict_and_save_pretrained_match_eager(
     tmp_path: Path, exported_ops: list[str]
 ) -> None:

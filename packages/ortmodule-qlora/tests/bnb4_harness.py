@@ -56,7 +56,12 @@ class Run:
     grads: dict[str, torch.Tensor]
 
 
-def run_engine(module: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Run:
+def run_engine(
+    module: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor, *, input_grad: bool = True
+) -> Run:
+    """Forward and backward through the engine; ``input_grad=False`` feeds ``x`` as a plain
+    tensor, so a first 4-bit layer makes bitsandbytes call ``gemm_4bit``, not ``MatMul4Bit``."""
+    x = x.detach().requires_grad_(input_grad)
     exported = export(module, (x,), training=True)
     run_post_export_passes(exported)
     params = dict(module.named_parameters())
@@ -64,7 +69,11 @@ def run_engine(module: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor)
     (x_name,) = exported.user_input_names
     built = build_graph(
         exported,
-        GraphConfig(build_gradient=True, params_to_train=train, inputs_require_grad=(x_name,)),
+        GraphConfig(
+            build_gradient=True,
+            params_to_train=train,
+            inputs_require_grad=(x_name,) if input_grad else (),
+        ),
     )
     session = TrainingSession(built, SessionConfig())
     feeds = [x if n == x_name else params[n] for n in built.feed_names]
@@ -77,13 +86,14 @@ def run_engine(module: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor)
 
 
 def eager(
-    module: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor
+    module: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor, *, input_grad: bool = True
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     module = copy.deepcopy(module)
-    x = x.detach().clone().requires_grad_(True)
+    x = x.detach().clone().requires_grad_(input_grad)
     out = module(x)
     out.backward(grad_out)
     grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
-    assert x.grad is not None
-    grads["input.x"] = x.grad
+    if input_grad:
+        assert x.grad is not None
+        grads["input.x"] = x.grad
     return out.detach(), grads

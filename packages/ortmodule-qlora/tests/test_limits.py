@@ -81,23 +81,6 @@ def test_bfloat16_input_keeps_the_generic_pythonop_route() -> None:
     assert "PythonOp" in ops and "MatMulBnb4" not in ops
 
 
-def test_a_direct_gemm_4bit_call_is_refused_with_what_to_do() -> None:
-    class Frozen(torch.nn.Module):
-        """The 4-bit layer's input needs no gradient: bitsandbytes skips MatMul4Bit."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.block = FourBitBlock(32, 16, "nf4", bias=False)
-            self.block.pre.requires_grad_(False)
-            self.head = torch.nn.Linear(16, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.block(x))
-
-    with pytest.raises(ExportError, match="enable_input_require_grads"):
-        export(Frozen(), (torch.randn(2, 32),), training=True)
-
-
 def test_eval_mode_repacking_for_the_cpu_kernel_is_refused_with_what_to_do() -> None:
     from bitsandbytes.nn.modules import has_avx512bf16
 

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from .quant_state import UnsupportedQuantState, engine_layout
+from .quant_state import Bnb4Layout, UnsupportedQuantState, engine_layout
 
 __all__ = [
     "MATMUL_4BIT",
     "MATMUL_BNB4",
     "export_matmul_4bit",
+    "matmul_bnb4",
     "matmul_bnb4_enabled",
     "use_matmul_bnb4",
 ]
@@ -85,7 +86,19 @@ def export_matmul_4bit(
     if reason is not None:
         logger.info("MatMul4Bit exported as a PythonOp, not MatMulBnb4: %s", reason)
         return None
-    dtype = _DTYPES[_scalar_type(a) or "Float"]
+    y = matmul_bnb4(g, a, b, layout, _DTYPES[_scalar_type(a) or "Float"], bias)
+    result = next(iter(node.outputs()))
+    y.setType(result.type())
+    return y
+
+
+def matmul_bnb4(
+    g: Any, a: Any, b: Any, layout: Bnb4Layout, dtype: torch.dtype, bias: Any = None
+) -> Any:
+    """``a @ W.T (+ bias)`` as one ``MatMulBnb4`` node, ``W`` the 4-bit weight ``b`` packs.
+
+    The scales are a ``Constant`` in ``dtype``: the weight is frozen, its scales never change.
+    """
     # B arrives as [(N*K+1)//2, 1]; the engine reads the packed bytes as one flat vector
     flat = g.op("Reshape", b, g.op("Constant", value_t=torch.tensor([-1], dtype=torch.int64)))
     absmax = g.op("Constant", value_t=layout.absmax.to(dtype))
@@ -103,6 +116,4 @@ def export_matmul_4bit(
     )
     if bias is not None:
         y = g.op("Add", y, bias)
-    result = next(iter(node.outputs()))
-    y.setType(result.type())
     return y

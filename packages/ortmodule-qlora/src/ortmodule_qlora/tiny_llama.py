@@ -56,11 +56,14 @@ def qlora_llama(
     vocab: int = 128,
     rank: int = 4,
     seed: int = 0,
+    input_require_grads: bool = True,
 ) -> Any:
     """A peft model: 4-bit Llama, LoRA (rank ``rank``, non-zero init) on the attention projections.
 
-    ``enable_input_require_grads()`` is on, as peft's ``prepare_model_for_kbit_training`` sets
-    it, so every 4-bit matmul runs through bitsandbytes' ``MatMul4Bit``.
+    ``enable_input_require_grads()`` is on by default, as peft's ``prepare_model_for_kbit_training``
+    sets it, so every 4-bit matmul runs through bitsandbytes' ``MatMul4Bit``. Off, the first
+    layer's projections get an input that needs no gradient and bitsandbytes calls its
+    ``gemm_4bit`` operator for them.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -87,7 +90,8 @@ def qlora_llama(
         init_lora_weights=False,
     )
     peft_model = get_peft_model(base, lora)
-    peft_model.enable_input_require_grads()
+    if input_require_grads:
+        peft_model.enable_input_require_grads()
     return peft_model
 
 

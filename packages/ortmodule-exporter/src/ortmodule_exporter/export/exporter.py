@@ -31,6 +31,7 @@ from ..aten import routes as aten_routes
 from ..errors import ExportError, UnsupportedOutputError
 from ..op_location import locate_operator
 from ..symbolics.registry import symbolics_applied
+from ..symbolics.traced_state import tracing_state_of
 from .cache import ExportCache
 from .config import DEFAULT_OPSET, ExportConfig
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
@@ -382,6 +383,7 @@ def _export(
         with (
             _preserved_state(target),
             symbolics_applied(opset),
+            tracing_state_of(flat),
             aten_routes.untrainable_ops_routed(),
             empty_tensors.example_inputs(tensors),
             kernel_choice.recording_traced_sizes(),
