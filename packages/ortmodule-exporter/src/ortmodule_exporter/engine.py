@@ -503,8 +503,9 @@ def _session(model_bytes: bytes, cfg: SessionConfig) -> Any:
         if "NOT_IMPLEMENTED" in str(err):
             hint = (
                 f"\nThe {cfg.device.type} engine has no kernel for this operator at these dtypes "
-                "(float64, bfloat16 and float16 are partly covered on CPU): train in float32 on CPU, "
-                "or use the CUDA engine (ortmodule[cuda]) for float16/bfloat16."
+                "(float64 is partly covered on CPU; bfloat16 and float16 operators run PyTorch's "
+                "kernels): train in float32 or under torch.autocast, or use the CUDA engine "
+                "(ortmodule[cuda])."
             )
         raise EngineBuildError(f"the engine could not create a session: {err}{hint}") from err
 
