@@ -21,7 +21,6 @@ from conftest import assert_engine_matches_eager, run_engine
 from torch.onnx import symbolic_helper as sh
 
 from ortmodule_exporter import (
-    EngineBuildError,
     export,
     register_builtin_symbolics,
     register_symbolic,
