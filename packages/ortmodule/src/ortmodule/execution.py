@@ -565,28 +565,9 @@ class GraphRunner:
         except RuntimeError as err:
             if not graph.guards:
                 raise
-            # a value the graph checks after its run changed so that the run itself failed (a
-            # size taken from an intermediate, baked into a Gather or a Split): a graph built
-            # earlier for other values may run this call (its guards are checked below), else
-            # export for this call
-            ran = self._run_another(graph, flat, phases, training_graph)
-            if ran is not None:
-                graph, outputs, kept = ran
-            else:
-                failure = str(err).strip().splitlines()[0] if str(err).strip() else ""
-                graph = self._graph_for_guards(
-                    graph,
-                    graph.guards[0][1],
-                    None,
-                    lambda other: False,
-                    args,
-                    kwargs,
-                    flat,
-                    device,
-                    failure="the run failed before its guards were checked "
-                    f"({failure[:200] or type(err).__name__})",
-                )
-                outputs, kept = self._run(graph, flat, phases, training_graph)
+            graph, outputs, kept = self._after_failed_run(
+                graph, err, args, kwargs, flat, device, phases, training_graph
+            )
         if graph.guards:
             graph, outputs, kept = self._guarded(
                 graph, outputs, kept, args, kwargs, flat, device, phases, training_graph
@@ -617,37 +598,6 @@ class GraphRunner:
             return _engine_apply(graph, phases, feeds), kept
         assert isinstance(graph.session, InferenceSession)
         return graph.session.forward(feeds), kept
-
-    def _run_another(
-        self,
-        failed: CompiledGraph,
-        flat: Sequence[torch.Tensor],
-        phases: StepPhases,
-        training_graph: bool,
-    ) -> tuple[CompiledGraph, Any, list[torch.Tensor]] | None:
-        """Run this call on the first other graph of ``failed``'s key (built for other guard
-        values, fitting these shapes) whose run does not fail: the graph, its outputs and kept
-        values, or None when there is none. Without this, a run that fails on a size baked
-        from data (a mixture-of-experts loop over the experts a batch hit) exported again each
-        time, even for a routing an earlier graph was built for, until the limit of graphs."""
-        family = self._families.get((failed.key.training, failed.key.build_gradient))
-        if family is None or family[0] != failed.key.without_guards():
-            return None
-        for other in family[1]:
-            if other is failed or not other.fits_shapes(flat):
-                continue
-            saved = _buffer_copies(other)
-            try:
-                outputs, kept = self._run(other, flat, phases, training_graph)
-            except RuntimeError:
-                with torch.no_grad():
-                    for u, value in zip(other.buffer_updates, saved, strict=True):
-                        getattr(u.owner, u.attr).copy_(value)
-                continue
-            self.transitions.switch(other.key, other, "the run of another graph failed")
-            self._last = None
-            return other, outputs, kept
-        return None
 
     def _guarded(
         self,
@@ -695,6 +645,55 @@ class GraphRunner:
         raise GuardError(  # pragma: no cover - each pass above builds or finds a new graph
             f"ORTModule: no graph of {type(self.module).__qualname__} holds for this input"
         )
+
+    def _after_failed_run(
+        self,
+        graph: CompiledGraph,
+        err: RuntimeError,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        flat: list[torch.Tensor],
+        device: torch.device,
+        phases: StepPhases,
+        training_graph: bool,
+    ) -> tuple[CompiledGraph, Any, list[torch.Tensor]]:
+        """The run of ``graph`` failed: a value it checks only after its run changed so that
+        the run itself failed (a size taken from an intermediate and baked in, as CLIP's
+        ``torch.arange(len(logits))`` labels on a smaller last batch). Run each graph built
+        earlier for this key instead, keeping the first that runs and whose guards hold (a
+        batch size that comes back finds its graph); else export for this call."""
+        family = self._families.get((graph.key.training, graph.key.build_gradient))
+        others = family[1] if family is not None and family[0] == graph.key.without_guards() else []
+        failure = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        change = f"the run failed before its guards were checked ({failure[:200]})"
+        for other in reversed(others):
+            if other is graph or not other.fits_shapes(flat):
+                continue
+            saved = _buffer_copies(other)
+            try:
+                outputs, kept = self._run(other, flat, phases, training_graph)
+            except RuntimeError:
+                outputs = None
+            if outputs is not None and other.failed_guard(outputs) is None:
+                self.transitions.switch(other.key, other, change)
+                self._last = None
+                return other, outputs, kept
+            with torch.no_grad():  # a dropped run: put back what the engine wrote in place
+                for u, value in zip(other.buffer_updates, saved, strict=True):
+                    getattr(u.owner, u.attr).copy_(value)
+        graph = self._graph_for_guards(
+            graph,
+            graph.guards[0][1],
+            None,
+            lambda other: False,
+            args,
+            kwargs,
+            flat,
+            device,
+            failure=change,
+        )
+        outputs, kept = self._run(graph, flat, phases, training_graph)
+        return graph, outputs, kept
 
     def _shape_checked(
         self,

@@ -16,6 +16,8 @@ array(5)
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,7 @@ import onnx
 import onnx.numpy_helper
 import torch
 
+from ..engine_binding import import_onnxruntime
 from .guards import Guard
 
 __all__ = ["Dim", "ShapeGuard", "split_shape_guards"]
@@ -243,9 +246,11 @@ def split_shape_guards(
             if d.dim_param:
                 by_param.setdefault(d.dim_param, Dim(vi.name, axis))
     inferred: dict[str, onnx.ValueInfoProto] | None = None
+    symbolic: dict[str, onnx.ValueInfoProto] | None = None
+    sure: dict[str, Dim] = {}
 
     def dims_of(name: str) -> tuple[int | Dim | None, ...] | None:
-        nonlocal inferred
+        nonlocal inferred, symbolic
         if name in graph_inputs:
             return _declared_dims(graph_inputs[name], by_param)
         if inferred is None:
@@ -255,7 +260,25 @@ def split_shape_guards(
             except Exception:  # noqa: BLE001 - then only graph inputs' shapes are known
                 inferred = {}
         vi = inferred.get(name)
-        return _declared_dims(vi, by_param) if vi is not None else None
+        dims = _declared_dims(vi, by_param) if vi is not None else None
+        if dims is not None and None not in dims:
+            return dims
+        # ONNX's inference loses a dim at the first Range or gathered rows (CLIP's pooled
+        # text rows, whose count its loss reads): ONNX Runtime's symbolic inference (seconds
+        # on a large graph, so only when asked) names it from the graph inputs' dims. Only
+        # the dims it names from an input dim it is sure of are taken: a fixed size there may
+        # be a merge of a dynamic one
+        if symbolic is None:
+            symbolic, unsure = _symbolic_value_infos(model, list(by_param))
+            sure.update({k: v for k, v in by_param.items() if k not in unsure})
+        vi = symbolic.get(name)
+        found = _declared_dims(vi, sure) if vi is not None else None
+        if found is None or (dims is not None and len(dims) != len(found)):
+            return dims
+        return tuple(
+            d if d is not None else (f if isinstance(f, Dim) else None)
+            for d, f in zip(dims or (None,) * len(found), found, strict=True)
+        )
 
     kept: list[tuple[str, Guard]] = []
     from_shapes: list[ShapeGuard] = []
@@ -282,6 +305,56 @@ def split_shape_guards(
         del graph.output[:]
         graph.output.extend(outputs)
     return kept, from_shapes
+
+
+class _Doubts(logging.Handler):
+    """Keeps what symbolic inference logs: each record is a dim it assumed (a slice's end
+    taken as in range, an unsafe merge) rather than derived."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _symbolic_value_infos(
+    model: onnx.ModelProto, dim_names: Sequence[str]
+) -> tuple[dict[str, onnx.ValueInfoProto], set[str]]:
+    """Each value's shape by ONNX Runtime's symbolic shape inference, with dims named from the
+    graph inputs' (partial where it stops; empty where it fails), and the input dim names it
+    is unsure of: those in a merge it made (two expressions taken as equal because the graph
+    broadcasts them, say ``Min(16, seq) -> seq`` for ``position_ids[:, :seq]``) or in a doubt
+    it logged. A guard computed from such a dim could pass on shapes it does not hold for."""
+    import_onnxruntime()  # the engine package, without its slow training self-check
+    from onnxruntime.tools import symbolic_shape_infer as ssi
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for vi in copy.graph.output:  # the exporter's names for output dims would stick
+        vi.type.tensor_type.ClearField("shape")
+    log = logging.getLogger(ssi.__name__)
+    doubts, propagate = _Doubts(), log.propagate
+    log.addHandler(doubts)
+    log.propagate = False
+    try:
+        inference = ssi.SymbolicShapeInference(2**31 - 1, True, True, 0)
+        inference._preprocess(copy)
+        while inference.run_:
+            inference._infer_impl()
+    except Exception:  # noqa: BLE001 - an operator it cannot follow: the guards stay outputs
+        return {}, set(dim_names)
+    finally:
+        log.removeHandler(doubts)
+        log.propagate = propagate
+    text = "\n".join(
+        [*doubts.messages, *(f"{k} -> {v}" for k, v in inference.suggested_merge_.items())]
+    )
+    unsure = {
+        name for name in dim_names if re.search(rf"(?<![\w.]){re.escape(name)}(?![\w.])", text)
+    }
+    return dict(inference.known_vi_), unsure
 
 
 def _shape_program(
