@@ -1,7 +1,7 @@
 """One rank of the DeepSpeed stack test: ORTModule + FusedAdam + DeepSpeed ZeRO + FP16_Optimizer.
 
 Run by ``test_deepspeed_stack.py`` as ``python deepspeed_stack_worker.py RANK WORLD PORT OUT CASES``
-(CASES like ``1-fp32,3-fp16``). For each case it trains the same tiny model twice from the same
+(CASES like ``1-fp32,3-fp16``: ZeRO stage, 0 for none, and dtype). For each case it trains the same tiny model twice from the same
 weights on the same batches, once as the plain stack and once with the model wrapped in
 ORTModule, and writes the largest differences (and what it checked) to ``OUT`` as JSON.
 """
@@ -60,8 +60,14 @@ def train(deepspeed: Any, base: torch.nn.Module, stage: int, dtype: str, wrap: b
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=config(stage, dtype)
     )
-    if stage < 3:  # FP16_Optimizer knows DeepSpeed's stage 1/2 optimizer, not stage 3's
+    # FP16_Optimizer knows DeepSpeed's stage 1/2 optimizer and, without ZeRO, its fp16/bf16 one
+    # (FP16_UnfusedOptimizer, as FusedAdam is not DeepSpeed's); not stage 3's, and without ZeRO
+    # in fp32 DeepSpeed steps FusedAdam itself
+    if stage in (1, 2) or (stage == 0 and dtype != "fp32"):
         optimizer = FP16_Optimizer(optimizer)
+        assert type(optimizer.wrapped).__name__ == (
+            "FP16_UnfusedOptimizer" if stage == 0 else "DeepSpeedZeroOptimizer"
+        )
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     released = []
     losses = []

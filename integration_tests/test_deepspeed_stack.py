@@ -1,10 +1,11 @@
-"""ORTModule + FusedAdam + DeepSpeed ZeRO 1/2/3 + FP16_Optimizer, as the reference's section 5.
+"""ORTModule + FusedAdam + DeepSpeed (ZeRO 1/2/3, and no ZeRO in fp16/bf16) + FP16_Optimizer, as
+the reference's section 5.
 
 One group of gloo processes per world size trains every stack (``deepspeed_stack_worker.py``);
 each stack runs 10 steps with and without ORTModule from the same weights and batches, and every
 parameter element must agree to rtol 1e-5 (atol 1e-7 for values at zero) in fp32, and be equal
 in fp16 and bf16 (DeepSpeed's ``fp16``/``bf16`` configs: fp16/bf16 parameters, fp32 master
-weights in the ZeRO optimizer; see the worker for why equal). The engine must have run (fallback
+weights in DeepSpeed's optimizer; see the worker for why equal). The engine must have run (fallback
 disabled, one export) and under stage 3 the parameters must be partitioned again after each
 backward.
 """
@@ -23,7 +24,12 @@ import pytest
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
 
 WORKER = Path(__file__).with_name("deepspeed_stack_worker.py")
-CASES = [f"{stage}-{dtype}" for dtype in ("fp32", "fp16", "bf16") for stage in (1, 2, 3)]
+# stage 0: DeepSpeed without ZeRO (its fp16/bf16 optimizer holds the fp32 masters)
+CASES = [
+    *(f"{stage}-{dtype}" for dtype in ("fp32", "fp16", "bf16") for stage in (1, 2, 3)),
+    "0-fp16",
+    "0-bf16",
+]
 TWO_PROCESS_CASES = ["1-fp32", "2-fp32", "3-fp32", "3-fp16", "3-bf16"]
 DTYPES = {"fp32": "torch.float32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}
 
