@@ -1,7 +1,7 @@
 """One rank of the DeepSpeed stack test: ORTModule + FusedAdam + DeepSpeed ZeRO + FP16_Optimizer.
 
 Run by ``test_deepspeed_stack.py`` as ``python deepspeed_stack_worker.py RANK WORLD PORT OUT CASES``
-(CASES like ``1-fp32,3-fp16``). For each case it trains the same tiny model twice from the same
+(CASES like ``1-fp32,3-fp16``: ZeRO stage, 0 for none, and dtype). For each case it trains the same tiny model twice from the same
 weights on the same batches, once as the plain stack and once with the model wrapped in
 ORTModule, and writes the largest differences (and what it checked) to ``OUT`` as JSON.
 """
@@ -32,7 +32,10 @@ def tiny(seed: int = 0) -> torch.nn.Module:
     )
 
 
-def config(stage: int, fp16: bool) -> dict[str, Any]:
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def config(stage: int, dtype: str) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "steps_per_print": 10**9,
@@ -40,12 +43,14 @@ def config(stage: int, fp16: bool) -> dict[str, Any]:
         # tiny parameters would otherwise stay whole ("persistent") and never be gathered
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
-    if fp16:
+    if dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 4}
+    if dtype == "bf16":  # no loss scale: bf16 has fp32's exponent range
+        cfg["bf16"] = {"enabled": True}
     return cfg
 
 
-def train(deepspeed: Any, base: torch.nn.Module, stage: int, fp16: bool, wrap: bool) -> dict:
+def train(deepspeed: Any, base: torch.nn.Module, stage: int, dtype: str, wrap: bool) -> dict:
     from ortmodule import FP16_Optimizer, FusedAdam, ORTModule
 
     model = copy.deepcopy(base)
@@ -53,16 +58,22 @@ def train(deepspeed: Any, base: torch.nn.Module, stage: int, fp16: bool, wrap: b
         model = ORTModule(model)
     optimizer = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
     engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=config(stage, fp16)
+        model=model, optimizer=optimizer, config=config(stage, dtype)
     )
-    if stage < 3:  # FP16_Optimizer knows DeepSpeed's stage 1/2 optimizer, not stage 3's
+    # FP16_Optimizer knows DeepSpeed's stage 1/2 optimizer and, without ZeRO, its fp16/bf16 one
+    # (FP16_UnfusedOptimizer, as FusedAdam is not DeepSpeed's); not stage 3's, and without ZeRO
+    # in fp32 DeepSpeed steps FusedAdam itself
+    if stage in (1, 2) or (stage == 0 and dtype != "fp32"):
         optimizer = FP16_Optimizer(optimizer)
+        assert type(optimizer.wrapped).__name__ == (
+            "FP16_UnfusedOptimizer" if stage == 0 else "DeepSpeedZeroOptimizer"
+        )
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     released = []
     losses = []
     for _ in range(STEPS):
         x = torch.randn(4, 8, generator=gen)
-        out = engine(x.half() if fp16 else x)
+        out = engine(x.to(DTYPES[dtype]))
         loss = out.float().pow(2).mean()
         engine.backward(loss)
         if stage == 3:
@@ -74,8 +85,15 @@ def train(deepspeed: Any, base: torch.nn.Module, stage: int, fp16: bool, wrap: b
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         values = [p.detach().float().clone() for p in params]
+        values_dtype = params[0].dtype
     exports = engine.module._runner.exports if wrap else 0
-    return {"values": values, "losses": losses, "released": released, "exports": exports}
+    return {
+        "values": values,
+        "losses": losses,
+        "released": released,
+        "exports": exports,
+        "dtype": str(values_dtype),
+    }
 
 
 def stage3_without_the_switch(deepspeed: Any) -> str:
@@ -88,7 +106,7 @@ def stage3_without_the_switch(deepspeed: Any) -> str:
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=FusedAdam(model.parameters(), lr=1e-2),
-            config=config(3, False),
+            config=config(3, "fp32"),
         )
         engine(torch.randn(4, 8))
     except Exception as err:
@@ -120,14 +138,18 @@ def main() -> None:
             continue
         stage, dtype = int(case.split("-")[0]), case.split("-")[1]
         base = tiny()
-        plain = train(deepspeed, base, stage, dtype == "fp16", wrap=False)
-        ours = train(deepspeed, base, stage, dtype == "fp16", wrap=True)
-        # fp32: rtol 1e-5 (atol 1e-7 for values at zero). fp16: the parameters are fp16, and
-        # the engine's CPU fp16 kernels round some sums differently from torch's (the first
-        # losses agree, later ones by ~3e-5 relative); Adam turns such a difference in a tiny
-        # gradient into up to a step of its own (lr 1e-2), so weights near zero may differ by a
-        # few fp16 steps: measured at most 2**-12 absolute after 10 steps; bound 5e-4.
-        rtol, atol = (1e-5, 1e-7) if dtype == "fp32" else (2.0**-9, 5e-4)
+        plain = train(deepspeed, base, stage, dtype, wrap=False)
+        ours = train(deepspeed, base, stage, dtype, wrap=True)
+        # fp32: rtol 1e-5 (atol 1e-7 for values at zero): the engine's float32 kernels order
+        # sums differently from torch's. fp16 and bf16: equal. DeepSpeed casts the module to the
+        # low-precision dtype, and the engine runs every operator on such a tensor with PyTorch's
+        # kernel and its backward with autograd's (docs/mixed_precision.md); this model uses no
+        # tensor twice, so the engine sums no gradient of its own, and each rank hands DeepSpeed
+        # the gradients eager computes, bit for bit (measured 2026-11-26: max abs diff 0 after 10
+        # steps, ZeRO 1/2/3, one and two ranks). Before fp16 ran on PyTorch's kernels, the
+        # engine's fp16 kernels rounded some sums differently and this bound was rtol 2**-9,
+        # atol 5e-4.
+        rtol, atol = (1e-5, 1e-7) if dtype == "fp32" else (0.0, 0.0)
         worst = max(
             float(((a - b).abs() - rtol * a.abs() - atol).max())
             for a, b in zip(plain["values"], ours["values"], strict=True)
@@ -135,6 +157,7 @@ def main() -> None:
         diffs = zip(plain["values"], ours["values"], strict=True)
         max_abs = max(float((a - b).abs().max()) for a, b in diffs)
         results[case] = {
+            "dtype": ours["dtype"],
             "excess": worst,
             "max_abs": max_abs,
             "rtol": rtol,

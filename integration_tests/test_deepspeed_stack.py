@@ -1,11 +1,13 @@
-"""ORTModule + FusedAdam + DeepSpeed ZeRO 1/2/3 + FP16_Optimizer, as the reference's section 5.
+"""ORTModule + FusedAdam + DeepSpeed (ZeRO 1/2/3, and no ZeRO in fp16/bf16) + FP16_Optimizer, as
+the reference's section 5.
 
 One group of gloo processes per world size trains every stack (``deepspeed_stack_worker.py``);
 each stack runs 10 steps with and without ORTModule from the same weights and batches, and every
-parameter element must agree to rtol 1e-5 (atol 1e-7 for values at zero) in fp32; in fp16, where
-the parameters themselves are fp16, to rtol 2**-9 and atol 5e-4 (see the worker for why). The engine must have
-run (fallback disabled, one export) and under stage 3 the parameters must be partitioned again
-after each backward.
+parameter element must agree to rtol 1e-5 (atol 1e-7 for values at zero) in fp32, and be equal
+in fp16 and bf16 (DeepSpeed's ``fp16``/``bf16`` configs: fp16/bf16 parameters, fp32 master
+weights in DeepSpeed's optimizer; see the worker for why equal). The engine must have run (fallback
+disabled, one export) and under stage 3 the parameters must be partitioned again after each
+backward.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ import pytest
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
 
 WORKER = Path(__file__).with_name("deepspeed_stack_worker.py")
-CASES = ["1-fp32", "2-fp32", "3-fp32", "1-fp16", "2-fp16", "3-fp16"]
+# stage 0: DeepSpeed without ZeRO (its fp16/bf16 optimizer holds the fp32 masters)
+CASES = [
+    *(f"{stage}-{dtype}" for dtype in ("fp32", "fp16", "bf16") for stage in (1, 2, 3)),
+    "0-fp16",
+    "0-bf16",
+]
+TWO_PROCESS_CASES = ["1-fp32", "2-fp32", "3-fp32", "3-fp16", "3-bf16"]
+DTYPES = {"fp32": "torch.float32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}
 
 
 def _free_port() -> int:
@@ -58,11 +67,12 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return _run(2, ["1-fp32", "2-fp32", "3-fp32", "3-fp16"], tmp_path_factory.mktemp("ds2"))
+    return _run(2, TWO_PROCESS_CASES, tmp_path_factory.mktemp("ds2"))
 
 
 def _check(case: str, result: dict) -> None:
     assert result["exports"] == 1, "the engine did not run the model"
+    assert result["dtype"] == DTYPES[case.split("-")[1]], "DeepSpeed did not cast the model"
     assert result["learned"], result["losses"]
     assert result["excess"] <= 0.0, (
         f"{case}: parameters differ beyond rtol {result['rtol']:.3g} (max abs diff {result['max_abs']:.3g}); "
@@ -83,7 +93,7 @@ def test_stage3_without_the_switch_names_it(one_process: list[dict]) -> None:
     assert "ORTMODULE_ENABLE_ZERO_STAGE3=1" in error
 
 
-@pytest.mark.parametrize("case", ["1-fp32", "2-fp32", "3-fp32", "3-fp16"])
+@pytest.mark.parametrize("case", TWO_PROCESS_CASES)
 def test_two_processes(two_processes: list[dict], case: str) -> None:
     for rank in two_processes:
         _check(case, rank[case])
