@@ -336,3 +336,65 @@ HF_ZOO: dict[str, ZooCase] = {
         ),
     )
 }
+
+
+#: (batch, sequence length) of each step of :func:`changing_shapes_batch`
+CHANGING_SHAPES = [(2, 12), (3, 9), (2, 14), (4, 10), (3, 12)]
+
+
+def changing_shapes_batch(step: int) -> Batch:
+    """A causal-LM batch whose batch size, length and right padding change every step (the
+    last partial batch of an epoch, sequences bucketed by length)."""
+    batch, seq = CHANGING_SHAPES[step % len(CHANGING_SHAPES)]
+    gen = torch.Generator().manual_seed(30_000 + step)
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for row in range(1, batch):
+        mask[row, int(torch.randint(seq // 2, seq + 1, (1,), generator=gen)) :] = 0
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    return (), {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+_SMALL_GPT = dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64)
+
+#: more decoder architectures (Llama again as the reference), trained on
+#: :func:`changing_shapes_batch` in test_hf_shapes_zoo.py
+SHAPES_ZOO: dict[str, ZooCase] = {
+    case.name: case
+    for case in (
+        ZooCase(name, make, changing_shapes_batch, model_loss)
+        for name, make in (
+            ("llama", _model(tf.LlamaForCausalLM, tf.LlamaConfig, **_GQA)),
+            ("qwen3", _model(tf.Qwen3ForCausalLM, tf.Qwen3Config, **_GQA, head_dim=16)),
+            ("granite", _model(tf.GraniteForCausalLM, tf.GraniteConfig, **_GQA)),
+            ("olmo2", _model(tf.Olmo2ForCausalLM, tf.Olmo2Config, **_GQA)),
+            ("starcoder2", _model(tf.Starcoder2ForCausalLM, tf.Starcoder2Config, **_GQA)),
+            ("stablelm", _model(tf.StableLmForCausalLM, tf.StableLmConfig, **_GQA)),
+            ("gpt_bigcode", _model(tf.GPTBigCodeForCausalLM, tf.GPTBigCodeConfig, **_SMALL_GPT)),
+            ("gptj", _model(tf.GPTJForCausalLM, tf.GPTJConfig, **_SMALL_GPT, rotary_dim=8)),
+            (
+                "codegen",
+                _model(tf.CodeGenForCausalLM, tf.CodeGenConfig, **_SMALL_GPT, rotary_dim=8),
+            ),
+            ("phi3", _model(tf.Phi3ForCausalLM, tf.Phi3Config, **_GQA, pad_token_id=0)),
+            ("gemma2", _model(tf.Gemma2ForCausalLM, tf.Gemma2Config, **_GQA, head_dim=16)),
+            (
+                "gemma3_text",
+                _model(tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, **_GQA, head_dim=16),
+            ),
+            (
+                "xglm",
+                _model(
+                    tf.XGLMForCausalLM,
+                    tf.XGLMConfig,
+                    vocab_size=VOCAB,
+                    d_model=HIDDEN,
+                    num_layers=LAYERS,
+                    attention_heads=HEADS,
+                    ffn_dim=FFN,
+                    max_position_embeddings=64,
+                ),
+            ),
+        )
+    )
+}
