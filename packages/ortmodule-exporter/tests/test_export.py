@@ -53,35 +53,6 @@ def test_every_input_dim_is_dynamic_unless_static_shapes() -> None:
             assert all(d.dim_value for d in vi.type.tensor_type.shape.dim), vi
 
 
-class _SizeAfterSqueeze(torch.nn.Module):
-    """``torch.nn.MultiheadAttention``'s packed projection: the squeeze's output has no rank for
-    ONNX shape inference, then its size feeds a ``view``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = x.unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
-        return k.view(k.shape[0], -1)
-
-
-def test_a_size_inference_cannot_derive_is_read_at_run_time_not_baked() -> None:
-    # the traced size (5) once became a Constant in the view's target
-    model = export(_SizeAfterSqueeze(), (torch.randn(5, 3, 4),), training=False).model
-    producer = {o: n for n in model.graph.node for o in n.output}
-    (view,) = [
-        n
-        for n in model.graph.node
-        if n.op_type == "Reshape"
-        and n.input[1] in producer
-        and producer[n.input[1]].op_type == "Concat"
-    ]
-    pending, read = [view.input[1]], set()
-    while pending:
-        node = producer.get(pending.pop())
-        if node is not None:
-            read.add(node.op_type)
-            pending.extend(node.input)
-    assert "Shape" in read, "the view's first size is a constant of the traced call"
-
-
 def test_names_come_from_the_pytree_paths() -> None:
     case = ZOO["dict_io"]
     model = case.build(seed=0)

@@ -37,7 +37,6 @@ from .config import DEFAULT_OPSET, ExportConfig
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX, ExportedModel, SaveOptions
 from .shape_guards import split_shape_guards
-from .traced_sizes import sizes_left_to_inference
 
 logger = logging.getLogger("ortmodule.exporter")
 
@@ -385,7 +384,6 @@ def _export(
             _preserved_state(target),
             symbolics_applied(opset),
             tracing_state_of(flat),
-            sizes_left_to_inference(not static_shapes),
             aten_routes.untrainable_ops_routed(),
             empty_tensors.example_inputs(tensors),
             kernel_choice.recording_traced_sizes(),
