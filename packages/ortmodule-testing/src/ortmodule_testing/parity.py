@@ -219,9 +219,9 @@ def assert_same_mixed_precision_training(
     whatever its gradient's size, so noise-level gradients of opposite sign part by up to
     2 * lr a step: pass ``2 * steps * lr``). Gradients keep eager's dtype."""
     problems: list[str] = []
-    for step, (got, want) in enumerate(zip(other.losses, eager.losses, strict=True)):
-        if not _scalars_close(got, want, LOSS_RTOL, 0.0):
-            problems.append(f"loss at step {step}: {got!r} vs eager {want!r}")
+    for step, (got_loss, want_loss) in enumerate(zip(other.losses, eager.losses, strict=True)):
+        if not _scalars_close(got_loss, want_loss, LOSS_RTOL, 0.0):
+            problems.append(f"loss at step {step}: {got_loss!r} vs eager {want_loss!r}")
     problems += _key_problems("gradients", other.first_step_grads, eager.first_step_grads)
     scale = max(
         (float(g.detach().float().abs().max()) for g in eager.first_step_grads.values()
@@ -241,11 +241,11 @@ def assert_same_mixed_precision_training(
         err = float((got.float() - want.float()).abs().max())
         if not err <= bound:
             problems.append(f"grad of {name!r} after step 1: max abs err {err:.3g} > {bound:.3g}")
-    for name, want in eager.final_state.items():
-        got = other.final_state.get(name)
-        if got is None or not want.is_floating_point():
+    for name, want_value in eager.final_state.items():
+        got_value = other.final_state.get(name)
+        if got_value is None or not want_value.is_floating_point():
             continue
-        err = float((got.float() - want.float()).abs().max())
+        err = float((got_value.float() - want_value.float()).abs().max())
         if not err <= param_atol:
             problems.append(f"final {name!r}: max abs err {err:.3g} > {param_atol:.3g}")
     if problems:

@@ -561,7 +561,7 @@ def _traced_type(value: Any) -> str:
     rank = _rank(value)
     if scalar == undefined or rank is None:
         return ""
-    return f"{int(scalar.onnx_type())}:{rank}"
+    return f"{int(scalar.onnx_type())}:{rank}"  # type: ignore[call-overload]
 
 
 def _record_traced_types(node: Any, result: Any, created: Sequence[Any]) -> None:

@@ -185,9 +185,8 @@ class GraphTransitionManager(Generic[T]):
                     del kept[i]
                     self._keep(slot, current, key)
                     self._slots[slot] = (key, old_value)
-                    logger.info(
-                        "graph switched (%s): %s", key.mode, describe_change(current[0], key)
-                    )
+                    before = current[0] if current is not None else None
+                    logger.info("graph switched (%s): %s", key.mode, describe_change(before, key))
                     return old_value
             self._keep(slot, current, key)
             reason = describe_change(current[0] if current else None, key)

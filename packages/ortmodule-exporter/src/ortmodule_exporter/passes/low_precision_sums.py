@@ -30,7 +30,10 @@ from .built_graph import register_built_graph_pass
 
 __all__ = ["compute_in_float32"]
 
-_ONNX_NAMES = {onnx.TensorProto.BFLOAT16: "BFloat16", onnx.TensorProto.FLOAT16: "Half"}
+_ONNX_NAMES: dict[int, str] = {
+    int(onnx.TensorProto.BFLOAT16): "BFloat16",
+    int(onnx.TensorProto.FLOAT16): "Half",
+}
 
 #: op types whose float outputs have the dtype of their float inputs, and which of their inputs
 #: carry that dtype (None: every input)
@@ -73,7 +76,7 @@ def compute_in_float32(model: onnx.ModelProto) -> int:
         dtypes = {
             known.get(node.input[i]) for i in carried if i < len(node.input) and node.input[i]
         }
-        low = [d for d in dtypes if _low(d)]
+        low = [d for d in dtypes if d is not None and _low(d)]
         if len(low) != 1 or node.op_type in CPU_KERNELS[_ONNX_NAMES[low[0]]]:
             nodes.append(node)
             _propagate(node, known)
