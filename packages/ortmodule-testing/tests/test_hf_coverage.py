@@ -120,9 +120,13 @@ def test_cause_blanks_what_varies_between_model_types() -> None:
     a = cause("RuntimeError: shape '[2, 12, 64]' is invalid for input of size 3072")
     b = cause("RuntimeError: shape '[2, 12, 32]' is invalid for input of size 1536")
     assert a == b == "RuntimeError: shape '[N, N, N]' is invalid for input of size N"
+    assert cause("at transformers.models.gpt2.modeling_gpt2.GPT2Attention") == "at <Model>"
     assert cause("KeyError: 'model.layers.0.mlp.weight' in LlamaForCausalLM", "llama") == (
         "KeyError: '<name>' in <Model>"
     )
+    assert cause(
+        "EngineBuildError: at operator Where in model.layers.0.self_attn: /src/x.cc:12 in f(pybind11::)"
+    ) == ("EngineBuildError: at operator Where in <module>: <file>")
 
 
 def _result(model_type: str, status: str, error: str = "") -> Result:
@@ -152,6 +156,7 @@ def test_report_counts_groups_and_lists_every_type() -> None:
 _HAVE_STACK = all(importlib.util.find_spec(m) for m in ("transformers", "ortmodule"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _HAVE_STACK, reason="needs transformers and ortmodule")
 def test_sweep_two_model_types_end_to_end(tmp_path: Path) -> None:
     """gpt2 and bert train with parity (both are in the Hugging Face zoo tests), in a child

@@ -21,10 +21,13 @@ from .run_one import STATUSES, TRAINS_IN_EAGER, Result
 __all__ = ["cause", "coverage", "render"]
 
 _BLANKS = (
+    (re.compile(r"\btransformers\.models\.[\w.]+"), "<Model>"),
     (re.compile(r"0x[0-9a-fA-F]+"), "0x?"),
     (re.compile(r"(/[\w.\-]+)+\.(py|cc|cpp|h)(:\d+)?"), "<file>"),
     # a parameter or module path such as model.layers.0.self_attn.q_proj.weight
     (re.compile(r"'[\w]+(\.[\w]+){2,}'"), "'<name>'"),
+    # an unquoted module path with a layer index: model.layers.0.self_attn
+    (re.compile(r"\b[A-Za-z_]\w*(\.\w+)*\.\d+(\.\w+)*\b"), "<module>"),
     (re.compile(r"\b[A-Z]\w*(For\w+|Model|Config|PreTrainedModel)\b"), "<Model>"),
     (re.compile(r"\d+(\.\d+)?(e-?\d+)?"), "N"),
 )
@@ -38,7 +41,9 @@ def cause(error: str, model_type: str = "") -> str:
         text = pattern.sub(blank, text)
     if model_type:
         text = re.sub(rf"\b{re.escape(model_type)}\b", "<type>", text, flags=re.IGNORECASE)
-    return text[:_CAUSE_LEN]
+    # what follows a source location is the engine's C++ stack: the same for every cause
+    head, file, _ = text.partition("<file>")
+    return (head + file)[:_CAUSE_LEN]
 
 
 def coverage(results: Iterable[Result]) -> tuple[int, int]:

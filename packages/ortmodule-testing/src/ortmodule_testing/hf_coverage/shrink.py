@@ -67,7 +67,7 @@ SIZES: dict[str, int] = {
     # mixture of experts: few experts, routing groups that still divide them
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
                     EXPERTS),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), 2),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "num_selected_experts"), 2),
     **dict.fromkeys(("n_group", "topk_group", "n_shared_experts", "num_shared_experts"), 1),
     # vocabulary and positions
     "vocab_size": VOCAB,
