@@ -210,7 +210,7 @@ def models(session: nox.Session) -> None:
     (``nox -s models -- --only llama bert --out /tmp/models.md``).
     """
     _install(session, *_all_packages_args(), groups=("test",))
-    args = session.posargs or ["--out", "docs/models.md", "--results", "out/models.jsonl"]
+    args = session.posargs or ["--out", "docs/models.md", "--results", "docs/models.jsonl"]
     session.run("python", "-m", "ortmodule_testing.hf_coverage", *args)
 
 
