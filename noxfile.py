@@ -202,6 +202,19 @@ def fuzz(session: nox.Session) -> None:
 
 
 @nox.session
+def models(session: nox.Session) -> None:
+    """Coverage of all of transformers: every model type of its auto mappings, tiny, trained in
+    eager and under ORTModule; writes docs/models.md. Hours on a small CPU machine.
+
+    Arguments go to ``python -m ortmodule_testing.hf_coverage``
+    (``nox -s models -- --only llama bert --out /tmp/models.md``).
+    """
+    _install(session, *_all_packages_args(), groups=("test",))
+    args = session.posargs or ["--out", "docs/models.md", "--results", "docs/models.jsonl"]
+    session.run("python", "-m", "ortmodule_testing.hf_coverage", *args)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """The benchmark suite: writes benchmarks/results/<date>-<machine>.md."""
     _install(session, *_all_packages_args(), groups=("bench",))
