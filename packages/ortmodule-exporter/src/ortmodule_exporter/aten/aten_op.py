@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from . import executor as aten_executor
-from . import gemm_rows
 
 __all__ = ["AtenOp"]
 
@@ -82,14 +81,12 @@ class AtenOp(torch.autograd.Function):
         ]
         gradients: list[Any] = [None] * len(leaves)
         if pairs and wanted:
-            # autograd's backward GEMMs of a bfloat16 node in row pieces where that pays
-            with gemm_rows.row_pieces(grads):
-                computed = torch.autograd.grad(
-                    [o for o, _ in pairs],
-                    [leaves[i] for i in wanted],
-                    [g for _, g in pairs],
-                    allow_unused=True,
-                )
+            computed = torch.autograd.grad(
+                [o for o, _ in pairs],
+                [leaves[i] for i in wanted],
+                [g for _, g in pairs],
+                allow_unused=True,
+            )
             incoming = [g for _, g in pairs]
             for i, g in zip(wanted, computed, strict=True):
                 gradients[i] = _owned(_materialized(g), incoming)

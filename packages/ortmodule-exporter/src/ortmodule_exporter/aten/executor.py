@@ -36,7 +36,7 @@ import torch
 from .. import dlpack_bridge as bridge
 from ..callback_errors import remember
 from ..engine_binding import _C
-from . import gemm_rows, parallel
+from . import parallel
 
 __all__ = [
     "ATEN_DOMAIN",
@@ -264,8 +264,7 @@ def call_aten(
     if in_pieces is not None:
         result = in_pieces(op.op, positional, keywords)
     else:
-        with gemm_rows.row_pieces(positional):
-            result = op.op(*positional, **keywords)
+        result = op.op(*positional, **keywords)
     results = list(result) if isinstance(result, (tuple, list)) else [result]
     return [_as_output(r) for r in results]
 
