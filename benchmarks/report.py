@@ -246,8 +246,9 @@ class Report:
             'Forward and loss under `torch.autocast("cpu", torch.bfloat16)`, fp32 weights, '
             "backward and AdamW outside it. One process per model holds fp32 eager, eager, "
             "ORTModule and torch.compile under autocast and runs one step of each in turn "
-            "(as above); each ratio is the median of the per-round ratios, in brackets its 95% "
-            "interval.",
+            "; each ratio is the median of the per-round ratios, in brackets its 95% interval. In "
+            "the *Training steps* table, the loss diff of ORTModule and torch.compile under "
+            "autocast is against eager under autocast, that of eager under autocast against fp32.",
             "",
             f"- CPU bfloat16 features (`/proc/cpuinfo` flags of {', '.join(BF16_FLAGS)}): {have}; "
             f"PyTorch's CPU capability: {self.info.get('torch_cpu_capability', '?')}.",
