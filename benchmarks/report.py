@@ -245,7 +245,7 @@ class Report:
             "",
             'Forward and loss under `torch.autocast("cpu", torch.bfloat16)`, fp32 weights, '
             "backward and AdamW outside it. One process per model holds fp32 eager, eager, "
-            "ORTModule and torch.compile under autocast and runs one step of each in turn "
+            "ORTModule and torch.compile under autocast and runs one step of each in turn"
             "; each ratio is the median of the per-round ratios, in brackets its 95% interval. In "
             "the *Training steps* table, the loss diff of ORTModule and torch.compile under "
             "autocast is against eager under autocast, that of eager under autocast against fp32.",
