@@ -7,6 +7,8 @@ so first-step times are cold and peak memory is that configuration's own. The re
     python -m benchmarks                       # the quick suite: under ten minutes on two cores
     python -m benchmarks --full                # bigger batches, more steps
     python -m benchmarks --models gpt mlp_many_small --modes eager ortmodule --no-micro
+    python -m benchmarks --models gpt bert llama --modes eager --bf16 --no-micro --no-overhead
+                                               # bfloat16 autocast rows (and fp32 eager)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .models import (
+    AUTOCAST_MODELS,
     DEFAULT_MODELS,
     LABEL_SPARSITY_MODELS,
     PADDING_ELIMINATION,
@@ -30,10 +33,13 @@ from .models import (
     WORKLOADS,
 )
 from .report import Report, machine_info, machine_slug, write_report
+from .worker import MODES as WORKER_MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 MODES = ("eager", "ortmodule", "compile")
+#: with --bf16, per model of AUTOCAST_MODELS: the same modes under torch.autocast("cpu", bfloat16)
+AUTOCAST_MODES = ("eager-bf16", "ortmodule-bf16", "compile-bf16")
 #: measured rounds of each interleaved run at least: 30 give a 95.7% interval for the median
 #: ratio between the 10th and 21st smallest rounds (benchmarks/stats.py), about 20 s per model
 INTERLEAVED_ROUNDS = 30
@@ -111,7 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_MODELS)
     )
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=WORKER_MODES, default=list(MODES))
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help=f"also run {', '.join(AUTOCAST_MODELS)} under bfloat16 autocast: eager, ORTModule and "
+        "torch.compile, fp32 eager the baseline, per process and interleaved in one process",
+    )
     parser.add_argument(
         "--no-micro", action="store_true", help="skip the benchmarks/bench_*.py micro-benchmarks"
     )
@@ -173,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model}: {WORKLOADS[model].description}", flush=True)
             cache = runner.tmp / f"cache-{model}"
             cache.mkdir()
-            for mode in args.modes:
+            modes = list(args.modes)
+            if args.bf16 and model in AUTOCAST_MODELS:
+                modes += [m for m in ("eager", *AUTOCAST_MODES) if m not in modes]
+            for mode in modes:
                 base = ["train", "--model", model, "--mode", mode]
                 steps = ["--steps", *map(str, args.steps)] if args.steps else []
                 if mode == "ortmodule":
@@ -194,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                         report.runs[(model, "ortmodule-padding")] = runner.run(
                             f"{mode} (padding elimination on)", [*base, *steps], PADDING_ELIMINATION
                         )
-                elif mode == "compile":
+                elif mode.startswith("compile"):
                     # a fresh inductor cache: its first step is a cold compile, like ours is a cold export
-                    env = {"TORCHINDUCTOR_CACHE_DIR": str(runner.tmp / f"inductor-{model}")}
+                    env = {"TORCHINDUCTOR_CACHE_DIR": str(runner.tmp / f"inductor-{model}-{mode}")}
                     report.runs[(model, mode)] = runner.run(mode, [*base, *steps], env)
                 else:
                     report.runs[(model, mode)] = runner.run(mode, [*base, *steps])
@@ -213,15 +228,33 @@ def main(argv: list[str] | None = None) -> int:
                         "3",
                     ],
                 )
-        if not args.no_interleaved and "eager" in args.modes and len(args.modes) > 1:
+        if (
+            not args.no_interleaved
+            and "eager" in args.modes
+            and len(set(args.modes) & set(MODES)) > 1
+        ):
             print("interleaved: the modes take turns, one process per model", flush=True)
             for model in args.models:
-                ratio = ["ratio", "--model", model, "--modes", *args.modes]
+                ratio = ["ratio", "--model", model, "--modes"]
+                ratio += [m for m in args.modes if m in MODES]
                 ratio += ["--rounds", str(INTERLEAVED_ROUNDS)]
                 report.interleaved[model] = runner.run(model, ratio)
                 if model in PADDING_MODELS and "ortmodule" in args.modes:
                     padded = f"{model}, padding elimination on"
                     report.interleaved[padded] = runner.run(padded, ratio, PADDING_ELIMINATION)
+        if not args.no_interleaved and args.bf16:
+            print(
+                "interleaved under bfloat16 autocast: fp32 eager and the autocast modes", flush=True
+            )
+            for model in (m for m in args.models if m in AUTOCAST_MODELS):
+                ratio = ["ratio", "--model", model, "--modes", "eager", *AUTOCAST_MODES]
+                # --steps sets the rounds of these (emulated bfloat16 steps take seconds each)
+                ratio += (
+                    ["--steps", *map(str, args.steps)]
+                    if args.steps
+                    else ["--rounds", str(INTERLEAVED_ROUNDS)]
+                )
+                report.autocast[model] = runner.run(f"{model}, bf16 autocast", ratio)
         if not args.no_overhead:
             print("overhead: Linear(8, 8) on a 4x8 batch, forward + backward", flush=True)
             for mode in ("eager", "ortmodule"):
@@ -247,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": report.profile,
         "overhead": report.overhead,
         "interleaved": report.interleaved,
+        "autocast": report.autocast,
         "micro": report.micro,
     }
     output.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str))

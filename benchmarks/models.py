@@ -31,6 +31,7 @@ from ortmodule_testing.zoo import (
 )
 
 __all__ = [
+    "AUTOCAST_MODELS",
     "DEFAULT_MODELS",
     "LABEL_SPARSITY_MODELS",
     "PADDING_ELIMINATION",
@@ -417,6 +418,9 @@ ON_REQUEST = ("llama_no_cache", "hf_masked_lm", "hf_masked_lm_logits", "hf_llama
 #: what `python -m benchmarks` runs without --models
 DEFAULT_MODELS = tuple(name for name in WORKLOADS if name not in ON_REQUEST)
 
+#: workloads run under bfloat16 autocast too with ``--bf16`` (eager, ORTModule and torch.compile
+#: under ``torch.autocast("cpu", torch.bfloat16)``, against fp32 eager)
+AUTOCAST_MODELS = ("gpt", "bert", "llama")
 #: workloads also run with ORTMODULE_ENABLE_LABEL_SPARSE_OPTIMIZER=0 (the on/off comparison)
 LABEL_SPARSITY_MODELS = ("masked_lm",)
 #: workloads also run with padding elimination on (off by default), per process and interleaved

@@ -17,6 +17,16 @@ from .stats import goal_verdict
 #: ORTModule's step time as a multiple of eager's that the project aims at, per default model
 #: (interleaved ratio, at or below); the rest of the default models: 1.0
 SPEED_GOALS = {"gpt": 0.85, "masked_lm": 0.6}
+#: ORTModule under bfloat16 autocast against eager under the same autocast (interleaved, at or
+#: below); the rest of the autocast models: 1.0
+AUTOCAST_GOALS = {"gpt": 0.85}
+
+#: /proc/cpuinfo flags that decide how fast bfloat16 is on a CPU: native bf16 dot products
+#: (AVX512-BF16, AMX), the AVX-512 they build on, and what PyTorch falls back to without them
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "avx512f", "avx2", "fma")
+#: any of these: PyTorch's CPU kernels compute bfloat16 natively (oneDNN); otherwise every
+#: bfloat16 operator converts to float32 and back
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
 
 MODE_TITLES = {
     "eager": "PyTorch eager",
@@ -25,7 +35,23 @@ MODE_TITLES = {
     "ortmodule-warm": "ORTModule, warm cache",
     "ortmodule-label-off": "ORTModule, label sparsity off",
     "ortmodule-padding": "ORTModule, padding elimination on",
+    "eager-bf16": "PyTorch eager, bf16 autocast",
+    "compile-bf16": "torch.compile, bf16 autocast",
+    "ortmodule-bf16": "ORTModule, bf16 autocast",
 }
+
+
+def cpu_flags() -> list[str]:
+    """Of :data:`BF16_FLAGS`, those this CPU has (from /proc/cpuinfo; empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in BF16_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
 
 
 def _cpu_model() -> str:
@@ -76,6 +102,8 @@ def machine_info() -> dict[str, Any]:
         "versions": versions,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
+        "bf16_flags": cpu_flags(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
 
 
@@ -99,6 +127,8 @@ class Report:
     micro: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: per model, the interleaved run (``worker ratio``): modes taking turns in one process
     interleaved: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: per model, the interleaved run of fp32 eager and the bfloat16 autocast modes (--bf16)
+    autocast: dict[str, dict[str, Any]] = field(default_factory=dict)
     commands: list[str] = field(default_factory=list)
     seconds: float = 0.0
     #: intra-op threads forced with --threads, or None for PyTorch's default
@@ -106,8 +136,10 @@ class Report:
 
     # -- figures ---------------------------------------------------------------------------
     def loss_diff(self, model: str, mode: str) -> float | None:
-        """Largest |loss - eager loss| over the measured steps (same init, same batches)."""
-        eager, run = self.runs.get((model, "eager")), self.runs.get((model, mode))
+        """Largest |loss - eager loss| over the measured steps (same init, same batches); for
+        ORTModule and torch.compile under autocast, eager's under the same autocast."""
+        base = "eager-bf16" if mode in ("ortmodule-bf16", "compile-bf16") else "eager"
+        eager, run = self.runs.get((model, base)), self.runs.get((model, mode))
         if not eager or not run or "error" in eager or "error" in run:
             return None
         warmup = run["warmup"]
@@ -201,6 +233,57 @@ class Report:
             )
         return [*lines, ""]
 
+    def autocast_section(self) -> list[str]:
+        """fp32 eager and the bfloat16 autocast modes, interleaved in one process per model."""
+        if not self.autocast:
+            return []
+        flags = self.info.get("bf16_flags", [])
+        native = [f for f in flags if f in NATIVE_BF16]
+        have = ", ".join(f"`{f}`" for f in flags) or "none of them"
+        lines = [
+            "## bfloat16 autocast",
+            "",
+            'Forward and loss under `torch.autocast("cpu", torch.bfloat16)`, fp32 weights, '
+            "backward and AdamW outside it. One process per model holds fp32 eager, eager, "
+            "ORTModule and torch.compile under autocast and runs one step of each in turn"
+            "; each ratio is the median of the per-round ratios, in brackets its 95% interval. In "
+            "the *Training steps* table, the loss diff of ORTModule and torch.compile under "
+            "autocast is against eager under autocast, that of eager under autocast against fp32.",
+            "",
+            f"- CPU bfloat16 features (`/proc/cpuinfo` flags of {', '.join(BF16_FLAGS)}): {have}; "
+            f"PyTorch's CPU capability: {self.info.get('torch_cpu_capability', '?')}.",
+            "- "
+            + (
+                f"Native bfloat16 ({', '.join(native)}): PyTorch's bf16 kernels use it."
+                if native
+                else "No native bfloat16 (no `avx512_bf16`, no `amx_bf16`): PyTorch's CPU kernels "
+                "convert every bfloat16 operand to float32 and round each result back, so "
+                "autocast is expected to be slower than fp32 here, and the goal *faster than fp32 "
+                "eager* does not apply."
+            ),
+            "",
+            "| model | fp32 eager step | eager bf16 vs fp32 | ORTModule bf16 vs eager bf16 | "
+            "goal | ORTModule bf16 vs fp32 eager | torch.compile bf16 vs eager bf16 | "
+            "max loss diff ORTModule vs eager bf16 |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for model, run in self.autocast.items():
+            if "error" in run:
+                lines.append(f"| {model} | error: {_cell(run['error'])} |" + " |" * 6)
+                continue
+            vs = run.get("vs", {}).get("eager-bf16", {})
+            goal = AUTOCAST_GOALS.get(model, 1.0)
+            interval = vs.get("interval", {}).get("ortmodule-bf16")
+            verdict = goal_verdict(interval[:2], goal) if interval else ""
+            diff = vs.get("max_loss_diff", {}).get("ortmodule-bf16")
+            lines.append(
+                f"| {model} | {_ms(run.get('median_step_s', {}).get('eager'))} | "
+                f"{_ratio_cell(run, 'eager-bf16')} | {_ratio_cell(vs, 'ortmodule-bf16')} | "
+                f"{goal:.2f}x: {verdict} | {_ratio_cell(run, 'ortmodule-bf16')} | "
+                f"{_ratio_cell(vs, 'compile-bf16')} | {'' if diff is None else f'{diff:.1e}'} |"
+            )
+        return [*lines, ""]
+
     def main_table(self) -> str:
         rows = [
             "| model | mode | median step | vs eager | first step | peak RSS | max loss diff vs eager |",
@@ -218,12 +301,18 @@ class Report:
                     continue
                 warm = mode == "ortmodule-warm"
                 ratio = self.ratio(model, mode)
-                compared = ("compile", "ortmodule", "ortmodule-label-off", "ortmodule-padding")
+                compared = (
+                    "compile",
+                    "ortmodule",
+                    "ortmodule-label-off",
+                    "ortmodule-padding",
+                    *(m for m in MODE_TITLES if m.endswith("-bf16")),
+                )
                 diff = self.loss_diff(model, mode) if mode in compared else None
                 first = _seconds(run.get("first_step_s"))
-                if mode == "compile":
+                if mode.startswith("compile"):
                     first += " (compiles)"
-                elif mode == "ortmodule":
+                elif mode in ("ortmodule", "ortmodule-bf16"):
                     first += " (cold: export + build)"
                 elif warm:
                     first += " (export from cache)"
@@ -503,6 +592,9 @@ def write_report(report: Report, path: Path) -> str:
         f"- Machine: {info['cpu']}, {cores}{memory}; {info['os']}; "
         f"{'CUDA available (not used)' if info['cuda'] else 'no GPU'}",
         f"- Versions: {versions}",
+        f"- CPU bfloat16 features: {', '.join(info.get('bf16_flags', [])) or 'none'} "
+        f"(of {', '.join(BF16_FLAGS)}); PyTorch CPU capability "
+        f"{info.get('torch_cpu_capability', '?')}",
         "- Intra-op threads per process (PyTorch and the engine alike): "
         + (
             f"{report.threads} (`--threads {report.threads}`)"
@@ -548,6 +640,7 @@ def write_report(report: Report, path: Path) -> str:
     lines += ["", report.main_table(), ""]
     lines += report.interleaved_section()
     lines += report.goals_section()
+    lines += report.autocast_section()
     gpt_cold, gpt_warm = (
         report.runs.get(("gpt", "ortmodule"), {}),
         report.runs.get(("gpt", "ortmodule-warm"), {}),

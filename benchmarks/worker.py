@@ -5,6 +5,7 @@
     python -m benchmarks.worker overhead --mode eager --out r.json
     python -m benchmarks.worker micro --name bench_pytree --out r.json
     python -m benchmarks.worker ratio --model gpt --modes eager ortmodule --out r.json
+    python -m benchmarks.worker ratio --model gpt --modes eager eager-bf16 ortmodule-bf16 --out r.json
 
 Each writes one JSON object to ``--out``. A failure inside the measured code (``torch.compile``
 on a machine without a working compiler, an export error) is written as ``{"error": ...}``
@@ -14,6 +15,7 @@ instead of crashing, so the report can show it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import importlib
 import inspect
@@ -36,7 +38,17 @@ import torch
 from .models import TINY, WORKLOADS, Workload
 from .stats import median_interval
 
-MODES = ("eager", "compile", "ortmodule")
+#: ``<mode>-bf16``: the same mode with forward and loss under ``torch.autocast("cpu", torch.bfloat16)``
+#: (backward and the optimizer outside it, as the autocast docs prescribe); fp32 weights
+AUTOCAST_SUFFIX = "-bf16"
+MODES = ("eager", "compile", "ortmodule", "eager-bf16", "compile-bf16", "ortmodule-bf16")
+
+
+def forward_context(mode: str) -> contextlib.AbstractContextManager[Any]:
+    """What the forward (and the loss) of ``mode`` runs under: bfloat16 autocast for ``*-bf16``."""
+    if mode.endswith(AUTOCAST_SUFFIX):
+        return torch.autocast("cpu", torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _rss_mib() -> float:
@@ -83,13 +95,15 @@ class _TimedAgent:
 
 
 def timed_step(
-    model: Any, optimizer: Any, workload: Workload, batch: Any
+    model: Any, optimizer: Any, workload: Workload, batch: Any, mode: str = "eager"
 ) -> tuple[float, float, float]:
     """One training step on ``batch``: seconds of forward + backward, seconds of the optimizer
-    step + ``zero_grad`` + ``loss.item()``, and the loss."""
+    step + ``zero_grad`` + ``loss.item()``, and the loss. The forward and the loss run under
+    :func:`forward_context` of ``mode``."""
     args, kwargs = batch
     start = time.perf_counter()
-    loss = workload.loss(model(*args, **kwargs), batch)
+    with forward_context(mode):
+        loss = workload.loss(model(*args, **kwargs), batch)
     loss.backward()
     mid = time.perf_counter()
     optimizer.step()
@@ -174,6 +188,7 @@ def _top_operators(profile_file: str, steps: int, top: int = 12) -> dict[str, An
 
 
 def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    mode = mode.removesuffix(AUTOCAST_SUFFIX)
     if mode == "compile":
         return torch.compile(model)  # type: ignore[return-value]
     if mode == "ortmodule":
@@ -218,11 +233,11 @@ def train(
         model = _wrap(base, mode)
         model.train()
         for step, batch in enumerate(batches):
-            fwd_bwd, optimizer_s, loss = timed_step(model, optimizer, workload, batch)
+            fwd_bwd, optimizer_s, loss = timed_step(model, optimizer, workload, batch, mode)
             losses.append(loss)
             seconds.append(fwd_bwd + optimizer_s)
             optimizer_seconds.append(optimizer_s)
-            if mode == "ortmodule" and agent is None:
+            if mode.startswith("ortmodule") and agent is None:
                 agent = _time_engine_calls(model)
             if agent is not None and step == warmup - 1:
                 engine_before = agent.seconds
@@ -240,7 +255,7 @@ def train(
         # means add up (step = engine + optimizer + the rest), medians do not
         result["mean_step_s"] = statistics.fmean(seconds[warmup:])
         result["mean_optimizer_s"] = statistics.fmean(optimizer_seconds[warmup:])
-    if mode == "ortmodule" and "error" not in result:
+    if mode.startswith("ortmodule") and "error" not in result:
         times = getattr(model._runner, "last_times", None)
         result["phases"] = dict(times.seconds) if times is not None else {}
         result["exports"] = model._runner.exports
@@ -253,13 +268,19 @@ def train(
     return result
 
 
-def ratio(workload: Workload, modes: list[str], full: bool, rounds: int) -> dict[str, Any]:
+def ratio(
+    workload: Workload,
+    modes: list[str],
+    full: bool,
+    rounds: int,
+    steps: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """Step-time ratios to eager, the modes taking turns one step each in this one process.
 
     A busy machine slows every mode of a round alike, so the median of the per-round ratios is
     far steadier than ratios of medians from separate processes (the load moves between them).
     """
-    warmup, measured = workload.steps(full)
+    warmup, measured = steps or workload.steps(full)
     measured = max(measured, rounds)
     batches = [workload.batch(i, full) for i in range(warmup + measured)]
     result: dict[str, Any] = {"model": workload.name, "modes": modes, "rounds": measured}
@@ -274,7 +295,7 @@ def ratio(workload: Workload, modes: list[str], full: bool, rounds: int) -> dict
             # a different mode first each round, so none always runs right after another
             order = modes[step % len(modes) :] + modes[: step % len(modes)]
             for mode in order:
-                fwd_bwd, optimizer_s, loss = timed_step(*runs[mode], workload, (args, kwargs))
+                fwd_bwd, optimizer_s, loss = timed_step(*runs[mode], workload, (args, kwargs), mode)
                 losses[mode].append(loss)
                 seconds[mode].append(fwd_bwd + optimizer_s)
     except Exception as err:  # reported, not raised
@@ -293,6 +314,23 @@ def ratio(workload: Workload, modes: list[str], full: bool, rounds: int) -> dict
     result["max_loss_diff"] = {
         m: max(abs(a - b) for a, b in zip(losses[m], losses[modes[0]], strict=True)) for m in modes
     }
+    # the same against every other mode of the run: ORTModule under autocast against eager
+    # under autocast is the comparison that matters for the *-bf16 modes
+    result["vs"] = {}
+    for base in modes[1:]:
+        rounds = {
+            m: [a / b for a, b in zip(seconds[m][warmup:], seconds[base][warmup:], strict=True)]
+            for m in modes
+            if m != base
+        }
+        result["vs"][base] = {
+            "ratio": {m: statistics.median(r) for m, r in rounds.items()},
+            "interval": {m: median_interval(r) for m, r in rounds.items()},
+            "max_loss_diff": {
+                m: max(abs(a - b) for a, b in zip(losses[m], losses[base], strict=True))
+                for m in rounds
+            },
+        }
     return result
 
 
@@ -416,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--model", choices=sorted(WORKLOADS), required=True)
     r.add_argument("--modes", nargs="+", choices=MODES, default=["eager", "ortmodule"])
     r.add_argument("--rounds", type=int, default=0, help="measured rounds (default: the model's)")
+    r.add_argument("--steps", type=int, nargs=2, metavar=("WARMUP", "MEASURED"))
     for p in (t, o, m, r):
         p.add_argument("--full", action="store_true")
         p.add_argument(
@@ -432,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         result = overhead(args.mode, args.full)
     elif args.what == "ratio":
         modes = ["eager", *(m for m in args.modes if m != "eager")]
-        result = ratio(WORKLOADS[args.model], modes, args.full, args.rounds)
+        steps = tuple(args.steps) if args.steps else None
+        result = ratio(WORKLOADS[args.model], modes, args.full, args.rounds, steps)  # type: ignore[arg-type]
     else:
         result = micro(args.name, args.full)
     Path(args.out).write_text(json.dumps(result, default=str))
