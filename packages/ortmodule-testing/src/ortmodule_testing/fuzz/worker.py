@@ -13,6 +13,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from types import TracebackType
 
+from ..child_process import stop_child
 from .program import Program
 from .runner import Engine, Outcome, Refusals, run_program
 
@@ -118,15 +119,7 @@ class Worker:
         return Outcome("crashed", f"the process died (exit code {code})")
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
-            try:
-                self._conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            self._proc.join(10)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join()
+        stop_child(self._proc, self._conn)
         self._proc = None
 
     def __enter__(self) -> Worker:

@@ -20,6 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from types import TracebackType
 
+from ..child_process import stop_child
 from .run_one import Result, run_model_type
 from .tasks import TASKS_BY_NAME
 
@@ -122,15 +123,7 @@ class Sweeper:
         return Result(model_type, task, class_name, _PHASE_STATUS[phase], why, "", seconds)
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
-            try:
-                self._conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            self._proc.join(10)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join()
+        stop_child(self._proc, self._conn)
         self._proc = None
 
     def __enter__(self) -> Sweeper:
