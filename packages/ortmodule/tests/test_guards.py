@@ -285,6 +285,28 @@ def test_size_turned_into_a_python_int_is_checked_before_the_run() -> None:
     assert wrapped._runner.exports == 2
 
 
+class SliceByLength(torch.nn.Module):
+    """A buffer sliced by the input's length (CLIP's ``position_ids[:, :seq_length]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("positions", torch.linspace(0, 1, 16)[None, :, None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        return (self.lin(x) * self.positions[:, :length]).pow(2).sum()
+
+
+def test_a_size_used_as_a_slice_bound_follows_the_input_without_a_guard() -> None:
+    # the tracer keeps a tensor slice bound as a graph value: one graph serves every length
+    eager, wrapped = _pair(SliceByLength)
+    for length in (3, 5, 9, 3):
+        torch.manual_seed(length)
+        _step(eager, wrapped, torch.randn(2, length, 4))
+    assert wrapped._runner.exports == 1, wrapped._runner.transitions.history
+
+
 class LoopOverAnIntermediatesDim(torch.nn.Module):
     """A loop over a dim of an intermediate whose size shape inference cannot name: its guard
     is read after the run, and on a smaller size the run fails in a Gather first (fuzzer seed

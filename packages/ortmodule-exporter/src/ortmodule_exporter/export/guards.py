@@ -134,6 +134,8 @@ def _recorder(attr: str, kind: str, original: Any) -> Any:
         seen = getattr(_ACTIVE, "seen", None)
         if seen is None or not torch.jit.is_tracing():
             return result
+        if kind == "index" and any(self is bound for bound in _ACTIVE.slice_bounds):
+            return result  # a slice bound: the tracer records it as a value (see _subscript)
         seen.append(Guard(kind, self.detach().clone(), _user_source()))
         seen_tensors: list[torch.Tensor] = _ACTIVE.tensors
         seen_tensors.append(self)
@@ -142,6 +144,43 @@ def _recorder(attr: str, kind: str, original: Any) -> Any:
     convert.__name__ = attr
     convert.__qualname__ = f"Tensor.{attr}"
     return convert
+
+
+def _bounds(index: Any) -> list[torch.Tensor]:
+    """The tensors among the start, stop and step of the slices in a subscript."""
+    items = index if isinstance(index, tuple) else (index,)
+    return [
+        bound
+        for item in items
+        if isinstance(item, slice)
+        for bound in (item.start, item.stop, item.step)
+        if isinstance(bound, torch.Tensor)
+    ]
+
+
+def _subscript(original: Any) -> Any:
+    """``Tensor.__getitem__``/``__setitem__`` under which a traced slice bound converts to an
+    int without a guard: the tracer keeps such a bound as a value of the graph (PyTorch's
+    indexing stashes a tensor slice bound for the trace), so ``buffer[:, : x.shape[1]]`` follows
+    the input's size and needs no re-export when it changes (CLIP's position ids)."""
+
+    def subscript(self: torch.Tensor, index: Any, *rest: Any) -> Any:
+        bounds = _bounds(index) if getattr(_ACTIVE, "seen", None) is not None else []
+        if not bounds:
+            return original(self, index, *rest)
+        active: list[torch.Tensor] = _ACTIVE.slice_bounds
+        active.extend(bounds)
+        try:
+            return original(self, index, *rest)
+        finally:
+            del active[len(active) - len(bounds) :]
+
+    subscript.__name__ = original.__name__
+    subscript.__qualname__ = f"Tensor.{original.__name__}"
+    return subscript
+
+
+_SUBSCRIPTS = ("__getitem__", "__setitem__")
 
 
 @contextmanager
@@ -153,11 +192,14 @@ def recording_conversions() -> Iterator[list[Guard]]:
     """
     seen: list[Guard] = []
     with _LOCK:
-        saved = {attr: torch.Tensor.__dict__.get(attr) for attr in _CONVERSIONS}
+        saved = {attr: torch.Tensor.__dict__.get(attr) for attr in (*_CONVERSIONS, *_SUBSCRIPTS)}
         for attr, kind in _CONVERSIONS.items():
             setattr(torch.Tensor, attr, _recorder(attr, kind, getattr(torch.Tensor, attr)))
+        for attr in _SUBSCRIPTS:
+            setattr(torch.Tensor, attr, _subscript(getattr(torch.Tensor, attr)))
     _ACTIVE.seen = seen
     _ACTIVE.tensors = []
+    _ACTIVE.slice_bounds = []
     try:
         yield seen
     finally:
