@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -87,3 +90,20 @@ def test_registered_modifier_runs_once_and_attributes_delegate(registered):
 def test_an_engine_is_refused_with_a_hint(registered):
     with pytest.raises(TypeError, match=r"pass that \(Engine.optimizer\) instead"):
         FP16_Optimizer(Engine())
+
+
+def test_a_registration_for_a_deepspeed_class_wins_over_the_builtin_one():
+    # In a fresh process: the built-in modifiers are in the registry from the import on, so a
+    # user's registration made before the first FP16_Optimizer is not replaced by them later.
+    code = (
+        "import ortmodule_optim\n"
+        "path = 'deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer'\n"
+        "calls = []\n"
+        "ortmodule_optim.register_fp16_modifier(path, calls.append)\n"
+        "Fake = type('FP16_Optimizer', (), {'__module__': path.rpartition('.')[0]})\n"
+        "fake = Fake()\n"
+        "ortmodule_optim.FP16_Optimizer(fake)\n"
+        "print(calls == [fake])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"

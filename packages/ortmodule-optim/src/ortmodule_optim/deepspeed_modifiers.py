@@ -5,6 +5,9 @@ check, gradient norm, unscale and clip) with versions doing a few multi-tensor o
 DeepSpeed's results: the same overflow decisions, the same norm (up to summation order), the same
 clip rule, and DeepSpeed's own collectives. Loss scaling, skipping and the update itself stay
 DeepSpeed's. Written against DeepSpeed 0.19; DeepSpeed is imported only when a modifier runs.
+
+``fp16_optimizer`` starts its registry from :data:`DEEPSPEED_MODIFIERS`; this module imports
+nothing of the registry.
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ from typing import Any
 
 import torch
 
-from ortmodule_optim.fp16_optimizer import register_fp16_modifier
 from ortmodule_optim.multi_tensor import has_inf_or_nan, scale_, tensor_norms
 
-__all__ = ["modify_deepspeed_fp16", "modify_deepspeed_unfused_fp16", "modify_deepspeed_zero"]
+__all__ = [
+    "DEEPSPEED_MODIFIERS",
+    "modify_deepspeed_fp16",
+    "modify_deepspeed_unfused_fp16",
+    "modify_deepspeed_zero",
+]
 
 FUSED_FP16 = "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer"
 UNFUSED_FP16 = "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer"
@@ -236,6 +243,9 @@ def modify_deepspeed_zero(optimizer: Any) -> None:
     _replace(optimizer, "unscale_and_clip_grads", _zero_unscale_and_clip_grads)
 
 
-register_fp16_modifier(FUSED_FP16, modify_deepspeed_fp16)
-register_fp16_modifier(UNFUSED_FP16, modify_deepspeed_unfused_fp16)
-register_fp16_modifier(ZERO_1_2, modify_deepspeed_zero)
+#: the modifier of each DeepSpeed optimizer class FP16_Optimizer knows from the start
+DEEPSPEED_MODIFIERS: dict[str, Callable[[Any], None]] = {
+    FUSED_FP16: modify_deepspeed_fp16,
+    UNFUSED_FP16: modify_deepspeed_unfused_fp16,
+    ZERO_1_2: modify_deepspeed_zero,
+}

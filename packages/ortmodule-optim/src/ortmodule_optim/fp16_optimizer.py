@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+# Imports nothing from DeepSpeed; the modifiers import it when they run.
+from ortmodule_optim.deepspeed_modifiers import DEEPSPEED_MODIFIERS
+
 __all__ = ["FP16_Optimizer", "register_fp16_modifier", "supported_fp16_optimizers"]
 
 Modifier = Callable[[Any], None]
 """Replaces methods of one optimizer instance in place."""
 
-_MODIFIERS: dict[str, Modifier] = {}
+_MODIFIERS: dict[str, Modifier] = dict(DEEPSPEED_MODIFIERS)
 _MODIFIED = "_ortmodule_fp16_modified"
 
 
@@ -35,7 +38,6 @@ def register_fp16_modifier(class_path: str, modifier: Modifier) -> None:
 
 def supported_fp16_optimizers() -> list[str]:
     """The class paths :class:`FP16_Optimizer` accepts."""
-    _load_builtin_modifiers()
     return sorted(_MODIFIERS)
 
 
@@ -44,17 +46,11 @@ def _class_path(cls: type) -> str:
 
 
 def _find_modifier(optimizer: Any) -> Modifier | None:
-    _load_builtin_modifiers()
     for cls in type(optimizer).__mro__:
         modifier = _MODIFIERS.get(_class_path(cls))
         if modifier is not None:
             return modifier
     return None
-
-
-def _load_builtin_modifiers() -> None:
-    # Imports nothing from DeepSpeed; the modifiers import it when they run.
-    from ortmodule_optim import deepspeed_modifiers  # noqa: F401
 
 
 class FP16_Optimizer:  # noqa: N801 - the name users know from DeepSpeed and apex

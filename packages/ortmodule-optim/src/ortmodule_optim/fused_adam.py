@@ -13,11 +13,13 @@ multi-tensor Adam.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.optim.optimizer import ParamsT
+
+from ortmodule_optim.adam_bucket import Bucket, Hyper
 
 __all__ = ["FusedAdam"]
 
@@ -28,24 +30,12 @@ _UNSUPPORTED_IF_TRUE = ("amsgrad", "maximize", "differentiable")
 
 
 @dataclass
-class _Bucket:
-    """Parameters of one group that share device, dtype and step count."""
-
-    params: list[torch.Tensor]
-    exp_avgs: list[torch.Tensor]
-    exp_avg_sqs: list[torch.Tensor]
-    steps: list[torch.Tensor]
-    step: int
-    kernel_cache: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class _Plan:
     """The buckets of one param group, valid while the same parameters carry gradients."""
 
     params: list[torch.Tensor]
     has_grad: tuple[bool, ...]
-    buckets: list[_Bucket]
+    buckets: list[Bucket]
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -191,8 +181,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _bucket(
         self, index: int, params: list[torch.Tensor], has_grad: tuple[bool, ...]
-    ) -> list[_Bucket]:
-        buckets: dict[tuple[torch.device, torch.dtype, int], _Bucket] = {}
+    ) -> list[Bucket]:
+        buckets: dict[tuple[torch.device, torch.dtype, int], Bucket] = {}
         for i, (p, live) in enumerate(zip(params, has_grad, strict=True)):
             if not live:
                 continue
@@ -217,14 +207,14 @@ class FusedAdam(torch.optim.Optimizer):
             key = (p.device, p.dtype, step)
             bucket = buckets.get(key)
             if bucket is None:
-                bucket = buckets[key] = _Bucket([], [], [], [], step)
+                bucket = buckets[key] = Bucket([], [], [], [], step)
             bucket.params.append(p)
             bucket.exp_avgs.append(state["exp_avg"])
             bucket.exp_avg_sqs.append(state["exp_avg_sq"])
             bucket.steps.append(step_t)
         return list(buckets.values())
 
-    def _update(self, index: int, group: dict[str, Any], bucket: _Bucket) -> None:
+    def _update(self, index: int, group: dict[str, Any], bucket: Bucket) -> None:
         grads = [cast(torch.Tensor, p.grad) for p in bucket.params]
         if any([g.is_sparse for g in grads]):
             # Checked before any in-place update, so a refused step leaves no half-updated state.
@@ -237,7 +227,7 @@ class FusedAdam(torch.optim.Optimizer):
             bias_correction2 = 1 - beta2**bucket.step
         else:
             bias_correction1 = bias_correction2 = 1.0
-        hyper = _Hyper(
+        hyper = Hyper(
             lr=lr,
             beta1=beta1,
             beta2=beta2,
@@ -278,19 +268,7 @@ class FusedAdam(torch.optim.Optimizer):
                 ) from err
 
 
-@dataclass(frozen=True)
-class _Hyper:
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adam_w_mode: bool
-    step_size: float
-    bias_correction2_sqrt: float
-
-
-def _foreach_adam_step(bucket: _Bucket, grads: list[torch.Tensor], h: _Hyper) -> None:
+def _foreach_adam_step(bucket: Bucket, grads: list[torch.Tensor], h: Hyper) -> None:
     """The update of ``torch.optim.adam._multi_tensor_adam`` for one step count, in its order."""
     params = bucket.params
     if h.weight_decay != 0:
@@ -308,7 +286,7 @@ def _foreach_adam_step(bucket: _Bucket, grads: list[torch.Tensor], h: _Hyper) ->
     torch._foreach_addcdiv_(params, bucket.exp_avgs, denom, -h.step_size)
 
 
-def _fused_kernel_step(bucket: _Bucket, grads: list[torch.Tensor], h: _Hyper) -> None:
+def _fused_kernel_step(bucket: Bucket, grads: list[torch.Tensor], h: Hyper) -> None:
     """One call of torch's fused Adam kernel, with the arguments ``AdamW(fused=True)`` passes.
 
     The kernel reads the step count from ``bucket.steps``, so they are advanced first, as torch
@@ -333,11 +311,11 @@ def _fused_kernel_step(bucket: _Bucket, grads: list[torch.Tensor], h: _Hyper) ->
     )
 
 
-def _on_cuda(bucket: _Bucket) -> bool:
+def _on_cuda(bucket: Bucket) -> bool:
     return bucket.params[0].device.type == "cuda"
 
 
-_TRITON_STEP: Callable[[_Bucket, list[torch.Tensor], _Hyper], bool] | None = None
+_TRITON_STEP: Callable[[Bucket, list[torch.Tensor], Hyper], bool] | None = None
 
 
 def _triton_available() -> bool:
@@ -345,7 +323,7 @@ def _triton_available() -> bool:
     return _TRITON_STEP is not _NO_TRITON
 
 
-def _NO_TRITON(bucket: _Bucket, grads: list[torch.Tensor], h: _Hyper) -> bool:
+def _NO_TRITON(bucket: Bucket, grads: list[torch.Tensor], h: Hyper) -> bool:
     return False
 
 
@@ -353,6 +331,8 @@ def _load_triton_step() -> None:
     global _TRITON_STEP
     if _TRITON_STEP is None:
         try:
+            # At call time, not module level: triton_adam imports triton, which
+            # ``import ortmodule_optim`` must not (one way: triton_adam imports adam_bucket only).
             from ortmodule_optim.triton_adam import triton_adam_step
         except ImportError:
             _TRITON_STEP = _NO_TRITON
@@ -360,7 +340,7 @@ def _load_triton_step() -> None:
             _TRITON_STEP = triton_adam_step
 
 
-def _triton_adam_step(bucket: _Bucket, grads: list[torch.Tensor], h: _Hyper) -> bool:
+def _triton_adam_step(bucket: Bucket, grads: list[torch.Tensor], h: Hyper) -> bool:
     """The Triton kernel where triton imports; False (use foreach) where it does not."""
     _load_triton_step()
     assert _TRITON_STEP is not None

@@ -8,14 +8,13 @@ element offset from the bucket's first tensor, and a chunk table maps every prog
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from ortmodule_optim.fused_adam import _Bucket, _Hyper
+from ortmodule_optim.adam_bucket import Bucket, Hyper
 
 __all__ = ["triton_adam_step"]
 
@@ -85,7 +84,7 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
     return [(t.data_ptr() - base) // size for t in tensors]
 
 
-def _static_tables(bucket: _Bucket) -> dict[str, Any]:
+def _static_tables(bucket: Bucket) -> dict[str, Any]:
     device = bucket.params[0].device
     chunk_tensor: list[int] = []
     chunk_start: list[int] = []
@@ -115,7 +114,7 @@ def _static_tables(bucket: _Bucket) -> dict[str, Any]:
     }
 
 
-def triton_adam_step(bucket: _Bucket, grads: list[torch.Tensor], h: _Hyper) -> bool:
+def triton_adam_step(bucket: Bucket, grads: list[torch.Tensor], h: Hyper) -> bool:
     """Update ``bucket`` in one launch; False (nothing done, use foreach) where the kernel does
     not apply: a non-contiguous tensor, or float64 (the kernel computes in fp32)."""
     if bucket.params[0].dtype not in _KERNEL_DTYPES:
