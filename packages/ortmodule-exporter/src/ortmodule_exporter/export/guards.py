@@ -25,12 +25,13 @@ import linecache
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..errors import ExportError
 
@@ -158,29 +159,30 @@ def _bounds(index: Any) -> list[torch.Tensor]:
     ]
 
 
-def _subscript(original: Any) -> Any:
-    """``Tensor.__getitem__``/``__setitem__`` under which a traced slice bound converts to an
-    int without a guard: the tracer keeps such a bound as a value of the graph (PyTorch's
-    indexing stashes a tensor slice bound for the trace), so ``buffer[:, : x.shape[1]]`` follows
-    the input's size and needs no re-export when it changes (CLIP's position ids)."""
+class _SliceBounds(TorchFunctionMode):
+    """While a tensor is subscripted, the tensors among its slice bounds convert to an int
+    without a guard: the tracer keeps such a bound as a value of the graph (PyTorch's indexing
+    stashes a tensor slice bound for the trace), so ``buffer[:, : x.shape[1]]`` follows the
+    input's size and needs no re-export when it changes (CLIP's position ids). A mode rather
+    than a patched ``Tensor.__getitem__``: a Python ``__getitem__`` on the class would make
+    every tensor a sequence to C code (``torch.tensor([t])`` would call ``len`` on a 0-d ``t``).
+    """
 
-    def subscript(self: torch.Tensor, index: Any, *rest: Any) -> Any:
-        bounds = _bounds(index) if getattr(_ACTIVE, "seen", None) is not None else []
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        bounds = _bounds(args[1]) if func in _SUBSCRIPTS and len(args) > 1 else []
         if not bounds:
-            return original(self, index, *rest)
+            return func(*args, **(kwargs or {}))
         active: list[torch.Tensor] = _ACTIVE.slice_bounds
         active.extend(bounds)
         try:
-            return original(self, index, *rest)
+            return func(*args, **(kwargs or {}))
         finally:
             del active[len(active) - len(bounds) :]
 
-    subscript.__name__ = original.__name__
-    subscript.__qualname__ = f"Tensor.{original.__name__}"
-    return subscript
 
-
-_SUBSCRIPTS = ("__getitem__", "__setitem__")
+_SUBSCRIPTS = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
 
 
 @contextmanager
@@ -192,16 +194,15 @@ def recording_conversions() -> Iterator[list[Guard]]:
     """
     seen: list[Guard] = []
     with _LOCK:
-        saved = {attr: torch.Tensor.__dict__.get(attr) for attr in (*_CONVERSIONS, *_SUBSCRIPTS)}
+        saved = {attr: torch.Tensor.__dict__.get(attr) for attr in _CONVERSIONS}
         for attr, kind in _CONVERSIONS.items():
             setattr(torch.Tensor, attr, _recorder(attr, kind, getattr(torch.Tensor, attr)))
-        for attr in _SUBSCRIPTS:
-            setattr(torch.Tensor, attr, _subscript(getattr(torch.Tensor, attr)))
     _ACTIVE.seen = seen
     _ACTIVE.tensors = []
     _ACTIVE.slice_bounds = []
     try:
-        yield seen
+        with _SliceBounds():
+            yield seen
     finally:
         _ACTIVE.seen = None
         with _LOCK:
