@@ -3,7 +3,7 @@ as PythonOps inside the CPU engine, under Triton's interpreter), losses equal to
 with ORTMODULE_USE_FLASH_ATTENTION=1 (attention through the flash-attention kernels).
 
 Runs in a subprocess: Triton picks interpreter or GPU mode when it is first imported, and other
-tests in this session may import it (through torch.compile) without the interpreter."""
+tests in the same pytest session may import it (through torch.compile) without the interpreter."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def _sweep(ops: list[str], workers: int) -> tuple[dict[str, dict[str, Any]], lis
 
 @pytest.fixture(scope="session")
 def sweep(request: pytest.FixtureRequest) -> Iterator[dict[str, dict[str, Any]]]:
-    """Results of the ops selected in this session (all of them, or what ``-k`` kept)."""
+    """Results of the ops selected in this pytest session (all of them, or what ``-k`` kept)."""
     selected = [
         item.callspec.params["op"]
         for item in request.session.items
