@@ -1,69 +1,20 @@
-"""Hugging Face models train in the engine unchanged: per-step losses, step-1 gradients and every
-final parameter equal eager after 5 AdamW steps; eval/no_grad outputs (caches included) too.
-Fallback is disabled (conftest), so every step ran in the engine."""
+"""Hugging Face models beyond the training each architecture gets in test_hf_architectures.py:
+a cache output that carries gradients, a batch without attention mask or cache, both attention
+implementations, generate in eval mode. Fallback is disabled (conftest)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import HF_ZOO, adamw, causal_lm_batch  # noqa: E402
+from hf_models import HF_ZOO, adamw, assert_outputs_close, causal_lm_batch  # noqa: E402
 
 from ortmodule import ORTModule  # noqa: E402
-from ortmodule_pytree import flatten  # noqa: E402
-from ortmodule_testing.parity import (  # noqa: E402
-    assert_same_training,
-    clone_model,
-    eval_outputs,
-    train_steps,
-)
+from ortmodule_testing.parity import assert_same_training, clone_model, train_steps  # noqa: E402
 
-STEPS = 5
 RTOL, ATOL = 1e-4, 1e-5
-
-
-def _sizes_as_ints(outputs: Any) -> Any:
-    """A sliding-window cache layer counts tokens in ``cumulative_length``, a Python int in eager
-    that the exporter traces as a 0-d tensor (it is ``+= key.shape[-2]``); the engine then
-    hands it back as a tensor of the same value. Known difference: compare it as an int."""
-    for out in outputs:
-        cache = out.get("past_key_values") if hasattr(out, "get") else None
-        for layer in getattr(cache, "layers", ()):
-            value = getattr(layer, "cumulative_length", None)
-            if isinstance(value, torch.Tensor):
-                assert value.dim() == 0 and not value.is_floating_point()
-                layer.cumulative_length = int(value)
-    return outputs
-
-
-def assert_outputs_close(got: Any, want: Any) -> None:
-    """Same structure (cache objects included, via the pytree ORTModule uses), close tensors."""
-    got = _sizes_as_ints(got)
-    got_tensors, got_schema = flatten(got, prefix="output")
-    want_tensors, want_schema = flatten(want, prefix="output")
-    assert got_schema.names == want_schema.names
-    assert repr(got_schema) == repr(want_schema)
-    for name, a, b in zip(want_schema.names, got_tensors, want_tensors, strict=True):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
-
-
-@pytest.mark.parametrize("name", sorted(HF_ZOO))
-def test_hf_training_matches_eager(name: str) -> None:
-    case = HF_ZOO[name]
-    model = case.build(seed=0)
-    eager = train_steps(clone_model(model), case, STEPS, adamw)
-    wrapped = ORTModule(clone_model(model))
-    ours = train_steps(wrapped, case, STEPS, adamw)
-    assert_same_training(eager=eager, other=ours, rtol=RTOL, atol=ATOL)
-    assert wrapped._runner.transitions.builds == 1, wrapped._runner.transitions.history
-    # eval + no_grad from the trained weights: an inference graph, outputs equal eager's
-    assert_outputs_close(
-        eval_outputs(wrapped, case, steps=1), eval_outputs(wrapped.module, case, steps=1)
-    )
 
 
 def test_cache_output_is_a_dynamic_cache_whose_tensors_carry_gradients() -> None:
