@@ -138,6 +138,20 @@ def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[froz
     return result
 
 
+def value_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Value name -> ONNX element type, for every value whose type is declared or inferred.
+
+    The export declares none for intermediate values; ONNX's shape inference finds those of
+    standard operators (ATen and PythonOp outputs stay unknown). A graph it cannot read keeps
+    the types it declares."""
+    graph = model.graph
+    try:
+        graph = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001 - inference is best effort, declared types still hold
+        pass
+    return {name: elem for name, (elem, _) in value_shapes(graph).items()}
+
+
 def differentiable_inputs(model: onnx.ModelProto, names: list[str]) -> set[str]:
     """Those of ``names`` (graph inputs) that some floating-point graph output is computed from
     through floating-point values only: the ones a gradient can reach. A path through an integer
@@ -145,13 +159,7 @@ def differentiable_inputs(model: onnx.ModelProto, names: list[str]) -> set[str]:
     the engine. A value of unknown type counts as floating point, and a node with subgraphs
     (If, Loop) reads every value its subgraphs name."""
     graph = model.graph
-    try:
-        # the export records no types for intermediate values; ONNX's inference finds those of
-        # standard operators (ATen and PythonOp outputs stay unknown)
-        graph = onnx.shape_inference.infer_shapes(model).graph
-    except Exception:  # noqa: BLE001  # a graph it cannot read keeps the types it declares
-        pass
-    types = {name: elem for name, (elem, _) in value_shapes(graph).items()}
+    types = value_types(model)
 
     def carries(name: str) -> bool:
         return bool(name) and types.get(name, onnx.TensorProto.FLOAT) in FLOAT_TYPES
