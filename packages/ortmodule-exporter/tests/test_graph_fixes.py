@@ -7,6 +7,8 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 import pytest
+import torch
+from conftest import assert_engine_matches_eager
 from onnx import TensorProto, helper
 
 from ortmodule_exporter.engine_binding import import_onnxruntime
@@ -149,3 +151,40 @@ def test_a_division_of_anything_else_stays() -> None:
     model = _unit_step([2.0], folded=False)
     assert fix_graph(model) == 0
     assert "Div" in [n.op_type for n in model.graph.node]
+
+
+def test_a_cast_to_the_inferred_type_of_its_input_goes() -> None:
+    """Its input (a Reshape's output) has no declared type; ONNX's inference gives it one."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Reshape", ["x", "shape"], ["r"]),
+            helper.make_node("Cast", ["r"], ["c"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["c", "c"], ["y"]),
+        ],
+        "square",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(np.array([3, 2], dtype=np.int64), "shape")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert fix_graph(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["Reshape", "Mul"]
+    assert list(model.graph.node[1].input) == ["r", "r"]
+
+
+class _SquareOfAFloat(torch.nn.Module):
+    """``h.float()`` on a float tensor, then ``h * h``: the engine's optimiser failed dropping
+    the Cast ("Argument mismatch when removing edge"; hy_v4's hyper-connection norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x).reshape(2, 4, 8).float()
+        return h * h
+
+
+def test_a_no_op_cast_read_twice_by_one_node_trains() -> None:
+    torch.manual_seed(0)
+    assert_engine_matches_eager(_SquareOfAFloat(), (torch.randn(8, 8, requires_grad=True),))

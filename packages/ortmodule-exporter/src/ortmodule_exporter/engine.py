@@ -296,12 +296,21 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     C = _C()
     builder_config = C.OrtModuleGraphBuilderConfiguration()
     builder_config.initializer_names = list(exported.param_names)
-    builder_config.initializer_names_to_train = (
-        list(config.params_to_train) if config.build_gradient else []
+    # The engine refuses a name no output's gradient reaches ("Cannot compute the partial
+    # derivative for 'w' as it's unreachable from the output node(s)"): a weight that only
+    # picks TopK's indices, as a sparse-attention indexer does. Eager leaves its grad None; so
+    # does the runtime for a name the graph gives no gradient.
+    reached = (
+        onnx_graph.differentiable_inputs(
+            exported.model, [*config.params_to_train, *config.inputs_require_grad]
+        )
+        if config.build_gradient
+        else set()
     )
-    builder_config.input_names_require_grad = (
-        list(config.inputs_require_grad) if config.build_gradient else []
-    )
+    builder_config.initializer_names_to_train = [n for n in config.params_to_train if n in reached]
+    builder_config.input_names_require_grad = [
+        n for n in config.inputs_require_grad if n in reached
+    ]
     builder_config.build_gradient_graph = config.build_gradient
     builder_config.enable_caching = False
     builder_config.loglevel = (

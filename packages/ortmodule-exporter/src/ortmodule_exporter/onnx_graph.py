@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx.numpy_helper
+import onnx.shape_inference
 
 # ONNX Runtime 1.19 reads models up to IR version 10; onnx >= 1.17 writes newer by default.
 MAX_IR_VERSION = 10
@@ -135,6 +136,58 @@ def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[froz
                 stack.extend(i for i in node.input if i)
         result.append(frozenset(found))
     return result
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Value name -> ONNX element type, for every value whose type is declared or inferred.
+
+    The export declares none for intermediate values; ONNX's shape inference finds those of
+    standard operators (ATen and PythonOp outputs stay unknown). A graph it cannot read keeps
+    the types it declares."""
+    graph = model.graph
+    try:
+        graph = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001 - inference is best effort, declared types still hold
+        pass
+    return {name: elem for name, (elem, _) in value_shapes(graph).items()}
+
+
+def differentiable_inputs(model: onnx.ModelProto, names: list[str]) -> set[str]:
+    """Those of ``names`` (graph inputs) that some floating-point graph output is computed from
+    through floating-point values only: the ones a gradient can reach. A path through an integer
+    or bool value (TopK's indices, a comparison, a Shape) carries no gradient, in PyTorch as in
+    the engine. A value of unknown type counts as floating point, and a node with subgraphs
+    (If, Loop) reads every value its subgraphs name."""
+    graph = model.graph
+    types = value_types(model)
+
+    def carries(name: str) -> bool:
+        return bool(name) and types.get(name, onnx.TensorProto.FLOAT) in FLOAT_TYPES
+
+    producer = {name: node for node in graph.node for name in node.output if name}
+    stack = [vi.name for vi in graph.output if carries(vi.name)]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = producer.get(name)
+        if node is not None:
+            stack.extend(i for i in (*node.input, *_subgraph_reads(node)) if carries(i))
+    return {name for name in names if name in seen}
+
+
+def _subgraph_reads(node: onnx.NodeProto) -> list[str]:
+    """Every value name read inside ``node``'s subgraph attributes (outer-scope reads among them)."""
+    reads: list[str] = []
+    for a in node.attribute:
+        graphs = [a.g] if a.HasField("g") else list(a.graphs)
+        for g in graphs:
+            for inner in g.node:
+                reads.extend(i for i in inner.input if i)
+                reads.extend(_subgraph_reads(inner))
+    return reads
 
 
 # an exported node's name is its module scope then the operator: /_ortmodule_wrapped/model/

@@ -32,6 +32,7 @@ from ..errors import ExportError, UnsupportedOutputError
 from ..op_location import locate_operator
 from ..symbolics.registry import symbolics_applied
 from ..symbolics.traced_state import tracing_state_of
+from .bool_scalars import bool_scalars_as_numbers
 from .cache import ExportCache
 from .config import DEFAULT_OPSET, ExportConfig
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
@@ -387,6 +388,8 @@ def _export(
             aten_routes.untrainable_ops_routed(),
             empty_tensors.example_inputs(tensors),
             kernel_choice.recording_traced_sizes(),
+            # after the size recorder: it sees the calls as traced (numbers for bools)
+            bool_scalars_as_numbers(),
             python_op.exporting_copy_of(module, target),
             warnings.catch_warnings(record=True) as caught,
         ):

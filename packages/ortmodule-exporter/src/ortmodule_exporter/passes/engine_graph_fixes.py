@@ -3,8 +3,10 @@
 * A Cast to the type its input already has (``x.float()`` on a float tensor, the cast a
   symbolic puts on a scalar argument): the engine's optimiser drops it, and when its input is a
   graph input the graph output or the input's gradient goes missing ("Graph output (output)
-  does not exist", "failed to find NodeArg input_grad"). Its readers read its input instead;
-  a graph output gets an Identity.
+  does not exist", "failed to find NodeArg input_grad"), and when one node reads its output
+  twice (``y = h.float(); y * y``) dropping it fails ("Argument mismatch when removing edge").
+  Its readers read its input instead; a graph output gets an Identity. Types come from ONNX's
+  shape inference where the export declares none (any value after a Reshape, say).
 * A node reading the same graph input twice (``Mul(x, x)`` for ``torch.square``): the engine
   names both partial gradients ``x_grad`` ("Duplicate definition of name"). The second read
   goes through an Identity, so the two gradients are summed.
@@ -34,17 +36,10 @@ import onnx
 import onnx.numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from ..onnx_graph import value_types
 from .registry import register_post_export_pass
 
 __all__ = ["fix_graph"]
-
-
-def _types(graph: onnx.GraphProto) -> dict[str, int]:
-    types = {}
-    for vi in (*graph.input, *graph.value_info, *graph.output):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            types[vi.name] = vi.type.tensor_type.elem_type
-    return types
 
 
 def _concat(node: onnx.NodeProto, members: list[str]) -> list[onnx.NodeProto]:
@@ -189,7 +184,8 @@ def fix_graph(model: onnx.ModelProto) -> int:
     """Apply the rewrites to ``model`` in place; returns how many nodes changed."""
     reciprocals = _unit_reciprocals(model)
     graph = model.graph
-    types = _types(graph)
+    # inferred too: a Cast after a Reshape has an input of no declared type
+    types = value_types(model)
     inputs = {vi.name for vi in graph.input}
     outputs = {vi.name for vi in graph.output}
     sequences = {
