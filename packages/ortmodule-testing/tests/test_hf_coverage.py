@@ -63,6 +63,14 @@ def test_size_overrides_distilbert_names_and_stage_lists() -> None:
     }
 
 
+def test_size_overrides_mamba2_heads_split_the_expanded_width() -> None:
+    # Mamba-2 checks num_heads * head_dim == expand * hidden_size, and n_groups divides num_heads
+    out = size_overrides({"hidden_size": 4096, "expand": 2, "num_heads": 128, "head_dim": 64,
+                          "n_groups": 8})  # fmt: skip
+    assert out == {"hidden_size": 64, "num_heads": 4, "head_dim": 32, "n_groups": 2}
+    assert out["num_heads"] * out["head_dim"] == 2 * out["hidden_size"]
+
+
 class _Config:
     """A configuration shaped like transformers' (attributes, to_dict, model_type, a per-layer
     list derived in __init__, a nested configuration)."""

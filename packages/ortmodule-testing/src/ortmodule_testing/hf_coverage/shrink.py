@@ -52,6 +52,7 @@ SIZES: dict[str, int] = {
         HEADS,
     ),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), KV_HEADS),
+    "n_groups": KV_HEADS,  # Mamba-2: groups of heads sharing B and C, like key/value heads
     **dict.fromkeys(("head_dim", "d_kv", "attention_head_size", "d_head", "v_head_dim"), HEAD_DIM),
     # multi-head latent attention (DeepSeek-style)
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
@@ -140,6 +141,11 @@ def size_overrides(settings: dict[str, Any], layers_before: int | None = None) -
     if "qk_rope_head_dim" in out and "head_dim" in out:
         # multi-head latent attention: the rotary embedding's head_dim is the rotary part
         out["head_dim"] = out["qk_rope_head_dim"]
+    if "expand" in settings and "num_heads" in out and "head_dim" in out:
+        # Mamba-2: the heads split the expanded width (num_heads * head_dim == expand * hidden)
+        width = out.get("hidden_size", settings.get("hidden_size"))
+        if isinstance(width, int) and isinstance(settings["expand"], int):
+            out["head_dim"] = width * settings["expand"] // out["num_heads"]
     if "kv_lora_rank" in out and "num_key_value_heads" in out:
         out["num_key_value_heads"] = HEADS  # its keys and values have a head per query head
     if "max_position_embeddings" in out and "max_window_layers" in settings:
