@@ -573,9 +573,10 @@ def test_max_min_at_opset_18_and_later(opset: int) -> None:
     check(case(fn(lambda a: torch.max(a, dim=1)), lambda: x(3, 5)), opset=opset)
 
 
-# -- squeeze / unsqueeze ---------------------------------------------------------------------
+# -- squeeze / unsqueeze / permute -----------------------------------------------------------
 # default squeeze(dim) with dynamic dims: an If node the engine cannot differentiate through;
-# squeeze(dims) does not export; unsqueeze is fine
+# squeeze(dims) does not export; unsqueeze is fine; default permute copies negative dims into
+# Transpose's perm, which the engine's gradient build refuses (Mamba-2's chunked scan)
 
 
 SHAPES = {
@@ -588,6 +589,10 @@ SHAPES = {
     "unsqueeze": case(fn(lambda a: a.unsqueeze(-1) * 2), lambda: x(3, 2)),
     "unsqueeze_front": case(fn(lambda a: a.unsqueeze(0) * 2), lambda: x(3, 2)),
     "unsqueeze_scalar": case(fn(lambda a: a.sum().unsqueeze(0) * 2), lambda: x(3)),
+    "permute_negative_dims": case(
+        fn(lambda a: (a * 2).permute(0, -2, -1, 1)), lambda: x(2, 3, 4, 5)
+    ),
+    "permute_identity_negative": case(fn(lambda a: (a * 2).permute(-2, -1)), lambda: x(3, 4)),
     "numpy_T": case(fn(lambda a: a.T * 2), lambda: x(2, 3, 4)),
     "numpy_T_matmul": case(fn(lambda a: a.T @ a), lambda: x(2, 3)),
     "numpy_T_vector": case(fn(lambda a: a.T * 2), lambda: x(3)),
@@ -601,6 +606,13 @@ SHAPES = {
 @run_cases(SHAPES)
 def test_shapes_and_argmax(make: Case) -> None:
     check(make)
+
+
+def test_permute_exports_perm_in_range() -> None:
+    module = Fn(lambda s, a: (a * s.w).permute(0, -2, -1, 1), w=torch.randn(2, 3, 4, 5))
+    model = export(module, (torch.randn(2, 3, 4, 5),), training=True).model
+    perms = [list(a.ints) for n in model.graph.node for a in n.attribute if a.name == "perm"]
+    assert perms == [[0, 2, 3, 1]]
 
 
 # -- upsampling ------------------------------------------------------------------------------
@@ -1018,7 +1030,7 @@ def test_user_registered_symbolic_takes_effect() -> None:
 
 def test_every_builtin_is_registered() -> None:
     ops = """layer_norm group_norm cross_entropy_loss nll_loss nll_loss2d nll_loss_nd embedding
-    softmax log_softmax gelu max min amax amin squeeze einsum outer scaled_dot_product_attention
+    softmax log_softmax gelu max min amax amin squeeze permute einsum outer scaled_dot_product_attention
     feature_dropout _convolution _convolution_mode max_pool1d max_pool2d_with_indices avg_pool3d
     adaptive_avg_pool2d adaptive_max_pool3d upsample_nearest1d _upsample_nearest_exact2d
     upsample_linear1d upsample_bilinear2d upsample_bicubic2d upsample_trilinear3d""".split()

@@ -63,6 +63,29 @@ def test_size_overrides_distilbert_names_and_stage_lists() -> None:
     }
 
 
+def test_size_overrides_mamba2_heads_split_the_expanded_width() -> None:
+    # Mamba-2 checks num_heads * head_dim == expand * hidden_size, and n_groups divides num_heads
+    out = size_overrides({"hidden_size": 4096, "expand": 2, "num_heads": 128, "head_dim": 64,
+                          "n_groups": 8, "chunk_size": 256})  # fmt: skip
+    assert out == {
+        "hidden_size": 64,
+        "num_heads": 4,
+        "head_dim": 32,
+        "n_groups": 2,
+        "chunk_size": 8,
+    }
+    assert out["num_heads"] * out["head_dim"] == 2 * out["hidden_size"]
+    assert "chunk_size" not in size_overrides({"chunk_size": 16})  # not a Mamba-2 scan
+
+
+def test_size_overrides_hybrid_mamba_heads_derive_their_width() -> None:
+    # Bamba-style: mamba_d_head was derived ("auto") from 128 heads; it is derived again
+    out = size_overrides({"hidden_size": 4096, "mamba_n_heads": 128, "mamba_d_head": 64,
+                          "mamba_d_ssm": 1024, "mamba_chunk_size": 256})  # fmt: skip
+    assert out == {"hidden_size": 64, "mamba_n_heads": 4, "mamba_d_head": DROP,
+                   "mamba_d_ssm": 128, "mamba_chunk_size": 8}  # fmt: skip
+
+
 class _Config:
     """A configuration shaped like transformers' (attributes, to_dict, model_type, a per-layer
     list derived in __init__, a nested configuration)."""

@@ -1,10 +1,11 @@
-"""Shape symbolics: ``squeeze``."""
+"""Shape symbolics: ``squeeze``, ``permute``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch.onnx import symbolic_helper as sh
 
 from .helpers import Value, _concat, _const, _const_ints, _ints, _rank, _shape
 
@@ -35,3 +36,15 @@ def squeeze(g: Any, x: Value, dim: Value = None) -> Value:
             keep.append(_const(g, [True], torch.bool))
     new_shape = g.op("Compress", shape, _concat(g, *keep), axis_i=0)
     return g.op("Reshape", x, new_shape, allowzero_i=1)
+
+
+def permute(g: Any, x: Value, dims: Value) -> Value:
+    # PyTorch's symbolic copies the dims into Transpose's perm as given, negative ones too
+    # (``x.permute(0, -2, -1, 1)`` in Mamba-2's chunked scan); ONNX wants them in [0, rank),
+    # and the engine's gradient build refuses the node ("Invalid attribute perm"). perm lists
+    # every dim, so its length is the rank even where the input's rank is unknown.
+    given: list[int] = sh._parse_arg(dims, "is")  # as PyTorch's symbolic parses them
+    perm = [d % len(given) for d in given]
+    if perm == list(range(len(perm))):
+        return x
+    return g.op("Transpose", x, perm_i=perm)

@@ -29,6 +29,7 @@ POSITIONS = 64
 IMAGE = 32
 PATCH = 8
 EXPERTS = 4
+SSM_CHUNK = 8  # Mamba-2's chunked scan: shorter than the batches, so state crosses chunks
 
 #: setting name -> tiny value, applied where the default configuration has the name with a
 #: value that is not None (None means "derive it", which the model then does from the new sizes)
@@ -52,6 +53,12 @@ SIZES: dict[str, int] = {
         HEADS,
     ),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), KV_HEADS),
+    "n_groups": KV_HEADS,  # Mamba-2: groups of heads sharing B and C, like key/value heads
+    # hybrid Mamba-2 layers (Bamba, FalconH1, GraniteMoeHybrid): few heads, an inner width of
+    # twice the hidden size
+    "mamba_n_heads": HEADS,
+    "mamba_d_ssm": 2 * HIDDEN,
+    "mamba_chunk_size": SSM_CHUNK,
     **dict.fromkeys(("head_dim", "d_kv", "attention_head_size", "d_head", "v_head_dim"), HEAD_DIM),
     # multi-head latent attention (DeepSeek-style)
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
@@ -140,6 +147,15 @@ def size_overrides(settings: dict[str, Any], layers_before: int | None = None) -
     if "qk_rope_head_dim" in out and "head_dim" in out:
         # multi-head latent attention: the rotary embedding's head_dim is the rotary part
         out["head_dim"] = out["qk_rope_head_dim"]
+    if "expand" in settings and "num_heads" in out and "head_dim" in out:
+        # Mamba-2: the heads split the expanded width (num_heads * head_dim == expand * hidden)
+        width = out.get("hidden_size", settings.get("hidden_size"))
+        if isinstance(width, int) and isinstance(settings["expand"], int):
+            out["head_dim"] = width * settings["expand"] // out["num_heads"]
+    if "n_groups" in out and isinstance(settings.get("chunk_size"), int):
+        out["chunk_size"] = SSM_CHUNK  # Mamba-2 (other models' chunk_size means other things)
+    if "mamba_n_heads" in out and isinstance(settings.get("mamba_d_head"), int):
+        out["mamba_d_head"] = DROP  # "auto" again: the inner width split among the new heads
     if "kv_lora_rank" in out and "num_key_value_heads" in out:
         out["num_key_value_heads"] = HEADS  # its keys and values have a head per query head
     if "max_position_embeddings" in out and "max_window_layers" in settings:
