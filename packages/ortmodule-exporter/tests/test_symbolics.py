@@ -595,6 +595,11 @@ SHAPES = {
     "argmax_all": case(fn(lambda a: (a * 2, a.argmax())), lambda: x(3, 5)),
     "argmax_keepdim": case(fn(lambda a: (a * 2, a.argmax(dim=-1, keepdim=True))), lambda: x(3, 5)),
     "argmax_ties": case(fn(lambda a: (a * 2, a.argmax(dim=1))), ties),
+    # the trace shares one Constant -1 between the view and dim=-1; PyTorch's symbolic turned
+    # that Constant into 2 in place (glm's interleaved rotary: Reshape error at run time)
+    "repeat_interleave_negative_dim_after_view": case(
+        fn(lambda a: a.view(a.shape[0], -1, 2).repeat_interleave(2, dim=-1) * 2), lambda: x(3, 8)
+    ),
 }
 
 
@@ -971,6 +976,7 @@ OPSET_CASES = {
     "group_norm": NORM["group_norm"],
     "einsum": EINSUM["bilinear_with_parameter"],
     "squeeze_dims": SHAPES["squeeze_dims"],
+    "repeat_interleave": SHAPES["repeat_interleave_negative_dim_after_view"],
     "bicubic": UPSAMPLE["bicubic"],
     "avg_pool_ceil": POOLING["avg_pool2d_ceil_pad_exclude"],
     "adaptive_max_pool": POOLING["adaptive_max_pool2d_indices"],

@@ -1,10 +1,12 @@
-"""Shape symbolics: ``squeeze``."""
+"""Shape symbolics: ``squeeze``, ``repeat_interleave``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch.onnx import symbolic_helper as sh
+from torch.onnx import symbolic_opset9, symbolic_opset13  # the exporter's modules
 
 from .helpers import Value, _concat, _const, _const_ints, _ints, _rank, _shape
 
@@ -35,3 +37,19 @@ def squeeze(g: Any, x: Value, dim: Value = None) -> Value:
             keep.append(_const(g, [True], torch.bool))
     new_shape = g.op("Compress", shape, _concat(g, *keep), axis_i=0)
     return g.op("Reshape", x, new_shape, allowzero_i=1)
+
+
+def repeat_interleave(
+    g: Any, x: Value, repeats: Value, dim: Value = None, output_size: Value = None
+) -> Value:
+    # PyTorch's symbolic (opset 9 and 13) reads a constant dim as the tensor the Constant node
+    # holds and normalises it with ``dim += rank``, in place: the Constant itself changes. The
+    # trace pools equal constants, so every other use of that -1 changed too, e.g. the -1 of
+    # ``view(b, s, -1, d)`` became rank-1, a Reshape baked to the traced head count of another
+    # projection that failed at run time (glm's interleaved rotary). PyTorch gets a Constant
+    # of its own to change.
+    value = sh._maybe_get_const(dim, "t") if dim is not None else None
+    if isinstance(value, torch.Tensor):
+        dim = g.op("Constant", value_t=value.clone())
+    default = symbolic_opset13 if g.opset >= 13 else symbolic_opset9
+    return default.repeat_interleave(g, x, repeats, dim, output_size)
