@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from torch.onnx import symbolic_helper as sh
-from torch.onnx import symbolic_opset9, symbolic_opset13  # the exporter's modules
+from torch.onnx import symbolic_opset13  # the exporter's module (exports use opset 14+)
 
 from .helpers import Value, _concat, _const, _const_ints, _ints, _rank, _shape
 
@@ -51,5 +51,4 @@ def repeat_interleave(
     value = sh._maybe_get_const(dim, "t") if dim is not None else None
     if isinstance(value, torch.Tensor):
         dim = g.op("Constant", value_t=value.clone())
-    default = symbolic_opset13 if g.opset >= 13 else symbolic_opset9
-    return default.repeat_interleave(g, x, repeats, dim, output_size)
+    return symbolic_opset13.repeat_interleave(g, x, repeats, dim, output_size)
