@@ -7,6 +7,8 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 import pytest
+import torch
+from conftest import assert_engine_matches_eager
 from onnx import TensorProto, helper
 
 from ortmodule_exporter.engine_binding import import_onnxruntime
@@ -191,3 +193,36 @@ def test_logsumexp_without_kept_dims_keeps_them_and_squeezes(attrs: dict[str, ob
 def test_other_logsumexps_stay(opset: int, attrs: dict[str, object]) -> None:
     model = _logsumexp(opset, **attrs)
     assert fix_graph(model) == 0
+
+
+def test_a_same_type_cast_of_an_undeclared_value_goes() -> None:
+    # the export declares no type for t; type inference finds it
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["x", "x"], ["t"]),
+            helper.make_node("Cast", ["t"], ["c"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["c", "c"], ["y"]),
+        ],
+        "square_of_cast",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert fix_graph(model) >= 1
+    assert "Cast" not in [n.op_type for n in model.graph.node]
+
+
+class _SquareOfCast(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = (x * self.w).to(torch.float32)  # a same-type Cast one node reads twice
+        return b * b
+
+
+def test_a_node_reading_a_same_type_cast_twice_trains() -> None:
+    """Failed with "Graph::RemoveEdge ... Argument mismatch" (inkling2_text's v_norm)."""
+    torch.manual_seed(0)
+    assert_engine_matches_eager(_SquareOfCast(), (torch.randn(3, 4),))

@@ -3,8 +3,10 @@
 * A Cast to the type its input already has (``x.float()`` on a float tensor, the cast a
   symbolic puts on a scalar argument): the engine's optimiser drops it, and when its input is a
   graph input the graph output or the input's gradient goes missing ("Graph output (output)
-  does not exist", "failed to find NodeArg input_grad"). Its readers read its input instead;
-  a graph output gets an Identity.
+  does not exist", "failed to find NodeArg input_grad"); when one node reads its output twice
+  (``b = h.float(); b * b``) the engine fails ("Graph::RemoveEdge ... Argument mismatch when
+  removing edge", 1.19.2). Its readers read its input instead; a graph output gets an
+  Identity. Types come from ONNX type inference too: the export declares few of them.
 * A node reading the same graph input twice (``Mul(x, x)`` for ``torch.square``): the engine
   names both partial gradients ``x_grad`` ("Duplicate definition of name"). The second read
   goes through an Identity, so the two gradients are summed.
@@ -44,11 +46,21 @@ from .registry import register_post_export_pass
 __all__ = ["fix_graph"]
 
 
-def _types(graph: onnx.GraphProto) -> dict[str, int]:
+def _types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element types of the values: those declared, and those ONNX type inference finds (the
+    export declares few intermediate values, and the engine removes every Cast whose input
+    has its type, declared or not)."""
+    graph = model.graph
+    declared = [*graph.input, *graph.value_info, *graph.output]
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        declared.extend(inferred.graph.value_info)
+    except Exception:  # noqa: BLE001 -- a graph inference cannot type keeps its declared types
+        pass
     types = {}
-    for vi in (*graph.input, *graph.value_info, *graph.output):
+    for vi in declared:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            types[vi.name] = vi.type.tensor_type.elem_type
+            types.setdefault(vi.name, vi.type.tensor_type.elem_type)
     return types
 
 
@@ -226,7 +238,7 @@ def fix_graph(model: onnx.ModelProto) -> int:
     """Apply the rewrites to ``model`` in place; returns how many nodes changed."""
     reciprocals = _unit_reciprocals(model)
     graph = model.graph
-    types = _types(graph)
+    types = _types(model)
     inputs = {vi.name for vi in graph.input}
     outputs = {vi.name for vi in graph.output}
     sequences = {
