@@ -188,3 +188,45 @@ class _SquareOfAFloat(torch.nn.Module):
 def test_a_no_op_cast_read_twice_by_one_node_trains() -> None:
     torch.manual_seed(0)
     assert_engine_matches_eager(_SquareOfAFloat(), (torch.randn(8, 8, requires_grad=True),))
+
+
+def _logsumexp(opset: int, **attrs: object) -> onnx.ModelProto:
+    inputs = ["x"]
+    if opset >= 18 and "axes" in attrs:
+        axes = attrs.pop("axes")
+        inputs.append("axes")
+        nodes = [helper.make_node("Constant", [], ["axes"], value_ints=axes)]
+    else:
+        nodes = []
+    nodes.append(helper.make_node("ReduceLogSumExp", inputs, ["y"], **attrs))
+    graph = helper.make_graph(
+        nodes,
+        "lse",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+@pytest.mark.parametrize(
+    "attrs", [{"axes": [-1], "keepdims": 0}, {"axes": [0, 2], "keepdims": 0}, {"keepdims": 0}]
+)
+def test_logsumexp_without_kept_dims_keeps_them_and_squeezes(attrs: dict[str, object]) -> None:
+    model = _logsumexp(17, **attrs)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)}
+    expected = _run(model, feeds)
+    assert fix_graph(model) == 1
+    assert [n.op_type for n in model.graph.node][-1] == "Squeeze"
+    reduce = next(n for n in model.graph.node if n.op_type == "ReduceLogSumExp")
+    assert [a.i for a in reduce.attribute if a.name == "keepdims"] == [1]
+    got = _run(model, feeds)
+    assert got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("opset", "attrs"), [(17, {"axes": [1], "keepdims": 1}), (18, {"axes": [1], "keepdims": 0})]
+)
+def test_other_logsumexps_stay(opset: int, attrs: dict[str, object]) -> None:
+    model = _logsumexp(opset, **attrs)
+    assert fix_graph(model) == 0

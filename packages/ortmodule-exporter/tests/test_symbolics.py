@@ -600,6 +600,18 @@ SHAPES = {
     "argmax_all": case(fn(lambda a: (a * 2, a.argmax())), lambda: x(3, 5)),
     "argmax_keepdim": case(fn(lambda a: (a * 2, a.argmax(dim=-1, keepdim=True))), lambda: x(3, 5)),
     "argmax_ties": case(fn(lambda a: (a * 2, a.argmax(dim=1))), ties),
+    # the trace shares one Constant -1 between the view and dim=-1; PyTorch's symbolic turned
+    # that Constant into 2 in place (glm's interleaved rotary: Reshape error at run time)
+    # the engine's ReduceLogSumExp gradient unsqueezes with the axes attribute Unsqueeze had
+    # before opset 13 when keepdims=0 ("Unsqueeze ... has input size 1"; granite_swa's sinks)
+    "logsumexp_dim": case(fn(lambda a: torch.logsumexp(a, dim=-1) * 2), lambda: x(3, 4, 5)),
+    "logsumexp_dims": case(fn(lambda a: torch.logsumexp(a, dim=(0, 2)) * 2), lambda: x(3, 4, 5)),
+    "logsumexp_keepdim": case(
+        fn(lambda a: torch.logsumexp(a, dim=1, keepdim=True) * 2), lambda: x(3, 4, 5)
+    ),
+    "repeat_interleave_negative_dim_after_view": case(
+        fn(lambda a: a.view(a.shape[0], -1, 2).repeat_interleave(2, dim=-1) * 2), lambda: x(3, 8)
+    ),
 }
 
 
@@ -983,6 +995,8 @@ OPSET_CASES = {
     "group_norm": NORM["group_norm"],
     "einsum": EINSUM["bilinear_with_parameter"],
     "squeeze_dims": SHAPES["squeeze_dims"],
+    "repeat_interleave": SHAPES["repeat_interleave_negative_dim_after_view"],
+    "logsumexp": SHAPES["logsumexp_dims"],
     "bicubic": UPSAMPLE["bicubic"],
     "avg_pool_ceil": POOLING["avg_pool2d_ceil_pad_exclude"],
     "adaptive_max_pool": POOLING["adaptive_max_pool2d_indices"],

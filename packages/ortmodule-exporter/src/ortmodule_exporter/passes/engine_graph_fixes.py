@@ -21,6 +21,11 @@
   numerator may be any constant expression, the engine folds it to 1 first). The Div becomes
   ``Reciprocal(d)``: the same number up to the last bit (the engine's CPU Reciprocal was
   within one ulp of ``1 / d`` in the tests, 2026-11-26).
+* ``ReduceLogSumExp`` with ``keepdims=0`` and its axes as an attribute (opsets below 18:
+  ``torch.logsumexp(x, dim)``): the engine's gradient puts the reduced axes back with an
+  ``Unsqueeze`` carrying an ``axes`` attribute, which Unsqueeze lost in opset 13 ("Unsqueeze
+  ... has input size 1 not in range [min=2, max=2]", 1.19.2). The node keeps its dims and a
+  ``Squeeze`` of the same axes follows: the same values, and a gradient with no Unsqueeze.
 
 >>> from ortmodule_exporter import engine_graph_fixes
 >>> engine_graph_fixes.fix_graph(model)  # done by a post-export pass
@@ -180,6 +185,38 @@ def _unit_reciprocals(model: onnx.ModelProto) -> int:
     return changed
 
 
+def _kept_dims_logsumexp(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """``node`` as a ReduceLogSumExp with ``keepdims=1`` and a Squeeze of its axes, when it is
+    one with ``keepdims=0`` and attribute axes (None otherwise)."""
+    keepdims = next((a for a in node.attribute if a.name == "keepdims"), None)
+    if (
+        node.op_type != "ReduceLogSumExp"
+        or node.domain not in ("", "ai.onnx")
+        or keepdims is None
+        or keepdims.i != 0
+        or len(node.input) > 1  # axes as an input (opset 18+): the engine's gradient is right
+    ):
+        return None
+    kept = f"{node.output[0]}__kept_dims"
+    keepdims.i = 1
+    reduce = onnx.helper.make_node(node.op_type, list(node.input), [kept], name=node.name)
+    reduce.attribute.extend(node.attribute)
+    axes = next((list(a.ints) for a in node.attribute if a.name == "axes"), None)
+    if axes is None:  # every axis reduced: every dim is 1 now, Squeeze drops them all
+        return [reduce, onnx.helper.make_node("Squeeze", [kept], list(node.output))]
+    name = f"{node.output[0]}__squeezed_axes"
+    return [
+        reduce,
+        onnx.helper.make_node(
+            "Constant",
+            [],
+            [name],
+            value=onnx.helper.make_tensor(name, onnx.TensorProto.INT64, [len(axes)], axes),
+        ),
+        onnx.helper.make_node("Squeeze", [kept, name], list(node.output)),
+    ]
+
+
 def fix_graph(model: onnx.ModelProto) -> int:
     """Apply the rewrites to ``model`` in place; returns how many nodes changed."""
     reciprocals = _unit_reciprocals(model)
@@ -206,6 +243,11 @@ def fix_graph(model: onnx.ModelProto) -> int:
             and node.input[0] in sequences
         ):
             nodes.extend(_concat(node, sequences[node.input[0]]))
+            changed += 1
+            continue
+        logsumexp = _kept_dims_logsumexp(node)
+        if logsumexp is not None:
+            nodes.extend(logsumexp)
             changed += 1
             continue
         if node.domain in ("", "ai.onnx") and node.op_type == "Cast":

@@ -32,7 +32,7 @@ from .max_min import _amax_amin, _elementwise, _max_min
 from .normalization import group_norm, layer_norm
 from .pooling import _adaptive_avg_pool, _adaptive_max_pool, _avg_pool, _max_pool
 from .registry import register_symbolic
-from .shapes import permute, squeeze
+from .shapes import permute, repeat_interleave, squeeze
 from .softmax import log_softmax, softmax
 from .upsampling import _upsample
 
@@ -65,6 +65,7 @@ def register_builtin_symbolics() -> None:
         "aten::amin": _amax_amin(largest=False),
         "aten::squeeze": squeeze,
         "aten::permute": permute,
+        "aten::repeat_interleave": repeat_interleave,
         "aten::einsum": einsum,
         "aten::matmul": matmul,
         "aten::expand": expand,

@@ -1,4 +1,4 @@
-"""Shape symbolics: ``squeeze``, ``permute``."""
+"""Shape symbolics: ``squeeze``, ``permute``, ``repeat_interleave``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch.onnx import symbolic_helper as sh
+from torch.onnx import symbolic_opset13  # the exporter's module (exports use opset 14+)
 
 from .helpers import Value, _concat, _const, _const_ints, _ints, _rank, _shape
 
@@ -48,3 +49,18 @@ def permute(g: Any, x: Value, dims: Value) -> Value:
     if perm == list(range(len(perm))):
         return x
     return g.op("Transpose", x, perm_i=perm)
+
+
+def repeat_interleave(
+    g: Any, x: Value, repeats: Value, dim: Value = None, output_size: Value = None
+) -> Value:
+    # PyTorch's symbolic (opset 9 and 13) reads a constant dim as the tensor the Constant node
+    # holds and normalises it with ``dim += rank``, in place: the Constant itself changes. The
+    # trace pools equal constants, so every other use of that -1 changed too, e.g. the -1 of
+    # ``view(b, s, -1, d)`` became rank-1, a Reshape baked to the traced head count of another
+    # projection that failed at run time (glm's interleaved rotary). PyTorch gets a Constant
+    # of its own to change.
+    value = sh._maybe_get_const(dim, "t") if dim is not None else None
+    if isinstance(value, torch.Tensor):
+        dim = g.op("Constant", value_t=value.clone())
+    return symbolic_opset13.repeat_interleave(g, x, repeats, dim, output_size)
