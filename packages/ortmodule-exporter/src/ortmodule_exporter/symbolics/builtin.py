@@ -32,6 +32,7 @@ from .max_min import _amax_amin, _elementwise, _max_min
 from .normalization import group_norm, layer_norm
 from .pooling import _adaptive_avg_pool, _adaptive_max_pool, _avg_pool, _max_pool
 from .registry import register_symbolic
+from .repeat_interleave import repeat_interleave
 from .shapes import squeeze
 from .softmax import log_softmax, softmax
 from .upsampling import _upsample
@@ -67,6 +68,7 @@ def register_builtin_symbolics() -> None:
         "aten::einsum": einsum,
         "aten::matmul": matmul,
         "aten::expand": expand,
+        "aten::repeat_interleave": repeat_interleave,
         "aten::outer": outer,
         "aten::scaled_dot_product_attention": scaled_dot_product_attention,
         "aten::feature_dropout": feature_dropout,
