@@ -5,6 +5,10 @@
   graph input the graph output or the input's gradient goes missing ("Graph output (output)
   does not exist", "failed to find NodeArg input_grad"). Its readers read its input instead;
   a graph output gets an Identity.
+  The engine's own removal of such a Cast (``RemoveUnnecessaryCasts``) fails outright when
+  one node reads the Cast twice ("Argument mismatch when removing edge": DeepSeek V4's
+  ``x.float()`` then ``x * x`` in its RMS norm), and the exporter seldom records the type of a
+  Cast's input, so the types come from ONNX's shape inference too.
 * A node reading the same graph input twice (``Mul(x, x)`` for ``torch.square``): the engine
   names both partial gradients ``x_grad`` ("Duplicate definition of name"). The second read
   goes through an Identity, so the two gradients are summed.
@@ -32,6 +36,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx.numpy_helper
+import onnx.shape_inference
 from onnx.reference import ReferenceEvaluator
 
 from .registry import register_post_export_pass
@@ -45,6 +50,31 @@ def _types(graph: onnx.GraphProto) -> dict[str, int]:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
             types[vi.name] = vi.type.tensor_type.elem_type
     return types
+
+
+def _inferred_types(model: onnx.ModelProto) -> dict[str, int]:
+    """The element types ONNX's shape inference finds (none where it fails), on a copy of
+    ``model``'s graph without the initializers' data."""
+    graph = model.graph
+    listed = {vi.name for vi in graph.input}
+    inputs = [*graph.input] + [
+        onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+        for i in graph.initializer
+        if i.name not in listed
+    ]
+    bare = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            graph.node, graph.name, inputs, graph.output, value_info=graph.value_info
+        ),
+        opset_imports=model.opset_import,
+        functions=model.functions,
+    )
+    bare.ir_version = model.ir_version
+    try:
+        inferred = onnx.shape_inference.infer_shapes(bare)
+    except Exception:  # noqa: BLE001 - the declared types alone then
+        return {}
+    return _types(inferred.graph)
 
 
 def _concat(node: onnx.NodeProto, members: list[str]) -> list[onnx.NodeProto]:
@@ -190,6 +220,11 @@ def fix_graph(model: onnx.ModelProto) -> int:
     reciprocals = _unit_reciprocals(model)
     graph = model.graph
     types = _types(graph)
+    if any(
+        n.op_type == "Cast" and n.domain in ("", "ai.onnx") and n.input[0] not in types
+        for n in graph.node
+    ):
+        types = {**_inferred_types(model), **types}
     inputs = {vi.name for vi in graph.input}
     outputs = {vi.name for vi in graph.output}
     sequences = {
