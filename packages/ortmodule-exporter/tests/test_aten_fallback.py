@@ -204,6 +204,29 @@ def test_symbolic_that_gives_up_becomes_an_aten_node() -> None:
     assert not any(n.op_type == "threshold" for n in run.built.exported.model.graph.node)
 
 
+class IntMask(torch.nn.Module):
+    """CPM-Ant's attention mask: an int32 tensor or-ed and and-ed with bool ones (PyTorch
+    promotes to int32; ONNX's Or/And take bool only, so both export as ATen nodes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        causal = torch.ones(4, 4, dtype=torch.bool).tril()
+        mask = context[:, None, :] | (context[:, :, None].logical_not() & causal)
+        mask = mask & (context[:, None, :] >= 0)
+        return self.proj(x).masked_fill(mask == torch.tensor(False), -1e4).softmax(-1)
+
+
+def test_python_operators_keep_their_name_on_aten_nodes() -> None:
+    # the exporter takes the last "_" of aten::__or__ for an in-place mark and names the ATen
+    # node __or_, an operator PyTorch has not ("PyTorch has no operator aten::__or_")
+    context = torch.tensor([[1, 0, 1, 1], [0, 0, 1, 1]], dtype=torch.int32)
+    run = assert_engine_matches_eager(IntMask(), (_x(2, 4, 4), context))
+    assert {"__or__", "__and__"} <= set(_aten_ops(run.built.exported.model))
+
+
 def test_antialiased_resampling_is_routed() -> None:
     class Model(torch.nn.Module):
         def __init__(self) -> None:

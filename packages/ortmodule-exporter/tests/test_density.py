@@ -113,6 +113,35 @@ def test_label_density_of_no_labels_is_one() -> None:
     assert label_density(np.array([1, -100, -100, 2]), -100) == 0.5
 
 
+def test_symbolic_shapes_keep_the_declared_type_of_an_aten_output() -> None:
+    # bool & int32 is int32 in PyTorch (CPM-Ant's attention mask); the inference typed the
+    # ATen node's output as its first input (bool), and the engine then refused the Equal
+    # comparing it with an int32 constant
+    h = onnx.helper
+    graph = h.make_graph(
+        [
+            h.make_node("Cast", ["m"], ["b"], to=onnx.TensorProto.BOOL),
+            h.make_node("ATen", ["b", "i"], ["and"], domain="org.pytorch.aten", operator="__and__"),
+            h.make_node("Constant", [], ["zero"], value=h.make_tensor("z", 6, [], [0])),
+            h.make_node("Equal", ["and", "zero"], ["out"]),
+        ],
+        "g",
+        [
+            h.make_tensor_value_info("m", onnx.TensorProto.FLOAT, ["b", 3]),
+            h.make_tensor_value_info("i", onnx.TensorProto.INT32, ["b", 3]),
+        ],
+        [h.make_tensor_value_info("out", onnx.TensorProto.BOOL, None)],
+        value_info=[h.make_tensor_value_info("and", onnx.TensorProto.INT32, [None, None])],
+    )
+    model = h.make_model(
+        graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("org.pytorch.aten", 1)]
+    )
+    inferred = infer_symbolic_shapes(model)
+    types = {vi.name: vi.type.tensor_type for vi in inferred.graph.value_info}
+    assert types["and"].elem_type == onnx.TensorProto.INT32
+    assert len(types["and"].shape.dim) == 2
+
+
 @pytest.fixture
 def flag_pass() -> Iterator[dict[str, Any]]:
     """A post-export pass that flags every label site; the test sets ``engine`` and ``emit``."""

@@ -1,5 +1,6 @@
 """Graph rewrites for shapes the engine gets wrong: ``passes.engine_graph_fixes`` (sequence
-concatenation as Concat) and ``passes.scalar_gradients`` (0-d gradients keep rank 0)."""
+concatenation as Concat, casts to their input's type) and ``passes.scalar_gradients`` (0-d
+gradients keep rank 0)."""
 
 from __future__ import annotations
 
@@ -230,3 +231,23 @@ def test_logsumexp_without_kept_dims_keeps_them_and_squeezes(attrs: dict[str, ob
 def test_other_logsumexps_stay(opset: int, attrs: dict[str, object]) -> None:
     model = _logsumexp(opset, **attrs)
     assert fix_graph(model) == 0
+
+
+class _SquareOfACast(torch.nn.Module):
+    """DeepSeek V4's RMS norm: ``x.float()`` of a float tensor, then ``x * x``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x).float()
+        return h * (h * h).mean(-1, keepdim=True).rsqrt()
+
+
+def test_a_cast_to_its_own_type_read_twice_by_one_node_is_dropped() -> None:
+    # the export declares no type for the Linear's output, so the Cast stayed, and the engine's
+    # RemoveUnnecessaryCasts failed on the Mul reading it twice ("Argument mismatch when
+    # removing edge")
+    run = assert_engine_matches_eager(_SquareOfACast(), (torch.randn(3, 4, requires_grad=True),))
+    assert "Cast" not in [n.op_type for n in run.built.exported.model.graph.node]

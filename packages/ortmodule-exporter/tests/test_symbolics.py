@@ -30,6 +30,7 @@ from ortmodule_exporter import (
 )
 from ortmodule_exporter.engine import GraphConfig, SessionConfig, TrainingSession, build_graph
 from ortmodule_exporter.export import bind_arguments
+from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_pytree import flatten
 
 # bfloat16 keeps 8 significant bits: one rounding step of an O(1) sum is 2**-7 ~ 8e-3
@@ -625,6 +626,46 @@ def test_permute_exports_perm_in_range() -> None:
     model = export(module, (torch.randn(2, 3, 4, 5),), training=True).model
     perms = [list(a.ints) for n in model.graph.node for a in n.attribute if a.name == "perm"]
     assert perms == [[0, 2, 3, 1]]
+
+
+# -- repeat_interleave -----------------------------------------------------------------------
+# default: adds the rank to a negative constant dim in place, in the Constant node the tracer
+# shares with every other use of that number, so a later stack(dim=-1) / flatten(-2) exported
+# on the wrong axis (the interleaved rotary embedding of Cohere, Helium, Ernie 4.5)
+
+
+def _interleaved_rotary(s: Any, q: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    emb = torch.repeat_interleave(freqs, 2, dim=-1)
+    rotated = torch.stack([-q[..., 1::2], q[..., ::2]], dim=-1).flatten(-2)
+    return q * emb.cos() + rotated * emb.sin()
+
+
+REPEAT_INTERLEAVE = {
+    "interleaved_rotary": case(
+        lambda: Fn(_interleaved_rotary), lambda: x(2, 3, 5, 4), lambda: x(5, 2)
+    ),
+    "negative_dim": case(fn(lambda a: a.repeat_interleave(3, dim=-2) * 2), lambda: x(2, 3, 4)),
+}
+
+
+@run_cases(REPEAT_INTERLEAVE)
+def test_repeat_interleave(make: Case) -> None:
+    check(make)
+
+
+def test_repeat_interleave_leaves_the_shared_dim_constant_alone() -> None:
+    """The stack's Concat keeps axis -1; PyTorch's own symbolic moves it to the axis
+    repeat_interleave's dim became (-1 plus the rank of ``freqs``: 1)."""
+    module, args, _ = REPEAT_INTERLEAVE["interleaved_rotary"]()
+
+    def concat_axes() -> list[Any]:
+        model = export(module, args, {}, training=True).model
+        return [attribute(n, "axis", None) for n in model.graph.node if n.op_type == "Concat"]
+
+    # (the flatten's shape computation adds a Concat on axis 0)
+    assert sorted(concat_axes()) == [-1, 0]
+    with _without_builtin("aten::repeat_interleave"):
+        assert sorted(concat_axes()) == [0, 1]
 
 
 # -- upsampling ------------------------------------------------------------------------------

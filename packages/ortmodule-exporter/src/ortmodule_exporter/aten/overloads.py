@@ -20,10 +20,20 @@ import torch
 
 from .executor import _kind
 
-__all__ = ["resolve_fallback_overloads", "resolve_overload"]
+__all__ = ["operator_name", "resolve_fallback_overloads", "resolve_overload"]
 
 _CONSTANT_KINDS = frozenset({"prim::Constant", "onnx::Constant", "prim::NumToTensor"})
 _SCALAR_KINDS = frozenset({"int", "float", "bool", "Scalar", "ScalarType", "int[]", "float[]"})
+
+
+def operator_name(kind: str) -> str:
+    """The functional ATen operator a traced node kind calls: ``aten::add_`` -> ``add``, and
+    a Python operator keeps its name (``aten::__or__`` -> ``__or__``, which no in-place
+    suffix ends)."""
+    name = kind.split("::", 1)[1]
+    if name.startswith("__") and name.endswith("__"):
+        return name
+    return name.rstrip("_")
 
 
 def _constant_rank(value: Any) -> int | None:
@@ -94,13 +104,18 @@ def resolve_overload(name: str, node: Any) -> str | None:
 
 def resolve_fallback_overloads(node: Any, emitted: list[Any]) -> None:
     """Name the overload on the ATen nodes torch's exporter wrote for ``node`` (an operator
-    without symbolic): it writes the traced schema's, or none."""
-    name = node.kind().split("::", 1)[1].rstrip("_")
+    without symbolic): it writes the traced schema's, or none. It names the operator as if the
+    kind's last "_" marked an in-place call, ``__or_`` for ``aten::__or__`` (an int mask's
+    ``|``), which PyTorch has not: such a node gets the operator's own name."""
+    kind = node.kind().split("::", 1)[1]
+    written = kind[:-1] if kind.endswith("_") else kind
+    name = operator_name(node.kind())
     for n in emitted:
         if not n.kind().endswith("::ATen") or not n.hasAttribute("operator"):
             continue
-        if n.s("operator") != name:
+        if n.s("operator") not in (name, written):
             continue
+        n.s_("operator", name)
         resolved = resolve_overload(name, node)
         if resolved is not None:
             n.s_("overload_name", resolved)

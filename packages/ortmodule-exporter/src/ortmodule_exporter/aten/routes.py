@@ -40,7 +40,7 @@ from ..symbolics.registry import register_symbolic, registered_symbolics, unregi
 from . import executor as aten_executor
 from .engine_gradients import engine_has_gradient
 from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
-from .overloads import resolve_fallback_overloads, resolve_overload
+from .overloads import operator_name, resolve_fallback_overloads, resolve_overload
 
 __all__ = [
     "DEFAULT_ROUTES",
@@ -464,7 +464,7 @@ def _aten_overload(node: Any) -> str:
     """The overload a traced node calls, from the kinds of its inputs (aten_overloads: its
     schema may be an out= variant or the wrong one of index_fill.int_Tensor/int_Scalar); from
     its schema, or by argument count, when none fits."""
-    resolved = resolve_overload(node.kind().split("::", 1)[1].rstrip("_"), node)
+    resolved = resolve_overload(operator_name(node.kind()), node)
     if resolved is not None:
         return resolved
     try:
@@ -472,7 +472,7 @@ def _aten_overload(node: Any) -> str:
     except RuntimeError:
         schema = "(no schema)"
     if schema == "(no schema)":
-        return _overload_for(node.kind().split("::", 1)[1].rstrip("_"), node)
+        return _overload_for(operator_name(node.kind()), node)
     if not schema.startswith("aten::"):
         return ""
     return str(torch._C.parse_schema(schema).overload_name)
@@ -624,7 +624,7 @@ def _route_untrainable(original: Any) -> Any:
         except Exception as err:
             # a symbolic that cannot export this call (an unsupported argument, an unknown
             # shape) leaves the operator to PyTorch when the executor can run it
-            name = kind.split("::", 1)[1].rstrip("_")
+            name = operator_name(kind)
             overload = _aten_overload(node) if kind.startswith("aten::") else ""
             if (
                 operator_export_type != torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK
@@ -659,7 +659,7 @@ def _route_untrainable(original: Any) -> Any:
                 bad.append(f"its symbolic gave {len(outputs)} of {node.outputsSize()} outputs")
             if not bad:
                 return result
-            name = kind.split("::", 1)[1].rstrip("_")
+            name = operator_name(kind)
             overload = _aten_overload(node)
             if not _runnable_by_executor(name, overload, node) or any(i is None for i in inputs):
                 return result

@@ -35,6 +35,7 @@ import onnx
 import onnx.numpy_helper
 import torch
 
+from ..aten.executor import ATEN_DOMAIN
 from ..aten.token_rows import PUT_ROWS, TAKE_ROWS
 from ..engine_binding import import_onnxruntime
 from ..label_density import DENSITY_THRESHOLD, label_density
@@ -492,6 +493,24 @@ def infer_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
     inference.aten_op_dispatcher_[TAKE_ROWS] = rows_shape(True)
     inference.aten_op_dispatcher_[PUT_ROWS] = rows_shape(False)
+
+    # An ATen operator it has no rule for gets its first input's type (cpmant's mask,
+    # ``bool_mask & int32_mask``, became bool where PyTorch makes int32, and the engine then
+    # refused the Equal reading it); the ATen pass declared the type the export traced: keep it.
+    declared = {vi.name: vi for vi in model.graph.value_info if vi.type.tensor_type.elem_type}
+    onnx_infer = inference._onnx_infer_single_node
+
+    def infer_node(node: onnx.NodeProto) -> None:
+        onnx_infer(node)
+        if node.domain != ATEN_DOMAIN or attribute(node, "operator", "") in (
+            inference.aten_op_dispatcher_
+        ):
+            return
+        for name in node.output:
+            if name in declared and name in inference.known_vi_:
+                inference.known_vi_[name].CopyFrom(declared[name])
+
+    inference._onnx_infer_single_node = infer_node
     inference._preprocess(model)
     complete = False
     while inference.run_:
