@@ -11,6 +11,7 @@ import torch
 
 from ortmodule_testing.parity import (
     TrainRecord,
+    against_float64,
     assert_same_training,
     assert_tree_close,
     clone_model,
@@ -243,3 +244,19 @@ def test_dataclass_fields_are_walked() -> None:
 
     with pytest.raises(AssertionError, match=r"output\.value"):
         assert_tree_close(Out(torch.ones(1)), Out(torch.zeros(1)))
+
+
+def _one_step(loss: float, grad: torch.Tensor, final: torch.Tensor) -> TrainRecord:
+    return TrainRecord([loss], {"w": grad}, {"w": final})
+
+
+def test_against_float64_accepts_rounding_and_names_a_wrong_value() -> None:
+    reference = _one_step(1.0, torch.tensor([1.0, 1e-7]), torch.tensor([0.5, 0.25]))
+    eager = _one_step(1.0 + 1e-7, torch.tensor([1.0, 3e-7]), torch.tensor([0.5, 0.25 + 2e-5]))
+    # as far from float64 as eager (AdamW turned a rounding-level gradient into a step)
+    close = _one_step(1.0 - 1e-7, torch.tensor([1.0, -1e-7]), torch.tensor([0.5, 0.25 - 3e-5]))
+    assert against_float64(eager, close, reference) == []
+    # a gradient 1e-4 off where eager is 2e-7 off: wrong, named
+    wrong = _one_step(1.0, torch.tensor([1.0 + 1e-4, 1e-7]), torch.tensor([0.5, 0.25]))
+    problems = against_float64(eager, wrong, reference)
+    assert len(problems) == 1 and problems[0].startswith("grad of 'w' after step 1")

@@ -32,6 +32,7 @@ from ortmodule_testing.zoo.registry import ZooCase
 
 __all__ = [
     "TrainRecord",
+    "against_float64",
     "assert_same_mixed_precision_training",
     "assert_same_training",
     "assert_tree_close",
@@ -208,6 +209,60 @@ def assert_same_training(
 GRAD_RTOL = 2**-5
 GRAD_FLOOR = 1e-3
 LOSS_RTOL = 1e-3
+
+
+def against_float64(
+    eager: TrainRecord, other: TrainRecord, reference: TrainRecord, factor: float = 4.0
+) -> list[str]:
+    """Every value of ``other`` farther from ``reference`` (the same training in float64) than
+    ``factor`` times eager's own float32 distance from it, tensor by tensor (plus one float32
+    ulp of the tensor's scale). Losses, first-step gradients and final floating-point state.
+
+    For a training that :func:`assert_same_training` finds apart: AdamW divides each gradient
+    element by its own size, so an element whose gradient is rounding-level moves by up to
+    ``lr`` a step in either engine, and after a few steps two correct float32 trainings differ
+    by more than any fixed tolerance in a few elements. A wrong gradient is still far from
+    float64 where eager is close.
+    """
+    problems: list[str] = []
+
+    def check(what: str, got: Any, want: Any, ref: Any) -> None:
+        got, want, ref = (torch.as_tensor(v).detach().double() for v in (got, want, ref))
+        if got.shape != ref.shape or want.shape != ref.shape:
+            problems.append(f"{what}: shape {tuple(got.shape)} vs {tuple(ref.shape)} in float64")
+            return
+        if not torch.equal(got.isnan(), ref.isnan()):
+            problems.append(f"{what}: NaN where float64 has none, or the reverse")
+            return
+        got, want, ref = (t.nan_to_num(0.0) for t in (got, want, ref))
+        ulp = 2.0**-23 * float(ref.abs().max()) if ref.numel() else 0.0
+        err = float((got - ref).abs().max()) if ref.numel() else 0.0
+        eager_err = float((want - ref).abs().max()) if ref.numel() else 0.0
+        if err > factor * eager_err + ulp:
+            problems.append(
+                f"{what}: {err:.3g} from float64, eager float32 {eager_err:.3g} (x{factor:g} allowed)"
+            )
+
+    for step, (got, want, ref) in enumerate(
+        zip(other.losses, eager.losses, reference.losses, strict=True)
+    ):
+        check(f"loss at step {step}", got, want, ref)
+    for name, want in eager.first_step_grads.items():
+        got, ref = other.first_step_grads.get(name), reference.first_step_grads.get(name)
+        if want is None or got is None or ref is None:
+            if not (want is None and got is None):
+                problems.append(f"grad of {name!r} after step 1: None in one of the trainings")
+            continue
+        check(f"grad of {name!r} after step 1", got, want, ref)
+    for name, want in eager.final_state.items():
+        got, ref = other.final_state.get(name), reference.final_state.get(name)
+        if got is None or ref is None:
+            problems.append(f"final {name!r}: missing")
+        elif want.is_floating_point():
+            check(f"final {name!r}", got, want, ref)
+        elif not torch.equal(got, want):
+            problems.append(f"final {name!r}: differs (not floating point)")
+    return problems
 
 
 def assert_same_mixed_precision_training(

@@ -27,7 +27,12 @@ from .tasks import TASKS_BY_NAME
 __all__ = ["Sweeper"]
 
 STARTUP_TIMEOUT = 600
-_PHASE_STATUS = {"build": "not-built", "eager": "eager-error", "engine": "engine-crash"}
+_PHASE_STATUS = {
+    "build": "not-built",
+    "eager": "eager-error",
+    "engine": "engine-crash",
+    "float64": "engine-crash",  # the float64 reference runs only after the engine trained
+}
 
 
 def _serve(conn: Connection, log_path: str | None) -> None:
