@@ -243,24 +243,24 @@ def against_float64(
                 f"{what}: {err:.3g} from float64, eager float32 {eager_err:.3g} (x{factor:g} allowed)"
             )
 
-    for step, (got, want, ref) in enumerate(
+    for step, (loss, eager_loss, ref_loss) in enumerate(
         zip(other.losses, eager.losses, reference.losses, strict=True)
     ):
-        check(f"loss at step {step}", got, want, ref)
-    for name, want in eager.first_step_grads.items():
-        got, ref = other.first_step_grads.get(name), reference.first_step_grads.get(name)
-        if want is None or got is None or ref is None:
-            if not (want is None and got is None):
+        check(f"loss at step {step}", loss, eager_loss, ref_loss)
+    for name, eager_grad in eager.first_step_grads.items():
+        grad, ref_grad = other.first_step_grads.get(name), reference.first_step_grads.get(name)
+        if eager_grad is None or grad is None or ref_grad is None:
+            if not (eager_grad is None and grad is None):
                 problems.append(f"grad of {name!r} after step 1: None in one of the trainings")
             continue
-        check(f"grad of {name!r} after step 1", got, want, ref)
-    for name, want in eager.final_state.items():
-        got, ref = other.final_state.get(name), reference.final_state.get(name)
-        if got is None or ref is None:
+        check(f"grad of {name!r} after step 1", grad, eager_grad, ref_grad)
+    for name, eager_value in eager.final_state.items():
+        value, ref_value = other.final_state.get(name), reference.final_state.get(name)
+        if value is None or ref_value is None:
             problems.append(f"final {name!r}: missing")
-        elif want.is_floating_point():
-            check(f"final {name!r}", got, want, ref)
-        elif not torch.equal(got, want):
+        elif eager_value.is_floating_point():
+            check(f"final {name!r}", value, eager_value, ref_value)
+        elif not torch.equal(value, eager_value):
             problems.append(f"final {name!r}: differs (not floating point)")
     return problems
 
