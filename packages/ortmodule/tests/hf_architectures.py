@@ -286,32 +286,15 @@ def _architectures() -> dict[str, Arch]:
         found[name] = Arch(ZooCase(name, case.make_model, batch, model_loss), prompt)
     for name, (make, batch, prompt) in _MORE.items():
         found[name] = Arch(ZooCase(name, make, batch, model_loss), prompt)
-    # one graph per batch size: labels are arange(batch) (see test_hf_shapes.py). The
-    # vision tower's key biases get an analytically zero gradient (softmax is shift-invariant
-    # per query) whose rounding noise both engines differ in, and AdamW turns noise into
-    # steps of 1e-5 after 5 steps: atol 1e-4 there
+    # one graph per batch size: CLIP's labels are arange(batch) (see test_hf_shapes.py), and
+    # LLaVA splits the image features by a count of images the trace bakes
     distinct_batches = len({b for b, _ in CHANGING_SHAPES})
+    for name in ("clip", "llava"):
+        found[name] = Arch(found[name].case, found[name].prompt, graphs=distinct_batches)
     # Mamba without its CUDA kernels scans the sequence in a Python loop, which the trace
     # unrolls: one graph per sequence length (each checked before its run)
     mamba = found["mamba"]
     found["mamba"] = Arch(mamba.case, mamba.prompt, graphs=len({s for _, s in CHANGING_SHAPES}))
-    # T5Gemma: AdamW divides each gradient element by its own size, so an element whose
-    # gradient is rounding-level (1e-7 of its tensor's largest) moves by up to lr per step in
-    # either engine; 1 element in 2,048 ended 3e-5 apart after 5 steps while every gradient
-    # matched: atol 1e-4
-    t5gemma = found["t5gemma"].case
-    found["t5gemma"] = Arch(
-        ZooCase(
-            t5gemma.name, t5gemma.make_model, t5gemma.make_batch, t5gemma.loss_fn, (1e-4, 1e-4)
-        ),
-        found["t5gemma"].prompt,
-    )
-    clip = found["clip"].case
-    found["clip"] = Arch(
-        ZooCase(clip.name, clip.make_model, clip.make_batch, clip.loss_fn, (1e-4, 1e-4)),
-        None,
-        graphs=distinct_batches,
-    )
     return dict(sorted(found.items()))
 
 

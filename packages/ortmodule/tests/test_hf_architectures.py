@@ -4,9 +4,11 @@ mixture-of-experts with default experts, a state-space model, Whisper, CLIP, LLa
 T5Gemma) trains, generates and saves like eager:
 
 - 5 AdamW steps whose batch size, sequence length and padding change every step: per-step
-  losses, step-1 gradients and final parameters within rtol 1e-4, atol 1e-5 of eager (CLIP:
-  atol 1e-4, see ``hf_architectures.py``); one
-  graph serves every shape (CLIP: one per batch size, its labels are ``arange(batch)``);
+  losses, step-1 gradients and final parameters within rtol 1e-4, atol 1e-5 of eager, or, where
+  that fails, each of them as close to the same training in float64 as eager's own float32
+  values are, within 4x (``parity.against_float64``: AdamW turns a rounding-level gradient
+  into a full step, and Gemma3's projection gradients reach 1e4); one graph serves every shape
+  (CLIP, LLaVA: one per batch size; Mamba: one per length, see ``hf_architectures.py``);
 - in eval mode under ``no_grad``, the outputs (caches included) equal eager's on the same weights;
 - greedy ``generate`` on the trained weights gives the tokens eager gives on the same weights;
 - ``save_pretrained`` from the wrapper writes the trained weights: ``from_pretrained`` reads
@@ -29,9 +31,11 @@ from hf_models import adamw, assert_outputs_close  # noqa: E402
 
 from ortmodule import ORTModule  # noqa: E402
 from ortmodule_testing.parity import (  # noqa: E402
+    against_float64,
     assert_same_training,
     clone_model,
     eval_outputs,
+    float64_case,
     train_steps,
 )
 
@@ -54,7 +58,13 @@ def test_trains_with_changing_shapes_generates_and_saves_like_eager(
     eager = train_steps(clone_model(model), arch.case, STEPS, adamw)
     wrapped = ORTModule(clone_model(model))
     ours = train_steps(wrapped, arch.case, STEPS, adamw)
-    assert_same_training(eager, ours, *arch.case.tolerance)
+    try:
+        assert_same_training(eager, ours, *arch.case.tolerance)
+    except AssertionError as err:
+        # outside the float32 tolerance: pass only as close to a float64 training as eager
+        reference = train_steps(clone_model(model).double(), float64_case(arch.case), STEPS, adamw)
+        problems = against_float64(eager, ours, reference)
+        assert not problems, f"{err}\nagainst float64:\n" + "\n".join(problems)
     assert wrapped._runner.transitions.builds <= arch.graphs, wrapped._runner.transitions.history
     # eval + no_grad from the trained weights: an inference graph, outputs (caches included)
     # equal eager's

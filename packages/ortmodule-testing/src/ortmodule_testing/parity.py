@@ -33,6 +33,7 @@ from ortmodule_testing.zoo.registry import ZooCase
 __all__ = [
     "TrainRecord",
     "against_float64",
+    "float64_case",
     "assert_same_mixed_precision_training",
     "assert_same_training",
     "assert_tree_close",
@@ -209,6 +210,20 @@ def assert_same_training(
 GRAD_RTOL = 2**-5
 GRAD_FLOOR = 1e-3
 LOSS_RTOL = 1e-3
+
+
+def float64_case(case: ZooCase) -> ZooCase:
+    """``case`` with its batches' floating-point tensors in float64 (for a float64 model)."""
+
+    def double(value: Any) -> Any:
+        is_float = isinstance(value, torch.Tensor) and value.is_floating_point()
+        return value.double() if is_float else value
+
+    def batch64(step: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = case.make_batch(step)
+        return tuple(double(a) for a in args), {k: double(v) for k, v in kwargs.items()}
+
+    return ZooCase(case.name, case.make_model, batch64, case.loss_fn, case.tolerance)
 
 
 def against_float64(

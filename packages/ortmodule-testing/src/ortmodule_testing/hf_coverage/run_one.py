@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from ..parity import TrainRecord, against_float64, assert_same_training, clone_model, train_steps
+from ..parity import (
+    TrainRecord,
+    against_float64,
+    assert_same_training,
+    clone_model,
+    float64_case,
+    train_steps,
+)
 from ..zoo.registry import Batch, ZooCase
 from .shrink import NotShrinkable, shrink_config
 from .tasks import Task
@@ -177,19 +184,9 @@ def _against_float64(
     """:func:`~ortmodule_testing.parity.against_float64` with eager trained in float64 from the
     same weights on the same batches; None when the model does not train in float64."""
 
-    def batch64(step: int) -> Batch:
-        args, kwargs = case.make_batch(step)
-        return tuple(_double(a) for a in args), {k: _double(v) for k, v in kwargs.items()}
-
-    case64 = ZooCase(case.name, case.make_model, batch64, case.loss_fn)
+    case64 = float64_case(case)
     try:
         reference = train_steps(clone_model(model).double(), case64, STEPS, adamw)
     except Exception:  # noqa: BLE001 - no reference: the float32 comparison stands
         return None
     return against_float64(eager, record, reference)
-
-
-def _double(value: Any) -> Any:
-    return (
-        value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-    )
