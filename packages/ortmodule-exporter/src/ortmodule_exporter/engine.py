@@ -24,6 +24,7 @@ from .aten.attention_layout import FLASH, FLASH_BSHD
 from .aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError, aten_operator
 from .aten.kernel_choice import CROSS_ENTROPY, GELU, LAYER_NORM
 from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
+from .aten.stop_gradient import STOP_GRADIENT
 from .aten.token_rows import PUT_ROWS, TAKE_ROWS
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
@@ -137,6 +138,7 @@ SHAPE_KEEPING_ATEN = frozenset(
         FLASH_BSHD,
         TAKE_ROWS,  # shapes computed, not guessed (passes/density.py, infer_symbolic_shapes)
         PUT_ROWS,
+        STOP_GRADIENT,  # a copy of its input (export/gradient_cuts.py)
     }
 )
 
