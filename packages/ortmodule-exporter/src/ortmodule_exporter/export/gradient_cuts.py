@@ -6,14 +6,18 @@ engine differentiates every path from a trainable input to the loss. Without a c
 flows through ``h.detach()`` and through a recurrence whose first steps run under ``no_grad``
 (the Hierarchical Reasoning Model's ``L_bp_cycles``): a silently wrong gradient.
 
-The trace knows better: each value's type records whether its tensor required grad. Before
-torch.onnx lowers the traced graph, :func:`cut_gradients` finds each place where a value that
-did *not* require grad, but was computed from a trainable input, is read by an op whose result
-does require grad, and routes that read through ``ortmodule::stop_gradient``, which exports as
-the value itself with no gradient path back (the ``BatchNormalization`` trick of
-``symbolics.helpers._stop_gradient`` for float32 and float16, a copy in an ATen node whose input
-the engine never differentiates for the other types). Exactly these reads carry gradient in the
-engine's graph and none in eager's.
+The trace says which ops ran with grad disabled: while it runs, each switch of grad mode from
+Python (``torch.no_grad()``, ``torch.set_grad_enabled``, ``@torch.no_grad()``) is noted with the
+mark node in the trace. (The value types the tracer records are not enough: it records
+``aten::_convolution`` below autograd, so a convolution's result never requires grad there.)
+Before torch.onnx lowers the traced graph, :func:`cut_gradients` works out which values require
+grad as eager's autograd does (an op run with grad enabled, other than ``detach``, requires grad
+when an input does), finds each place where a value that does *not* require grad, but was
+computed from a trainable input, is read by an op whose result does, and routes that read
+through ``ortmodule::stop_gradient``, which exports as the value itself with no gradient path
+back (the ``BatchNormalization`` trick of ``symbolics.helpers._stop_gradient`` for float32 and
+float16, a copy in an ATen node whose input the engine never differentiates for the other
+types). Exactly these reads carry gradient in the engine's graph and none in eager's.
 
 >>> with cutting_gradients():           # the exporter does this around torch.onnx.export
 ...     torch.onnx.export(module, ...)
@@ -108,38 +112,94 @@ def _is_float(v: Any) -> bool:
     return t is not None and t.dtype() in _FLOAT
 
 
-def cut_gradients(graph: torch._C.Graph) -> int:
-    """Insert a stop-gradient on each read of a value that did not require grad in the trace
-    but depends on a trainable graph input, by an op whose output required grad. Returns the
-    number of values cut."""
+#: ops whose result never requires grad, whatever the grad mode
+_DETACHING = frozenset({"aten::detach", "aten::detach_"})
+
+
+#: the text of the grad-mode marks written into the trace
+_MARK = "ortmodule:grad_enabled="
+
+
+def _mark_mode(node: Any) -> bool | None:
+    """The grad mode a mark node sets, None for other nodes."""
+    if node.kind() != "prim::Print" or node.inputsSize() != 1:
+        return None
+    text = node.input().toIValue() if node.input().node().kind() == "prim::Constant" else None
+    if not isinstance(text, str) or not text.startswith(_MARK):
+        return None
+    return text == _MARK + "1"
+
+
+def cut_gradients(graph: torch._C.Graph, grad_enabled: bool = True) -> int:
+    """Insert a stop-gradient on each read of a value that does not require grad but depends
+    on a trainable graph input, by an op whose result requires grad; remove the grad-mode
+    marks. ``grad_enabled``: the mode the trace began in. Returns the number of values cut."""
     trainable: set[Any] = {v for v in graph.inputs() if _requires_grad(v)}
+    requires_grad: set[Any] = set(trainable)
+    mode = grad_enabled
     cuts: dict[Any, Any] = {}
     for node in list(graph.nodes()):
+        marked = _mark_mode(node)
+        if marked is not None:
+            mode = marked
+            text = node.input().node()
+            node.destroy()
+            if not text.output().uses():
+                text.destroy()
+            continue
         inputs = list(node.inputs())
-        if node.kind() != STOP_GRADIENT and any(_requires_grad(o) for o in node.outputs()):
+        outputs_grad = (
+            mode
+            and node.kind() not in _DETACHING
+            and any(v in requires_grad for v in inputs)
+            and any(_is_float(o) for o in node.outputs())
+        )
+        if outputs_grad:
+            requires_grad.update(o for o in node.outputs() if _is_float(o))
             for i, v in enumerate(inputs):
-                if v not in trainable or _requires_grad(v) or not _is_float(v):
+                if v not in trainable or v in requires_grad or not _is_float(v):
                     continue
                 cut = cuts.get(v)
                 if cut is None:
-                    cut = graph.create(STOP_GRADIENT, [v], 1)
-                    cut.insertBefore(node)
-                    cut.output().setType(v.type())
-                    cuts[v] = cut.output()
-                    cut = cuts[v]
+                    made = graph.create(STOP_GRADIENT, [v], 1)
+                    made.insertBefore(node)
+                    made.output().setType(v.type())
+                    cut = cuts[v] = made.output()
                 node.replaceInput(i, cut)
         if node.kind() not in _VALUE_FREE and any(v in trainable for v in inputs):
             trainable.update(o for o in node.outputs() if _is_float(o))
     return len(cuts)
 
 
+class _Recording(threading.local):
+    active: bool = False
+    grad_enabled: bool = True
+
+
+_RECORDING = _Recording()
+
+
+def _record_switch(set_grad_enabled: Any) -> Any:
+    @functools.wraps(set_grad_enabled)
+    def switch(mode: bool) -> Any:
+        state = torch._C._get_tracing_state() if _RECORDING.active else None
+        if state is not None:
+            # a node with a side effect, so that the tracer's clean-up keeps it in place;
+            # cut_gradients reads and removes it
+            graph = state.graph()
+            text = graph.insertConstant(f"{_MARK}{int(bool(mode))}")  # type: ignore[attr-defined]
+            graph.insertNode(graph.create("prim::Print", [text], 0))
+        return set_grad_enabled(mode)
+
+    switch._ortmodule_cuts = True  # type: ignore[attr-defined]
+    return switch
+
+
 def _wrap(optimize_graph: Any) -> Any:
     @functools.wraps(optimize_graph)
     def optimize(graph: torch._C.Graph, *args: Any, **kwargs: Any) -> Any:
-        if _ACTIVE.get():
-            # the traced graph may still call submodules' methods: make it one flat graph
-            torch._C._jit_pass_inline(graph)
-            cut_gradients(graph)
+        if _ACTIVE.get() and _RECORDING.active:
+            cut_gradients(graph, _RECORDING.grad_enabled)
         return optimize_graph(graph, *args, **kwargs)
 
     optimize._ortmodule_cuts = True  # type: ignore[attr-defined]
@@ -169,6 +229,9 @@ def _install() -> None:
             )
         if not getattr(current, "_ortmodule_cuts", False):
             utils._optimize_graph = _wrap(current)
+        # torch.no_grad and torch.set_grad_enabled switch the mode through this function
+        if not getattr(torch._C._set_grad_enabled, "_ortmodule_cuts", False):
+            torch._C._set_grad_enabled = _record_switch(torch._C._set_grad_enabled)
 
 
 @contextlib.contextmanager
@@ -176,7 +239,10 @@ def cutting_gradients() -> Iterator[None]:
     """Cut the gradient where the traced forward detached a value or ran under ``no_grad``."""
     _install()
     token = _ACTIVE.set(True)
+    saved = _RECORDING.active, _RECORDING.grad_enabled
+    _RECORDING.active, _RECORDING.grad_enabled = True, torch.is_grad_enabled()
     try:
         yield
     finally:
+        _RECORDING.active, _RECORDING.grad_enabled = saved
         _ACTIVE.reset(token)
