@@ -51,6 +51,20 @@ class NoGradSteps(nn.Module):
         return torch.tanh(self.step(z + x))
 
 
+class NoGradConv(nn.Module):
+    """The tracer records ``aten::_convolution`` below autograd (its traced type never requires
+    grad): a cut must follow the grad mode, not that type, and leave the outer conv trainable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            z = self.conv(x)
+        return self.conv(z + x) * self.conv(x)
+
+
 class NoGradOnBuffers(nn.Module):
     """``no_grad`` over values that never depend on a trainable input (a rotary table)."""
 
@@ -66,11 +80,14 @@ class NoGradOnBuffers(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("module_cls", [Detached, NoGradSteps])
+@pytest.mark.parametrize("module_cls", [Detached, NoGradSteps, NoGradConv])
 def test_gradient_is_cut_where_eager_cuts_it(module_cls: type, dtype: torch.dtype) -> None:
+    if module_cls is NoGradConv and dtype != torch.float32:
+        pytest.skip("the CPU engine has no float64 or bfloat16 Conv kernel")
     torch.manual_seed(0)
     module = module_cls().to(dtype)
-    x = torch.randn(3, 4, dtype=dtype, requires_grad=True)
+    shape = (3, 2, 4) if module_cls is NoGradConv else (3, 4)
+    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
     tol = {"rtol": 1.6e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
     assert_engine_matches_eager(module, (x,), **tol)
 
