@@ -168,7 +168,23 @@ def cut_gradients(graph: torch._C.Graph, grad_enabled: bool = True) -> int:
                 node.replaceInput(i, cut)
         if node.kind() not in _VALUE_FREE and any(v in trainable for v in inputs):
             trainable.update(o for o in node.outputs() if _is_float(o))
+    if _marks_in_blocks(graph.nodes()):
+        raise RuntimeError(
+            "ORTModule cannot tell where the traced forward switched grad mode "
+            "(torch.no_grad / set_grad_enabled inside a scripted or control-flow block); "
+            "move the switch out of it"
+        )
     return len(cuts)
+
+
+def _marks_in_blocks(nodes: Any) -> bool:
+    """Whether a grad-mode mark sits inside a block of one of ``nodes`` (at any depth)."""
+    for node in nodes:
+        for block in node.blocks():
+            for inner in block.nodes():
+                if _mark_mode(inner) is not None or _marks_in_blocks([inner]):
+                    return True
+    return False
 
 
 class _Recording(threading.local):
