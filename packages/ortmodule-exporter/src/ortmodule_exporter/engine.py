@@ -24,7 +24,9 @@ from .aten.attention_layout import FLASH, FLASH_BSHD
 from .aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError, aten_operator
 from .aten.kernel_choice import CROSS_ENTROPY, GELU, LAYER_NORM
 from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
+from .aten.stop_gradient import STOP_GRADIENT
 from .aten.token_rows import PUT_ROWS, TAKE_ROWS
+from .aten.topk import TOPK_INDICES
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
 from .engine_random import draws_random, seed_engine, seed_engine_at_build
@@ -137,6 +139,8 @@ SHAPE_KEEPING_ATEN = frozenset(
         FLASH_BSHD,
         TAKE_ROWS,  # shapes computed, not guessed (passes/density.py, infer_symbolic_shapes)
         PUT_ROWS,
+        STOP_GRADIENT,  # a copy of its input (export/gradient_cuts.py)
+        TOPK_INDICES,  # shapes computed (passes/density.py, infer_symbolic_shapes)
     }
 )
 

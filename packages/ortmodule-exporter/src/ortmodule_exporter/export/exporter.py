@@ -35,6 +35,7 @@ from ..symbolics.traced_state import tracing_state_of
 from .bool_scalars import bool_scalars_as_numbers
 from .cache import ExportCache
 from .config import DEFAULT_OPSET, ExportConfig
+from .gradient_cuts import cutting_gradients
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX, ExportedModel, SaveOptions
 from .shape_guards import split_shape_guards
@@ -384,6 +385,7 @@ def _export(
         with (
             _preserved_state(target),
             symbolics_applied(opset),
+            cutting_gradients(),
             tracing_state_of(flat),
             aten_routes.untrainable_ops_routed(),
             empty_tensors.example_inputs(tensors),

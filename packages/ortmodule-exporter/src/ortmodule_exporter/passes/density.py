@@ -37,6 +37,7 @@ import torch
 
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.token_rows import PUT_ROWS, TAKE_ROWS
+from ..aten.topk import TOPK_INDICES, parse_topk_overload
 from ..engine_binding import import_onnxruntime
 from ..label_density import DENSITY_THRESHOLD, label_density
 from ..onnx_graph import attribute
@@ -491,7 +492,22 @@ def infer_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
         return infer
 
+    def topk_shape(node: onnx.NodeProto) -> None:
+        # the input's shape with k along the picked dim
+        shape = inference._get_sympy_shape(node, 0)
+        k, dim, _, _ = parse_topk_overload(str(attribute(node, "overload_name", "")))
+        axis = dim % len(shape)
+        if k is None:
+            k = inference._try_get_value(node, 1)
+        shape[axis] = k if k is not None else inference._new_symbolic_dim_from_output(node, 0, axis)
+        inference.known_vi_[node.output[0]].CopyFrom(
+            onnx.helper.make_tensor_value_info(
+                node.output[0], onnx.TensorProto.INT64, ssi.get_shape_from_sympy_shape(shape)
+            )
+        )
+
     inference.aten_op_dispatcher_[TAKE_ROWS] = rows_shape(True)
+    inference.aten_op_dispatcher_[TOPK_INDICES] = topk_shape
     inference.aten_op_dispatcher_[PUT_ROWS] = rows_shape(False)
 
     # An ATen operator it has no rule for gets its first input's type (cpmant's mask,
