@@ -286,3 +286,23 @@ def test_changed_versions_miss(
     monkeypatch.setattr(export_cache, "_versions", lambda: real().replace(f"{package}", "other"))
     assert not export(Net(), (x,), training=True, cache=cache).from_cache
     assert calls[0] == 2
+
+
+def test_the_key_changes_with_the_exporters_own_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an editable install keeps its version across fixes: a graph an older exporter wrote
+    # (one with a bug since fixed) must not be served
+    from ortmodule_exporter.export import cache
+
+    fake = tmp_path / "ortmodule_exporter" / "export"
+    fake.mkdir(parents=True)
+    (fake / "cache.py").write_text("x = 1\n")
+    monkeypatch.setattr(cache, "__file__", str(fake / "cache.py"))
+    cache._exporter_source.cache_clear()
+    before = cache._versions()
+    (fake / "cache.py").write_text("x = 2\n")
+    cache._exporter_source.cache_clear()
+    after = cache._versions()
+    cache._exporter_source.cache_clear()
+    assert before != after and "exporter-source=" in before

@@ -5,7 +5,8 @@ code and the code of every function their methods call (module-level helpers, fo
 through their own calls), parameter and buffer names, shapes, dtypes and requires_grad, the
 input schema, the mode, the :class:`~ortmodule_exporter.export.config.ExportConfig` fingerprint
 (opset, custom autograd, ATen routes, registered symbolics and Function exporters) and the
-versions of torch, onnx, the engine and this package. A hit skips the export.
+versions of torch, onnx, the engine and this package, and a hash of this package's source. A hit
+skips the export.
 
 Security model (see docs/export_cache.md): an entry is data only, ONNX bytes plus a JSON
 header; loading one never unpickles, imports or calls anything named in it. The output
@@ -22,6 +23,7 @@ is reported once as a warning, removed and rebuilt.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -35,6 +37,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,8 +79,21 @@ def _versions() -> str:
             f"onnx={onnx.__version__}",
             _version("onnxruntime-training", "onnxruntime-training-cpu", "onnxruntime"),
             _version("ortmodule-exporter"),
+            f"exporter-source={_exporter_source()}",
         )
     )
+
+
+@functools.lru_cache(maxsize=1)
+def _exporter_source() -> str:
+    """A hash of this package's own source files. Its version alone would serve graphs an
+    older exporter wrote (a checkout or an editable install keeps one version across fixes)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 # -- what the module's code depends on ------------------------------------------------------------
