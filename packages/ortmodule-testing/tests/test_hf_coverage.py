@@ -51,6 +51,27 @@ def test_size_overrides_shrinks_what_is_there_and_nothing_else() -> None:
     }
 
 
+def test_size_overrides_turns_off_every_random_drop() -> None:
+    # drop path (stochastic depth) and LayerDrop draw random numbers like dropout does: eager's
+    # and the engine's draws differ, so FocalNet, BEiT, Data2VecVision and SegFormer (drop path
+    # 0.1 by default) trained apart although both trainings were correct
+    settings = {
+        "hidden_dropout_prob": 0.1,
+        "drop_path_rate": 0.1,
+        "drop_connect_rate": 0.2,
+        "encoder_layerdrop": 0.1,
+        "stochastic_depth_prob": 0.1,
+        "layer_norm_eps": 1e-5,  # a float that is no probability stays
+    }
+    assert size_overrides(settings) == {
+        "hidden_dropout_prob": 0.0,
+        "drop_path_rate": 0.0,
+        "drop_connect_rate": 0.0,
+        "encoder_layerdrop": 0.0,
+        "stochastic_depth_prob": 0.0,
+    }
+
+
 def test_size_overrides_distilbert_names_and_stage_lists() -> None:
     out = size_overrides({"dim": 768, "hidden_dim": 3072, "depths": [3, 4, 6, 3],
                           "hidden_sizes": [256, 512, 1024, 2048], "num_heads": [3, 6, 12, 24]})  # fmt: skip

@@ -114,10 +114,21 @@ def _is_config(value: Any) -> bool:
     return hasattr(value, "to_dict") and hasattr(value, "model_type")
 
 
+def _is_drop_probability(name: str) -> bool:
+    """Whether a float setting is the probability of a random drop in training: dropout, and
+    also stochastic depth (``drop_path_rate``, ``drop_connect_rate``, ``stochastic_depth_prob``)
+    and LayerDrop (``encoder_layerdrop``). Each draws from PyTorch's generator in eager and from
+    the engine's under ORTModule, so left on, the two trainings drop different samples or
+    layers and part by far more than rounding (ResNet-like vision models with
+    ``drop_path_rate=0.1``: FocalNet, BEiT, Data2VecVision, SegFormer)."""
+    return "drop" in name or "stochastic_depth" in name
+
+
 def size_overrides(settings: dict[str, Any], layers_before: int | None = None) -> dict[str, Any]:
     """The tiny settings for a configuration whose ``to_dict()`` is ``settings``.
 
-    Sizes from :data:`SIZES` where the name is present and not None, every float dropout 0,
+    Sizes from :data:`SIZES` where the name is present and not None, every float drop
+    probability 0 (dropout, drop path, LayerDrop),
     token ids inside the vocabulary, per-stage lists shrunk, per-layer lists dropped so that
     the configuration derives them again.
 
@@ -130,7 +141,7 @@ def size_overrides(settings: dict[str, Any], layers_before: int | None = None) -
             out[name] = SIZES[name]
         elif name in STAGE_LISTS and isinstance(value, (list, tuple)) and value:
             out[name] = [STAGE_LISTS[name](i, v) for i, v in enumerate(value)]
-        elif isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+        elif isinstance(value, float) and _is_drop_probability(name):
             out[name] = 0.0
         elif name == "dim" and isinstance(value, int) and "hidden_dim" in settings:
             out[name] = HIDDEN  # DistilBERT: dim is the width, hidden_dim the feed-forward
