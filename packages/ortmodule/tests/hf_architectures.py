@@ -15,6 +15,7 @@ contrastive labels are ``arange(batch)``: one graph per batch size).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -286,15 +287,24 @@ def _architectures() -> dict[str, Arch]:
         found[name] = Arch(ZooCase(name, case.make_model, batch, model_loss), prompt)
     for name, (make, batch, prompt) in _MORE.items():
         found[name] = Arch(ZooCase(name, make, batch, model_loss), prompt)
-    # one graph per batch size: CLIP's labels are arange(batch) (see test_hf_shapes.py), and
-    # LLaVA splits the image features by a count of images the trace bakes
+    # one graph per batch size: CLIP's labels are arange(batch) (see test_hf_shapes.py), LLaVA
+    # splits the image features by a count of images the trace bakes, and Gemma3 checks the
+    # count of image tokens with item()
     distinct_batches = len({b for b, _ in CHANGING_SHAPES})
-    for name in ("clip", "llava"):
+    for name in ("clip", "llava", "gemma3"):
         found[name] = Arch(found[name].case, found[name].prompt, graphs=distinct_batches)
     # Mamba without its CUDA kernels scans the sequence in a Python loop, which the trace
     # unrolls: one graph per sequence length (each checked before its run)
     mamba = found["mamba"]
     found["mamba"] = Arch(mamba.case, mamba.prompt, graphs=len({s for _, s in CHANGING_SHAPES}))
+    # T5Gemma: AdamW divides each gradient element by its own size, so an element whose
+    # gradient is rounding-level moves by up to lr a step in either engine; one weight element
+    # in 2,048 ends 2.7e-5 from a float64 training where eager's is 2e-6, while every loss and
+    # gradient matches: atol 1e-4 for it
+    t5gemma = found["t5gemma"]
+    found["t5gemma"] = Arch(
+        dataclasses.replace(t5gemma.case, tolerance=(1e-4, 1e-4)), t5gemma.prompt
+    )
     return dict(sorted(found.items()))
 
 

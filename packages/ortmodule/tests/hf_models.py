@@ -407,7 +407,12 @@ def _sizes_as_ints(outputs: Any) -> Any:
     hands it back as a tensor of the same value. Known difference: compare it as an int."""
     for out in outputs:
         cache = out.get("past_key_values") if hasattr(out, "get") else None
-        for layer in getattr(cache, "layers", ()):
+        # an encoder-decoder cache holds two caches of layers
+        caches = [
+            getattr(cache, n, None) for n in ("self_attention_cache", "cross_attention_cache")
+        ]
+        layers = [x for c in (cache, *caches) for x in getattr(c, "layers", ())]
+        for layer in layers:
             value = getattr(layer, "cumulative_length", None)
             if isinstance(value, torch.Tensor):
                 assert value.dim() == 0 and not value.is_floating_point()

@@ -8,7 +8,8 @@ T5Gemma) trains, generates and saves like eager:
   that fails, each of them as close to the same training in float64 as eager's own float32
   values are, within 4x (``parity.against_float64``: AdamW turns a rounding-level gradient
   into a full step, and Gemma3's projection gradients reach 1e4); one graph serves every shape
-  (CLIP, LLaVA: one per batch size; Mamba: one per length, see ``hf_architectures.py``);
+  (CLIP, LLaVA, Gemma3: one per batch size; Mamba: one per length; T5Gemma: atol 1e-4, see
+  ``hf_architectures.py``);
 - in eval mode under ``no_grad``, the outputs (caches included) equal eager's on the same weights;
 - greedy ``generate`` on the trained weights gives the tokens eager gives on the same weights;
 - ``save_pretrained`` from the wrapper writes the trained weights: ``from_pretrained`` reads
