@@ -402,3 +402,16 @@ def test_an_error_inside_the_executor_reaches_the_caller() -> None:
         session.forward(feeds)
     assert any("ATen node embedding" in n for n in getattr(info.value, "__notes__", []))
     assert aten_executor.call_count() == calls  # the failed call is not counted
+
+
+def test_a_gradient_in_the_broadcast_shape_is_summed_to_the_output_shape() -> None:
+    # the engine can hand an ATen node the gradient of the shape its output was broadcast to
+    # (fuzzer seed 56: (1, 3, 6) for a (3, 6) output; apertus: (128,) for (1,))
+    from ortmodule_exporter.aten.aten_op import _to_output_shape
+
+    grad = torch.arange(12.0).reshape(2, 1, 6)
+    out = torch.zeros(1, 6)
+    torch.testing.assert_close(_to_output_shape(grad, out), grad.sum(0))
+    assert _to_output_shape(out, out) is out
+    with pytest.raises(RuntimeError, match=r"shape \(2, 1, 6\) for an output of shape \(4,\)"):
+        _to_output_shape(grad, torch.zeros(4))

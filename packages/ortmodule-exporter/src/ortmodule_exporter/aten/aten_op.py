@@ -72,7 +72,7 @@ class AtenOp(torch.autograd.Function):
         leaves, results = ctx.leaves, ctx.results
         ctx.leaves = ctx.results = None
         pairs = [
-            (o, g)
+            (o, _to_output_shape(g, o))
             for o, g in zip(results, grads, strict=False)
             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
         ]
@@ -91,6 +91,28 @@ class AtenOp(torch.autograd.Function):
             for i, g in zip(wanted, computed, strict=True):
                 gradients[i] = _owned(_materialized(g), incoming)
         return (None, *gradients)
+
+
+def _to_output_shape(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``grad`` summed to ``output``'s shape where it comes in the shape ``output`` was
+    broadcast to. The engine's gradient builder reduces a broadcast operand's gradient only
+    where it knows the operand's shape differs; an ATen node's output has dims the export could
+    not name, so the builder can take a size-1 dim for the other side's and hand over the
+    broadcast gradient (apertus' xIELU parameters of shape (1,): a gradient of shape (128,)).
+    Summing over the broadcast dims is the chain rule's reduction; any other mismatch is an
+    error that names both shapes."""
+    if grad.shape == output.shape:
+        return grad
+    try:
+        broadcast = torch.broadcast_shapes(grad.shape, output.shape)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != grad.shape:
+        raise RuntimeError(
+            f"the engine handed a gradient of shape {tuple(grad.shape)} for an output of shape "
+            f"{tuple(output.shape)} that does not broadcast to it"
+        )
+    return grad.sum_to_size(output.shape)
 
 
 def _owned(tensor: torch.Tensor | None, given: Any) -> torch.Tensor | None:
