@@ -58,7 +58,8 @@ def _topk(g: Any, self: Any, k: Any, dim: Any, largest: Any, sorted: Any, out: A
     rank = sh._get_tensor_rank(self)
     if out is not None and not sh._is_none(out):
         return symbolic_opset11.topk(g, self, k, dim, largest, sorted, out)
-    if rank is None or not all(isinstance(c, int) for c in constants):
+    if rank is None or rank == 0 or not all(isinstance(c, int) for c in constants):
+        # (a 0-d input has one element: no ties; GatherElements wants a dim)
         # a dim or flag computed at run time: the ONNX TopK (lower index first among ties)
         return symbolic_opset11.topk(g, self, k, dim, largest, sorted, out)
     axis, is_largest, is_sorted = constants

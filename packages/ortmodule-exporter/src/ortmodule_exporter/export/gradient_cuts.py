@@ -154,6 +154,19 @@ def cut_gradients(graph: torch._C.Graph, grad_enabled: bool = True) -> int:
             and any(v in requires_grad for v in inputs)
             and any(_is_float(o) for o in node.outputs())
         )
+        # an in-place op under no_grad on a tensor that requires grad (``var.clamp_(min=eps)``
+        # in gaussian_nll_loss): the tensor still requires grad in eager, with the op outside
+        # its graph. Not cut: the engine differentiates through the op (as before cuts
+        # existed), which differs from eager only where the op changed a value
+        in_place = (
+            not mode
+            and node.kind().endswith("_")
+            and not node.kind().endswith("__")
+            and bool(inputs)
+            and inputs[0] in requires_grad
+        )
+        if in_place:
+            requires_grad.update(o for o in node.outputs() if _is_float(o))
         if outputs_grad:
             requires_grad.update(o for o in node.outputs() if _is_float(o))
             for i, v in enumerate(inputs):

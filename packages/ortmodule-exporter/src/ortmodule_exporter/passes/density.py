@@ -522,9 +522,15 @@ def infer_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             inference.aten_op_dispatcher_
         ):
             return
+        # only where the first input's type is not the declared one: elsewhere the rule it
+        # falls back on (the first input's type and shape) is right, and other rules follow
+        # the shape it gives (label sparsity needs it)
+        first = inference.known_vi_.get(node.input[0]) if node.input else None
+        first_type = first.type.tensor_type.elem_type if first is not None else 0
         for name in node.output:
             if name in declared and name in inference.known_vi_:
-                inference.known_vi_[name].CopyFrom(declared[name])
+                if declared[name].type.tensor_type.elem_type != first_type:
+                    inference.known_vi_[name].CopyFrom(declared[name])
 
     inference._onnx_infer_single_node = infer_node
     inference._preprocess(model)
