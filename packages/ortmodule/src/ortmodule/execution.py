@@ -622,9 +622,7 @@ class GraphRunner:
             failed = graph.failed_guard(outputs)
             if failed is None:
                 return graph, outputs, kept
-            with torch.no_grad():
-                for u, value in zip(graph.buffer_updates, saved, strict=True):
-                    getattr(u.owner, u.attr).copy_(value)
+            _restore_buffers(graph, saved)
             index, guard = graph.guards[failed]
 
             def fits(other: CompiledGraph, ran: CompiledGraph = graph, out: Any = outputs) -> bool:
@@ -678,9 +676,7 @@ class GraphRunner:
                 self.transitions.switch(other.key, other, change)
                 self._last = None
                 return other, outputs, kept
-            with torch.no_grad():  # a dropped run: put back what the engine wrote in place
-                for u, value in zip(other.buffer_updates, saved, strict=True):
-                    getattr(u.owner, u.attr).copy_(value)
+            _restore_buffers(other, saved)  # a dropped run: put back what it wrote in place
         graph = self._graph_for_guards(
             graph,
             graph.guards[0][1],
@@ -1004,6 +1000,13 @@ def _buffer_copies(graph: CompiledGraph) -> list[torch.Tensor]:
     """Copies of the buffers ``graph``'s run updates (the engine writes some in place), so a
     run dropped for a failed guard can put them back."""
     return [getattr(u.owner, u.attr).clone() for u in graph.buffer_updates]
+
+
+def _restore_buffers(graph: CompiledGraph, saved: list[torch.Tensor]) -> None:
+    """Put back the buffers of :func:`_buffer_copies` after a dropped run of ``graph``."""
+    with torch.no_grad():
+        for u, value in zip(graph.buffer_updates, saved, strict=True):
+            getattr(u.owner, u.attr).copy_(value)
 
 
 #: engine kernels whose output may share its input's buffer: views, and CPU kernels that may
