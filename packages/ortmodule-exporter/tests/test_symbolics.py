@@ -958,11 +958,6 @@ def _engine_at(
 
 Shapes = Callable[[], tuple[Any, ...]]
 DYNAMIC: dict[str, tuple[Callable[[], torch.nn.Module], Shapes, Shapes]] = {
-    "squeeze_dim_becomes_noop": (
-        fn(lambda a: a.squeeze(1) * 2),
-        lambda: (x(2, 1, 3),),
-        lambda: (x(2, 4, 3),),
-    ),
     "squeeze_dim_becomes_squeeze": (
         fn(lambda a: a.squeeze(1) * 2),
         lambda: (x(2, 4, 3),),
@@ -1026,6 +1021,16 @@ def test_exported_graph_follows_input_shapes(
     build: Callable[[], torch.nn.Module], export_args: Shapes, run_args: Shapes
 ) -> None:
     _engine_at(build(), export_args(), run_args())
+
+
+def test_an_input_dim_of_size_one_is_exported_fixed() -> None:
+    # the engine's gradient builder cannot tell a dynamic dim from a broadcast 1, so a size-1
+    # dim stays 1 (a call with another size builds its own graph: the schema counts it)
+    exported = export(fn(lambda a: a.squeeze(1) * 2)(), (x(2, 1, 3),), training=True)
+    (graph_input,) = [i for i in exported.model.graph.input if i.name in exported.user_input_names]
+    dims = graph_input.type.tensor_type.shape.dim
+    assert [d.dim_value if d.HasField("dim_value") else d.dim_param for d in dims][1] == 1
+    assert dims[0].HasField("dim_param") and dims[2].HasField("dim_param")
 
 
 # -- opsets ----------------------------------------------------------------------------------

@@ -184,7 +184,8 @@ def assert_same(actual: Any, expected: Any, path: str = "obj") -> None:
 
 
 def resized(tensor: torch.Tensor) -> torch.Tensor:
-    """Same dtype, rank, device and requires_grad; every dimension one longer."""
-    shape = tuple(size + 1 for size in tensor.shape)
+    """Same dtype, rank, device and requires_grad; every dimension but those of size 1 one
+    longer (a dim of size 1 counts in the schema)."""
+    shape = tuple(size if size == 1 else size + 1 for size in tensor.shape)
     out = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
     return out.requires_grad_(tensor.requires_grad)

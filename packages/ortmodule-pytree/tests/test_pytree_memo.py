@@ -23,7 +23,7 @@ def test_same_structure_reuses_the_schema_object() -> None:
     memo = FlattenMemo(prefix="input")
     first = check_like_flatten(memo, {"z": torch.ones(2, 3), "a": torch.zeros(4), "flag": True})
     # new tensors, another batch size: the same schema object, tensors in dict order
-    again = check_like_flatten(memo, {"z": torch.ones(5, 3), "a": torch.zeros(1), "flag": True})
+    again = check_like_flatten(memo, {"z": torch.ones(5, 3), "a": torch.zeros(7), "flag": True})
     assert again is first
 
 

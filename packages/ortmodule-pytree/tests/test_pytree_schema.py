@@ -67,6 +67,18 @@ def test_an_empty_tensor_keeps_its_shape_in_the_schema() -> None:
     assert flatten((torch.ones(5, 3),))[1] == flatten((torch.ones(2, 3),))[1]
 
 
+def test_dims_of_size_one_count_in_the_schema() -> None:
+    # a graph may treat a size-1 dim as a broadcast one (the exporter keeps it a fixed 1)
+    _, one = flatten((torch.ones(1, 3),))
+    assert one.tensor_specs[0].shape == (1, -1)
+    assert flatten((torch.ones(1, 7),))[1] == one
+    assert flatten((torch.ones(2, 3),))[1] != one
+    assert flatten((torch.ones(2, 3),))[1].tensor_specs[0].shape is None
+    assert describe_difference(one, flatten((torch.ones(2, 3),))[1]) == (
+        "input 'input.0' shape changed (1, *) -> dynamic"
+    )
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
@@ -74,7 +86,7 @@ def test_an_empty_tensor_keeps_its_shape_in_the_schema() -> None:
             {"mask": torch.ones(2, 5, dtype=torch.bool)},
             "input 'input.mask' dtype changed torch.float32 -> torch.bool",
         ),
-        ({"mask": torch.ones(2, 5, 1)}, "input 'input.mask' rank changed 2 -> 3"),
+        ({"mask": torch.ones(2, 5, 3)}, "input 'input.mask' rank changed 2 -> 3"),
         (
             {"mask": torch.ones(2, 5, requires_grad=True)},
             "input 'input.mask' requires_grad changed False -> True",
@@ -86,13 +98,13 @@ def test_an_empty_tensor_keeps_its_shape_in_the_schema() -> None:
         ({"use_cache": True}, "input.use_cache changed False -> True"),
         ({"use_cache": 0}, "input.use_cache changed False -> 0"),
         (
-            {"extra": torch.ones(1)},
+            {"extra": torch.ones(2)},
             "structure changed at input: dict with keys ['input_ids', 'mask', 'use_cache'] "
             "-> dict with keys ['input_ids', 'mask', 'use_cache', 'extra']; "
             "number of input tensors changed 2 -> 3",
         ),
         (
-            {"use_cache": torch.ones(1)},
+            {"use_cache": torch.ones(2)},
             "number of input tensors changed 2 -> 3: 'input.use_cache' was False, "
             "now Tensor(float32, ndim=1, cpu)",
         ),
@@ -115,33 +127,33 @@ def test_each_kind_of_change_is_a_new_schema_with_a_reason(
     ("old", "new", "reason"),
     [
         (
-            [torch.ones(1)],
-            (torch.ones(1),),
+            [torch.ones(2)],
+            (torch.ones(2),),
             "structure changed at input: list of length 1 -> tuple of length 1",
         ),
         (
-            {"a": torch.ones(1)},
-            OrderedDict(a=torch.ones(1)),
+            {"a": torch.ones(2)},
+            OrderedDict(a=torch.ones(2)),
             "structure changed at input: dict with keys ['a'] -> OrderedDict with keys ['a']",
         ),
         (
-            {"a": [1, torch.ones(1)]},
-            {"a": [1, torch.ones(1), 2]},
+            {"a": [1, torch.ones(2)]},
+            {"a": [1, torch.ones(2), 2]},
             "structure changed at input['a']: list of length 2 -> list of length 3",
         ),
         (
-            Pair(torch.ones(1), 2),
-            Triple(torch.ones(1), 2, 3),
+            Pair(torch.ones(2), 2),
+            Triple(torch.ones(2), 2, 3),
             "structure changed at input: Pair(first, second) -> Triple(a, b, c)",
         ),
         (
-            [Point(torch.ones(1))],
-            [Pair(torch.ones(1), None)],
+            [Point(torch.ones(2))],
+            [Pair(torch.ones(2), None)],
             "structure changed at input[0]: Point(x, y) -> Pair(first, second)",
         ),
         (
-            {"a": torch.ones(1)},
-            {"a": [torch.ones(1)]},
+            {"a": torch.ones(2)},
+            {"a": [torch.ones(2)]},
             "structure changed at input['a']: Tensor(float32, ndim=1, cpu) -> list of length 1",
         ),
         (
@@ -169,7 +181,7 @@ def test_same_named_classes_are_told_apart_by_module() -> None:
 
 
 def test_a_tensor_and_a_constant_trading_places() -> None:
-    old, new = schema_of([torch.ones(1), None]), schema_of([None, torch.ones(1)])
+    old, new = schema_of([torch.ones(2), None]), schema_of([None, torch.ones(2)])
     assert describe_difference(old, new) == (
         "input 'input.0' was Tensor(float32, ndim=1, cpu), now None (and 1 more difference)"
     )

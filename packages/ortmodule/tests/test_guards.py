@@ -425,3 +425,73 @@ def test_a_count_of_gathered_rows_is_checked_from_the_input_shapes() -> None:
     # failed run
     assert graph is not None and graph.shape_guards and not graph.guards
     assert wrapped._runner.exports == 2, wrapped._runner.transitions.history
+
+
+class SizeOfAnUnflattenedValue(torch.nn.Module):
+    """A size read from a value whose shape ONNX inference cannot work out (``unflatten`` writes
+    a ``Reshape`` with a computed target): torch.onnx folded the traced size into a constant, and
+    the slice kept the first call's length on every later call, with no error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x).unflatten(-1, (2, 4))
+        n = y.shape[1]
+        return y[:, : n - 1].pow(2).sum()
+
+
+def test_a_size_shape_inference_cannot_name_follows_the_input() -> None:
+    eager, wrapped = _pair(SizeOfAnUnflattenedValue)
+    for length in (4, 6, 3):
+        torch.manual_seed(length)
+        _step(eager, wrapped, torch.randn(2, length, 8))
+    assert wrapped._runner.exports == 1, wrapped._runner.transitions.history
+
+
+class EncoderLayer(torch.nn.Module):
+    """``nn.TransformerEncoderLayer``: its attention's ``k.view(k.shape[0], ...)`` used to
+    become ``Reshape(k, [first length, ...])``, which failed on the next sequence length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x).pow(2).sum()
+
+
+def test_multihead_attention_trains_on_new_sequence_lengths_and_batches() -> None:
+    eager, wrapped = _pair(EncoderLayer)
+    for batch, length in ((3, 12), (2, 10), (4, 7), (3, 12)):
+        torch.manual_seed(length)
+        _step(eager, wrapped, torch.randn(batch, length, 16))
+    assert wrapped._runner.exports == 1, wrapped._runner.transitions.history
+
+
+class BroadcastInput(torch.nn.Module):
+    """An input with a dim of size 1 broadcast against a parameter: as a dynamic dim, the
+    engine's gradient builder took it for the parameter's size, and the input's gradient read
+    past its buffer (``-inf``, ``7e18``) or was wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.sigmoid(x) + self.w).pow(2).sum()
+
+
+def test_the_gradient_of_an_input_broadcast_from_size_one_is_eagers() -> None:
+    eager, wrapped = _pair(BroadcastInput)
+    for rows in (1, 2, 1):
+        torch.manual_seed(rows)
+        x = torch.randn(rows, 6)
+        want, got = x.clone().requires_grad_(), x.clone().requires_grad_()
+        eager(want).backward()
+        wrapped(got).backward()
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(wrapped.module.w.grad, eager.w.grad, rtol=1e-5, atol=1e-6)
+        eager.w.grad = wrapped.module.w.grad = None
+    assert wrapped._runner.exports == 2  # one graph per pattern of size-1 dims, found again

@@ -17,7 +17,7 @@ from ortmodule_pytree._torch_pytree import (
 from ortmodule_pytree.containers import ContainerNode, UserHandler
 from ortmodule_pytree.leaves import constant_key
 from ortmodule_pytree.naming import access_path, child_keys, node_type_name
-from ortmodule_pytree.schema import Schema, TensorMeta, describe_tensor
+from ortmodule_pytree.schema import Schema, TensorMeta, describe_tensor, show_shape
 
 __all__ = ["describe_difference"]
 
@@ -75,7 +75,9 @@ def _tensor_change(a: TensorMeta, b: TensorMeta) -> str:
 
 
 def _show(value: object) -> str:
-    return str(tuple(value)) if isinstance(value, torch.Size) else str(value)
+    if isinstance(value, torch.Size):
+        return show_shape(value)
+    return "dynamic" if value is None else str(value)
 
 
 def _leaf(is_tensor: bool, value: Any) -> str:

@@ -84,14 +84,22 @@ def flatten(
 
 
 def _tensor_meta(leaf: torch.Tensor, static_shapes: bool) -> TensorMeta:
-    return (
-        leaf.dtype,
-        leaf.dim(),
-        leaf.device,
-        leaf.requires_grad,
-        # an empty tensor's shape always counts: graphs for it differ
-        leaf.shape if static_shapes or not leaf.numel() else None,
-    )
+    size = leaf.shape
+    shape: torch.Size | None = size
+    if not (static_shapes or not leaf.numel()):  # an empty tensor's shape always counts
+        # dims of size 1 count, the others are dynamic (-1): a graph may treat a size-1 dim as
+        # a broadcast one, which a dynamic dim cannot tell it (see shape_pattern)
+        shape = shape_pattern(size) if 1 in size else None
+    return (leaf.dtype, leaf.dim(), leaf.device, leaf.requires_grad, shape)
+
+
+def shape_pattern(shape: Sequence[int]) -> torch.Size:
+    """``shape`` with every dim other than 1 made dynamic (-1): ``(3, 1, 5)`` -> ``(-1, 1, -1)``.
+
+    A schema without static shapes still tells size-1 dims apart, as ``torch.export``
+    specialises sizes 0 and 1: a graph may treat such a dim as a broadcast one.
+    """
+    return torch.Size([1 if size == 1 else -1 for size in shape])
 
 
 #: constants a memo token holds by value (``constant_key`` tells them apart); anything else

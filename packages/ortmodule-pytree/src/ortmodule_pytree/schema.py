@@ -34,7 +34,8 @@ from ortmodule_pytree.rebuild import Rebuild, compile_rebuild
 
 __all__ = ["Schema", "TensorMeta", "TensorSpec"]
 
-# (dtype, ndim, device, requires_grad, shape or None): one per tensor, compared as a whole.
+# (dtype, ndim, device, requires_grad, shape or None): one per tensor, compared as a whole. The
+# shape holds -1 for a dynamic dim where only the dims of size 1 count (flatten.shape_pattern).
 TensorMeta = tuple[torch.dtype, int, torch.device, bool, torch.Size | None]
 
 
@@ -170,6 +171,16 @@ class Schema:
             object.__setattr__(self, "_hash", cached)
         return cached
 
+    def without_shapes(self) -> Schema:
+        """This schema with no tensor's shape in it: equal for inputs that differ in shape only."""
+        if all(meta[4] is None for meta in self._tensor_meta):
+            return self
+        restore, (spec, fields) = self.__reduce__()
+        fields = dict(fields)
+        fields["tensor_meta"] = tuple((*meta[:4], None) for meta in self._tensor_meta)
+        shapeless: Schema = restore(spec, fields)
+        return shapeless
+
     # -- public view ------------------------------------------------------------------------
 
     @property
@@ -277,11 +288,17 @@ def _restore(spec: TreeSpec, fields: dict[str, Any]) -> Schema:
     return Schema(spec, **fields)
 
 
+def show_shape(shape: Sequence[int]) -> str:
+    """``(*, 1, 8)``: a shape of the schema, ``*`` for a dynamic dim."""
+    dims = ["*" if size == -1 else str(size) for size in shape]
+    return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+
+
 def describe_tensor(meta: TensorMeta) -> str:
     """``Tensor(float32, ndim=2, cpu, requires_grad)``."""
     dtype, ndim, device, requires_grad, shape = meta
     parts = [str(dtype).removeprefix("torch.")]
-    parts.append(f"ndim={ndim}" if shape is None else f"shape={tuple(shape)}")
+    parts.append(f"ndim={ndim}" if shape is None else f"shape={show_shape(shape)}")
     parts.append(str(device))
     if requires_grad:
         parts.append("requires_grad")

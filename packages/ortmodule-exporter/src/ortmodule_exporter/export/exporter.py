@@ -39,6 +39,7 @@ from .gradient_cuts import cutting_gradients
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX, ExportedModel, SaveOptions
 from .shape_guards import split_shape_guards
+from .traced_sizes import remove_size_barriers, sizes_kept_dynamic
 
 logger = logging.getLogger("ortmodule.exporter")
 
@@ -260,8 +261,17 @@ def _failed_op(err: BaseException) -> str | None:
 def _dynamic_axes(
     names: Sequence[str], tensors: Sequence[torch.Tensor]
 ) -> dict[str, dict[int, str]]:
+    """Every dim of every input, but those of size 1: they stay a fixed 1 in the graph.
+
+    The engine's gradient builder takes a dynamic dim met by a fixed one (or by another dynamic
+    dim) for equal to it, never for a broadcast 1 (``ComputeBroadcastBackwardAxes`` in
+    onnxruntime 1.19): an input of shape ``(1, 6)`` added to a ``(2, 6)`` parameter got a
+    gradient of shape ``(2, 6)``, and the elementwise gradient after it read past its input
+    (``-inf``, ``7e18``). The input schema counts the dims of size 1 (``shape_pattern``), so a
+    call with another size there builds its own graph.
+    """
     return {
-        name: {i: f"{name}_dim{i}" for i in range(t.dim())}
+        name: {i: f"{name}_dim{i}" for i, size in enumerate(t.shape) if size != 1}
         for name, t in zip(names, tensors, strict=True)
     }
 
@@ -393,6 +403,7 @@ def _export(
             # after the size recorder: it sees the calls as traced (numbers for bools)
             bool_scalars_as_numbers(),
             python_op.exporting_copy_of(module, target),
+            sizes_kept_dynamic(tensors, enabled=not static_shapes),
             warnings.catch_warnings(record=True) as caught,
         ):
             warnings.simplefilter("always")
@@ -445,6 +456,7 @@ def _export(
     assert flat.output_schema is not None
     _report_trace_warnings(caught, module_path(module))
     model = onnx.load_from_string(buf.getvalue())
+    remove_size_barriers(model)
     exported = _finish(
         model, input_schema, flat.output_schema, training, opset, flat.extra_output_names()
     )

@@ -26,7 +26,6 @@ types). Exactly these reads carry gradient in the engine's graph and none in eag
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import threading
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from ..aten.executor import ATEN_DOMAIN
 from ..aten.stop_gradient import STOP_GRADIENT as ATEN_STOP_GRADIENT
 from ..symbolics.helpers import Value, _stop_gradient
 from ..symbolics.registry import register_symbolic
+from .lowering_hooks import before_lowering
 
 __all__ = ["STOP_GRADIENT", "cut_gradients", "cutting_gradients"]
 
@@ -69,9 +69,6 @@ _VALUE_FREE = frozenset(
     )
 )
 
-_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "ortmodule_cutting_gradients", default=False
-)
 _INSTALL_LOCK = threading.Lock()
 
 _LIB = torch.library.Library("ortmodule", "FRAGMENT")
@@ -224,54 +221,29 @@ def _record_switch(set_grad_enabled: Any) -> Any:
     return switch
 
 
-def _wrap(optimize_graph: Any) -> Any:
-    @functools.wraps(optimize_graph)
-    def optimize(graph: torch._C.Graph, *args: Any, **kwargs: Any) -> Any:
-        if _ACTIVE.get() and _RECORDING.active:
-            cut_gradients(graph, _RECORDING.grad_enabled)
-        return optimize_graph(graph, *args, **kwargs)
-
-    optimize._ortmodule_cuts = True  # type: ignore[attr-defined]
-    return optimize
-
-
 def _install() -> None:
-    """Run :func:`cut_gradients` inside torch.onnx, between the trace and the lowering to ONNX.
+    """Note switches of grad mode from Python while tracing (once per process).
 
-    torch.onnx offers no hook there; its ``_optimize_graph`` (torch 2.13's TorchScript exporter)
-    takes the traced graph first, so it is wrapped once per process. The wrapper acts only inside
-    :func:`cutting_gradients`, so other ``torch.onnx.export`` calls are unchanged.
+    torch.no_grad and torch.set_grad_enabled switch the mode through ``torch._C._set_grad_enabled``.
     """
     with _INSTALL_LOCK:
-        try:
-            from torch.onnx._internal.torchscript_exporter import utils
-        except ImportError as err:  # pragma: no cover - a torch without the TorchScript exporter
-            raise RuntimeError(
-                "ORTModule cannot honour detach() and torch.no_grad() inside a forward with this "
-                "torch: torch.onnx._internal.torchscript_exporter.utils is missing"
-            ) from err
-        current = getattr(utils, "_optimize_graph", None)
-        if current is None:  # pragma: no cover
-            raise RuntimeError(
-                "ORTModule cannot honour detach() and torch.no_grad() inside a forward with this "
-                "torch: torch.onnx's TorchScript exporter has no _optimize_graph"
-            )
-        if not getattr(current, "_ortmodule_cuts", False):
-            utils._optimize_graph = _wrap(current)
-        # torch.no_grad and torch.set_grad_enabled switch the mode through this function
         if not getattr(torch._C._set_grad_enabled, "_ortmodule_cuts", False):
             torch._C._set_grad_enabled = _record_switch(torch._C._set_grad_enabled)
+
+
+def _cut(graph: torch._C.Graph) -> None:
+    if _RECORDING.active:
+        cut_gradients(graph, _RECORDING.grad_enabled)
 
 
 @contextlib.contextmanager
 def cutting_gradients() -> Iterator[None]:
     """Cut the gradient where the traced forward detached a value or ran under ``no_grad``."""
     _install()
-    token = _ACTIVE.set(True)
     saved = _RECORDING.active, _RECORDING.grad_enabled
     _RECORDING.active, _RECORDING.grad_enabled = True, torch.is_grad_enabled()
     try:
-        yield
+        with before_lowering(_cut, "honour detach() and torch.no_grad() inside a forward"):
+            yield
     finally:
         _RECORDING.active, _RECORDING.grad_enabled = saved
-        _ACTIVE.reset(token)

@@ -154,15 +154,17 @@ def _describe_params(old: tuple[ParamSig, ...], new: tuple[ParamSig, ...]) -> st
     return "parameter order changed"
 
 
-#: graphs kept per mode for other trace states (autocast on for training, off for evaluation):
-#: going back to one switches to it instead of exporting again
-KEPT_STATES_PER_MODE = 2
+#: graphs kept per mode for other trace states (autocast on for training, off for evaluation) or
+#: other size-1 dims of the inputs (the last batch of an epoch): going back to one switches to
+#: it instead of exporting again
+KEPT_STATES_PER_MODE = 4
 
 
 class GraphTransitionManager(Generic[T]):
     """Keeps one built graph per mode and rebuilds exactly when its key changes; a graph left
-    for another trace state only (autocast entered or left) is kept, up to
-    :data:`KEPT_STATES_PER_MODE` a mode, and taken back when that state returns."""
+    for another trace state or input shapes only (autocast entered or left; a batch of one,
+    whose size-1 dim the graph keeps fixed) is kept, up to :data:`KEPT_STATES_PER_MODE` a
+    mode, and taken back when that state or those shapes return."""
 
     def __init__(self) -> None:
         self._slots: dict[tuple[bool, bool], tuple[GraphKey, T]] = {}
@@ -201,8 +203,14 @@ class GraphTransitionManager(Generic[T]):
     def _keep(
         self, slot: tuple[bool, bool], current: tuple[GraphKey, T] | None, key: GraphKey
     ) -> None:
-        """Keep the graph ``current`` that ``key`` replaces when they differ in trace state only."""
-        if current is None or dataclasses.replace(current[0], state=key.state) != key:
+        """Keep the graph ``current`` that ``key`` replaces when they differ in trace state or
+        input shapes only."""
+        if current is None:
+            return
+        old = current[0]
+        if dataclasses.replace(old, state=key.state, input_schema=key.input_schema) != key:
+            return
+        if old.input_schema.without_shapes() != key.input_schema.without_shapes():
             return
         kept = self._kept.setdefault(slot, [])
         kept.insert(0, current)
