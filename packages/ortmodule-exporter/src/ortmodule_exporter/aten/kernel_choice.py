@@ -87,6 +87,7 @@ __all__ = [
     "ENGINE_FORWARDS",
     "CoveredOperator",
     "aten_cross_entropy",
+    "calibration_seconds",
     "choose",
     "configure_kernel_choice",
     "covered_operators",
@@ -141,6 +142,8 @@ _MODE = ["engine"]
 _TORCH_THREADS = [0]
 #: (operator, dtype, size class) -> "engine" or "torch", with the timings that decided it
 _DECISIONS: dict[tuple[str, str, Any], tuple[str, float, float]] = {}
+#: (operator, dtype, size class) -> seconds its measurement took in this process
+_SECONDS: dict[tuple[str, str, Any], float] = {}
 _PREVIOUS: dict[str, Any] = {}
 
 
@@ -158,6 +161,13 @@ def decisions() -> dict[tuple[str, str, Any], tuple[str, float, float]]:
     """What was chosen so far: key -> (route, engine us, torch us incl. the ATen nodes)."""
     with _LOCK:
         return dict(_DECISIONS)
+
+
+def calibration_seconds() -> dict[tuple[str, str, Any], float]:
+    """Seconds each decision's measurement took in this process (keys of :func:`decisions`;
+    a decision this process did not measure itself is absent)."""
+    with _LOCK:
+        return dict(_SECONDS)
 
 
 # -- the table of covered operators -----------------------------------------------------------------
@@ -803,6 +813,7 @@ def _decide(op: str, dtype: str, size: Any, measure: Callable[[], tuple[float, f
     with _LOCK:
         found = _DECISIONS.get(key)
     if found is None:
+        start = time.perf_counter()
         try:
             engine_us, torch_us = measure()
         except Exception as err:  # noqa: BLE001 - no measurement: keep the engine's kernel
@@ -812,6 +823,7 @@ def _decide(op: str, dtype: str, size: Any, measure: Callable[[], tuple[float, f
         found = (route, engine_us, torch_us)
         with _LOCK:
             _DECISIONS[key] = found
+            _SECONDS[key] = time.perf_counter() - start
         logger.info(
             "kernel choice: %s %s on %s runs on %s (engine %.0f us, PyTorch %.0f us "
             "with its ATen nodes, %d PyTorch threads)",
