@@ -115,6 +115,7 @@ class Runner:
 SCALE_VARIANTS = {
     "ortmodule-level1": ("ortmodule", {"ORTMODULE_MEMORY_OPT_LEVEL": "1"}),
     "ortmodule-level2": ("ortmodule", {"ORTMODULE_MEMORY_OPT_LEVEL": "2"}),
+    "ortmodule-warm": ("ortmodule", {}),
 }
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 from benchmarks.__main__ import run_scale  # noqa: E402
 from benchmarks.models import SCALE_MODELS, WORKLOADS, causal_lm_batch, gpt2_model, llama_model  # noqa: E402
 from benchmarks.report import SCALE_MODES, Report  # noqa: E402
-from benchmarks.worker import RssSampler, _wrap, timed_step  # noqa: E402
+from benchmarks.worker import MODES, RssSampler, _wrap, timed_step  # noqa: E402
 
 TINY_GPT2 = {"vocab_size": 97, "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 2}
 TINY_LLAMA = {
@@ -56,6 +56,8 @@ def test_scale_starts_one_process_per_mode(tmp_path: Path) -> None:
     by_label = {label: (args, env) for label, args, env in runner.calls}
     args, env = by_label["ortmodule (warm: prefilled cache)"]
     assert args[-2:] == ["0", "1"]
+    # every process is a worker mode (the rows are report keys)
+    assert all(args[args.index("--mode") + 1] in MODES for _, args, _ in runner.calls)
     assert (
         env["ORTMODULE_CACHE_DIR"]
         == by_label["ortmodule (cold, fills the cache)"][1]["ORTMODULE_CACHE_DIR"]
