@@ -473,3 +473,48 @@ def test_cached_decisions_are_validated(data: Any, counted_calibrations: list[in
     good = [["gelu(none)", "Float", {"tuple": [8, "x"]}, "torch", 1.0, None]]
     assert kernel_choice.decisions_from_json(good) == 1
     assert kernel_choice.decisions()[("gelu(none)", "Float", (8, "x"))][0] == "torch"
+
+
+class BranchOnData(torch.nn.Module):
+    """``if x.sum() > 0``: a guard on data, checked on a graph output at every run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 2 if bool(x.sum() > 0) else y
+
+
+def test_guards_on_data_are_kept_in_the_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GPT-2 at full size: ``q_length > 1`` stays such a guard (an ATen node hides the sizes
+    # from shape inference), which kept every real-size GPT-2 export out of the cache
+    calls = _count_exports(monkeypatch)
+    x = torch.ones(2, 4)
+    first = export(BranchOnData(), (x,), training=True, cache=ExportCache(str(tmp_path)))
+    second = export(BranchOnData(), (x,), training=True, cache=ExportCache(str(tmp_path)))
+    assert first.guards and calls[0] == 1 and second.from_cache
+    assert [(n, g.kind, g.source, g.value.tolist()) for n, g in second.guards] == [
+        (n, g.kind, g.source, g.value.tolist()) for n, g in first.guards
+    ]
+    assert {n for n, _ in second.guards} <= {o.name for o in second.model.graph.output}
+
+
+def test_a_damaged_guard_is_refused() -> None:
+    from ortmodule_exporter.export.shape_guards import guard_from_json
+
+    with pytest.raises(ValueError):
+        guard_from_json(
+            {"kind": "bool", "value": {"array": [1], "dtype": "object", "shape": [1]}, "source": ""}
+        )
+    with pytest.raises(ValueError):
+        guard_from_json(
+            {
+                "kind": "bool",
+                "value": {"array": [1, 2], "dtype": "int64", "shape": [3]},
+                "source": "",
+            }
+        )

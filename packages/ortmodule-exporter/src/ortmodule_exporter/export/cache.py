@@ -42,8 +42,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..aten import kernel_choice
+from .guards import Guard
 from .model import ExportedModel
-from .shape_guards import ShapeGuard, shape_guard_from_json, shape_guard_to_json
+from .shape_guards import (
+    ShapeGuard,
+    guard_from_json,
+    guard_to_json,
+    shape_guard_from_json,
+    shape_guard_to_json,
+)
 
 if TYPE_CHECKING:
     import onnx
@@ -229,6 +236,8 @@ class CacheEntry:
     #: the guards on input sizes checked before each run (validated plain data, see
     #: :func:`~ortmodule_exporter.export.shape_guards.shape_guard_from_json`)
     shape_guards: tuple[ShapeGuard, ...] = ()
+    #: the guards that stay graph outputs: (output name, guard), validated plain data too
+    guards: tuple[tuple[str, Guard], ...] = ()
 
     def exported(self, input_schema: Schema, output_schema: Schema) -> ExportedModel | None:
         """The entry as an ``ExportedModel`` when ``output_schema`` (computed by running the
@@ -255,6 +264,7 @@ class CacheEntry:
                 k: (str(v[0]), float(v[1])) for k, v in h["variance_updates"].items()
             },
             shape_guards=self.shape_guards,
+            guards=self.guards,
             from_cache=True,
         )
 
@@ -288,6 +298,9 @@ def _header(key: str, exported: ExportedModel) -> dict[str, Any]:
         # Hugging Face models check sizes (``batch_size != position_ids.shape[0]``): without
         # their guards in the entry, such models were never cached at all
         "shape_guards": [shape_guard_to_json(g) for g in exported.shape_guards],
+        # guards checked on a graph output (GPT-2's ``q_length > 1`` at full size, where an
+        # ATen node hides the sizes from shape inference): their traced values are small
+        "guards": [[name, guard_to_json(g)] for name, g in exported.guards],
         # the kernel choice's measurements (the key holds the machine they were made on)
         "kernel_choice": (
             kernel_choice.decisions_to_json() if exported.config.kernel_choice == "auto" else []
@@ -421,19 +434,32 @@ class ExportCache:
         header = json.loads(rest[: int(size)].decode("utf-8"))
         if not isinstance(header, dict) or header.get("key") != key:
             raise ValueError("entry belongs to a different model")
-        guards = header.get("shape_guards", [])
-        if not isinstance(guards, list):
-            raise ValueError("bad shape guards")
+        shape_guards, guards = header.get("shape_guards", []), header.get("guards", [])
+        if not isinstance(shape_guards, list) or not isinstance(guards, list):
+            raise ValueError("bad guards")
+        if not all(isinstance(g, list) and len(g) == 2 and isinstance(g[0], str) for g in guards):
+            raise ValueError("bad guards")
+        model = onnx.load_from_string(rest[int(size) :])
+        outputs = {vi.name for vi in model.graph.output}
+        if any(name not in outputs for name, _ in guards):
+            raise ValueError("a guard names no output of the graph")
         return CacheEntry(
-            onnx.load_from_string(rest[int(size) :]),
+            model,
             header,
-            tuple(shape_guard_from_json(g) for g in guards),
+            tuple(shape_guard_from_json(g) for g in shape_guards),
+            tuple((name, guard_from_json(g)) for name, g in guards),
         )
 
     # -- store --------------------------------------------------------------------------
     def store(self, key: str, exported: ExportedModel) -> None:
         try:
-            header = json.dumps(_header(key, exported), sort_keys=True).encode("utf-8")
+            fields = _header(key, exported)
+        except TypeError:
+            # a guard whose traced value is big or of another dtype (a ``tolist()`` of a
+            # tensor): this graph is exported in each process, as every guarded one was before
+            return
+        try:
+            header = json.dumps(fields, sort_keys=True).encode("utf-8")
         except (TypeError, ValueError) as err:
             self._warn(f"cannot cache this export ({err}); training continues without the cache")
             return

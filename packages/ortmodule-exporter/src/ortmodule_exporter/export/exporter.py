@@ -462,14 +462,13 @@ def _export(
     _keep_guards(exported, flat.guards, tensors)
     exported.config = config
     exported.export_seconds = time.perf_counter() - start
-    # the cache holds no tensors: a model with constant outputs or guards on data (whose
-    # values are tensors) is exported again next time, and so is one that writes to its
-    # inputs. Guards on sizes are plain data and are kept in the entry
+    # the cache holds no tensors: a model with constant outputs is exported again next time,
+    # and so is one that writes to its inputs. Guards (their traced values small tensors, a
+    # bool or a count) are kept in the entry as plain data; a big one keeps it out (store warns)
     if (
         cache is not None
         and key is not None
         and not exported.constant_outputs
-        and not exported.guards
         and not exported.input_writes
     ):
         cache.store(key, exported)

@@ -33,6 +33,8 @@ from .guards import Guard
 __all__ = [
     "Dim",
     "ShapeGuard",
+    "guard_from_json",
+    "guard_to_json",
     "shape_guard_from_json",
     "shape_guard_to_json",
     "split_shape_guards",
@@ -485,15 +487,41 @@ def _strings(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+#: the most elements a guard's traced value may have to be kept in an entry (a ``tolist()`` of
+#: a big tensor keeps its export out of the cache)
+GUARD_VALUE_LIMIT = 4096
+
+
+def guard_to_json(guard: Guard) -> dict[str, Any]:
+    """A :class:`Guard` as plain JSON data: its kind, traced value and source line (raises
+    ``TypeError`` for a value the cache does not hold: another dtype, too many elements)."""
+    value = guard.value
+    if value.dtype not in _TORCH_DTYPE_NAMES or value.numel() > GUARD_VALUE_LIMIT:
+        raise TypeError(f"a guard's value ({value.dtype}, {value.numel()} elements) is not cached")
+    return {
+        "kind": guard.kind,
+        "value": _array_to_json(value.detach().cpu().numpy()),
+        "source": guard.source,
+    }
+
+
+def guard_from_json(data: Any) -> Guard:
+    """The :class:`Guard` :func:`guard_to_json` wrote; ``ValueError`` for anything else."""
+    if not isinstance(data, dict) or set(data) != {"kind", "value", "source"}:
+        raise ValueError("bad guard in the cache entry")
+    if data["kind"] not in _GUARD_KINDS or not isinstance(data["source"], str):
+        raise ValueError("bad guard kind or source in the cache entry")
+    array = _array_from_json(data["value"])
+    if array.size > GUARD_VALUE_LIMIT:
+        raise ValueError("a cached guard's value is too large")
+    value = torch.from_numpy(array.copy()).to(_JSON_DTYPES[data["value"]["dtype"]][0])
+    return Guard(data["kind"], value, data["source"])
+
+
 def shape_guard_to_json(guard: ShapeGuard) -> dict[str, Any]:
     """``guard`` as plain JSON data (raises ``TypeError`` for a value it cannot hold)."""
-    value = guard.guard.value
-    if value.dtype not in _TORCH_DTYPE_NAMES:
-        raise TypeError(f"a shape guard's value is {value.dtype}, which the cache does not store")
     return {
-        "kind": guard.guard.kind,
-        "value": _array_to_json(value.detach().cpu().numpy()),
-        "source": guard.guard.source,
+        **guard_to_json(guard.guard),
         "steps": [
             {
                 "op": s.op,
@@ -515,10 +543,7 @@ def shape_guard_from_json(data: Any) -> ShapeGuard:
     fields = {"kind", "value", "source", "steps", "output", "shapes"}
     if not isinstance(data, dict) or set(data) != fields:
         raise ValueError("bad shape guard in the cache entry")
-    if data["kind"] not in _GUARD_KINDS or not isinstance(data["source"], str):
-        raise ValueError("bad guard kind or source in a cached shape guard")
-    array = _array_from_json(data["value"])
-    value = torch.from_numpy(array.copy()).to(_JSON_DTYPES[data["value"]["dtype"]][0])
+    guard = guard_from_json({k: data[k] for k in ("kind", "value", "source")})
     steps_data, shapes_data = data["steps"], data["shapes"]
     if not isinstance(steps_data, list) or not isinstance(shapes_data, list):
         raise ValueError("bad steps or shapes in a cached shape guard")
@@ -552,6 +577,4 @@ def shape_guard_from_json(data: Any) -> ShapeGuard:
         shapes.append((item[0], tuple(_dim_from_json(d) for d in item[1])))
     if not isinstance(data["output"], str):
         raise ValueError("bad output in a cached shape guard")
-    return ShapeGuard(
-        Guard(data["kind"], value, data["source"]), tuple(steps), data["output"], tuple(shapes)
-    )
+    return ShapeGuard(guard, tuple(steps), data["output"], tuple(shapes))
