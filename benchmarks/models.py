@@ -287,9 +287,9 @@ def _hf_loss(out: Any, batch: Batch) -> torch.Tensor:
 # -- real sizes (--scale): GPT-2 small and a Llama of about 350M, built from configs ------------
 
 #: GPT-2 small: 124M parameters, its vocabulary and context
-GPT2_SMALL = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}
+GPT2_SMALL: dict[str, Any] = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}
 #: a Llama-architecture model of about 350M parameters at Llama 2's vocabulary (untied head)
-LLAMA_350M = {
+LLAMA_350M: dict[str, Any] = {
     "vocab_size": 32000,
     "hidden_size": 1024,
     "intermediate_size": 2816,
@@ -304,7 +304,7 @@ GPT2_BATCH = (4, 256)
 LLAMA_BATCH = (2, 256)
 
 
-def gpt2_model(size: dict[str, int] | None = None) -> nn.Module:
+def gpt2_model(size: dict[str, Any] | None = None) -> nn.Module:
     """Hugging Face ``GPT2LMHeadModel`` at ``size`` (GPT-2 small's config by default), dropout
     off (the engine's dropout draws differ from PyTorch's, so losses could not be compared)."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -315,7 +315,7 @@ def gpt2_model(size: dict[str, int] | None = None) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def llama_model(size: dict[str, int] | None = None) -> nn.Module:
+def llama_model(size: dict[str, Any] | None = None) -> nn.Module:
     """Hugging Face ``LlamaForCausalLM`` at ``size`` (:data:`LLAMA_350M` by default)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
