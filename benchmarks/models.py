@@ -287,7 +287,13 @@ def _hf_loss(out: Any, batch: Batch) -> torch.Tensor:
 # -- real sizes (--scale): GPT-2 small and a Llama of about 350M, built from configs ------------
 
 #: GPT-2 small: 124M parameters, its vocabulary and context
-GPT2_SMALL: dict[str, Any] = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}
+GPT2_SMALL: dict[str, Any] = {
+    "vocab_size": 50257,
+    "n_positions": 1024,
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+}
 #: a Llama-architecture model of about 350M parameters at Llama 2's vocabulary (untied head)
 LLAMA_350M: dict[str, Any] = {
     "vocab_size": 32000,

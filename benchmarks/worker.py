@@ -300,7 +300,9 @@ def train(
         result["error"] = _error_text(err)
         result["traceback"] = traceback.format_exc()[-3000:]
     if sampler is not None:
-        result["peak_rss_steps_mib"] = sampler.stop()
+        peak = sampler.stop()
+        if len(seconds) > 1:  # a one-step run (the warm start) has no later steps
+            result["peak_rss_steps_mib"] = peak
     result["step_seconds"] = seconds
     result["losses"] = losses
     result["peak_rss_mib"] = _peak_rss_mib()
