@@ -9,6 +9,7 @@ so first-step times are cold and peak memory is that configuration's own. The re
     python -m benchmarks --models gpt mlp_many_small --modes eager ortmodule --no-micro
     python -m benchmarks --models gpt bert llama --modes eager --bf16 --no-micro --no-overhead
                                                # bfloat16 autocast rows (and fp32 eager)
+    python -m benchmarks --scale               # real sizes: GPT-2 124M, a 350M Llama (issue #41)
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from .models import (
     LABEL_SPARSITY_MODELS,
     PADDING_ELIMINATION,
     PADDING_MODELS,
+    SCALE_MODELS,
     WORKLOADS,
 )
-from .report import Report, machine_info, machine_slug, write_report
+from .report import SCALE_MODES, Report, machine_info, machine_slug, write_report
 from .worker import MODES as WORKER_MODES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,14 +111,61 @@ class Runner:
         return result
 
 
+#: ``--scale`` rows that are not a worker mode of their own: report key -> (worker mode, environment)
+SCALE_VARIANTS = {
+    "ortmodule-level1": ("ortmodule", {"ORTMODULE_MEMORY_OPT_LEVEL": "1"}),
+    "ortmodule-level2": ("ortmodule", {"ORTMODULE_MEMORY_OPT_LEVEL": "2"}),
+    "ortmodule-warm": ("ortmodule", {}),
+}
+
+
+def run_scale(
+    runner: Runner, report: Report, models: list[str], modes: list[str], steps: list[str]
+) -> None:
+    """The real-size rows: one fresh process per (model, mode) of :data:`SCALE_MODES`, the
+    later steps' RSS sampled; ``ortmodule`` fills an export cache that ``ortmodule-warm``
+    (a second process) starts from."""
+    for model in models:
+        print(f"{model}: {WORKLOADS[model].description}", flush=True)
+        cache = runner.tmp / f"cache-{model}"
+        cache.mkdir(exist_ok=True)
+        for mode in modes:
+            worker_mode, env = SCALE_VARIANTS.get(mode, (mode, {}))
+            base = ["train", "--model", model, "--mode", worker_mode, "--sample-rss"]
+            if mode == "ortmodule-warm":
+                if (model, "ortmodule") not in report.runs:
+                    continue
+                args, env = [*base, "--steps", "0", "1"], {"ORTMODULE_CACHE_DIR": str(cache)}
+                label = "ortmodule (warm: prefilled cache)"
+            elif mode == "ortmodule":
+                args, env = [*base, *steps], {"ORTMODULE_CACHE_DIR": str(cache)}
+                label = "ortmodule (cold, fills the cache)"
+            elif mode == "compile":
+                args = [*base, *steps]
+                env = {"TORCHINDUCTOR_CACHE_DIR": str(runner.tmp / f"inductor-{model}")}
+                label = mode
+            else:
+                args, label = [*base, *steps], mode
+            report.runs[(model, mode)] = runner.run(label, args, env)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--full", action="store_true", help="bigger configurations and more steps")
     parser.add_argument(
-        "--models", nargs="+", choices=sorted(WORKLOADS), default=list(DEFAULT_MODELS)
+        "--scale",
+        action="store_true",
+        help="the real-size set instead (issue #41): GPT-2 124M and a 350M Llama, each with "
+        "eager, eager checkpointing, torch.compile, ORTModule cold and warm and recompute "
+        "levels 1 and 2; --models picks among them, --scale-modes among the modes",
     )
+    parser.add_argument(
+        "--scale-modes", nargs="+", choices=SCALE_MODES, help="with --scale: these rows only"
+    )
+    parser.add_argument("--note", help="a line for the report (e.g. what else ran on the machine)")
+    parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS))
     parser.add_argument("--modes", nargs="+", choices=WORKER_MODES, default=list(MODES))
     parser.add_argument(
         "--bf16",
@@ -160,11 +209,16 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, help="seconds per process (default 420, 1800 with --full)"
     )
     args = parser.parse_args(argv)
+    if args.models is None:
+        args.models = list(SCALE_MODELS if args.scale else DEFAULT_MODELS)
+    if args.scale:
+        # real sizes are benchmarks of their own: none of the toy suite's extra runs
+        args.no_micro = args.no_overhead = args.no_interleaved = args.no_profile = True
 
     info = machine_info()
     name = args.machine or machine_slug(info)
     output = args.output or HERE / "results" / f"{time.strftime('%Y-%m-%d')}-{name}.md"
-    timeout = args.timeout or (1800.0 if args.full else 420.0)
+    timeout = args.timeout or (1800.0 if args.full or args.scale else 420.0)
     runner = Runner(args.full, timeout, args.threads)
     report = Report(
         info=info,
@@ -173,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         + "".join(" " + shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         load_before=os.getloadavg(),
         threads=args.threads,
+        note=args.note,
     )
     started = time.perf_counter()
     print(
@@ -181,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        for model in args.models:
+        if args.scale:
+            steps = ["--steps", *map(str, args.steps)] if args.steps else []
+            run_scale(runner, report, args.models, list(args.scale_modes or SCALE_MODES), steps)
+        # --scale runs only its own rows
+        for model in [] if args.scale else args.models:
             print(f"{model}: {WORKLOADS[model].description}", flush=True)
             cache = runner.tmp / f"cache-{model}"
             cache.mkdir()
@@ -274,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "info": report.info,
         "command": report.command,
         "threads": args.threads,
+        "note": args.note,
         "load_before": report.load_before,
         "load_after": report.load_after,
         "runs": {f"{model}/{mode}": run for (model, mode), run in report.runs.items()},

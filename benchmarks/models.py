@@ -36,6 +36,7 @@ __all__ = [
     "LABEL_SPARSITY_MODELS",
     "PADDING_ELIMINATION",
     "PADDING_MODELS",
+    "SCALE_MODELS",
     "WORKLOADS",
     "Workload",
 ]
@@ -283,6 +284,60 @@ def _hf_loss(out: Any, batch: Batch) -> torch.Tensor:
     return out.loss  # type: ignore[no-any-return]
 
 
+# -- real sizes (--scale): GPT-2 small and a Llama of about 350M, built from configs ------------
+
+#: GPT-2 small: 124M parameters, its vocabulary and context
+GPT2_SMALL: dict[str, Any] = {
+    "vocab_size": 50257,
+    "n_positions": 1024,
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+}
+#: a Llama-architecture model of about 350M parameters at Llama 2's vocabulary (untied head)
+LLAMA_350M: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "max_position_embeddings": 2048,
+}
+#: (batch, tokens) of the real-size workloads: GPT-2 as the issue measured it (4 x 256); the
+#: Llama at 2 x 256 so one step stays near half a minute on two cores
+GPT2_BATCH = (4, 256)
+LLAMA_BATCH = (2, 256)
+
+
+def gpt2_model(size: dict[str, Any] | None = None) -> nn.Module:
+    """Hugging Face ``GPT2LMHeadModel`` at ``size`` (GPT-2 small's config by default), dropout
+    off (the engine's dropout draws differ from PyTorch's, so losses could not be compared)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        **(size or GPT2_SMALL), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False
+    )
+    return GPT2LMHeadModel(config)
+
+
+def llama_model(size: dict[str, Any] | None = None) -> nn.Module:
+    """Hugging Face ``LlamaForCausalLM`` at ``size`` (:data:`LLAMA_350M` by default)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**(size or LLAMA_350M), use_cache=False))
+
+
+def causal_lm_batch(vocab: int, shape: tuple[int, int]) -> Callable[[int, bool], Batch]:
+    """Random token rows of ``shape``, labels = inputs (the model shifts them)."""
+
+    def make(step: int, full: bool) -> Batch:
+        ids = torch.randint(0, vocab, shape, generator=_gen(step))
+        return (), {"input_ids": ids, "labels": ids}
+
+    return make
+
+
 # -- tiny: the per-step Python overhead ------------------------------------------------------------
 
 
@@ -401,6 +456,26 @@ WORKLOADS: dict[str, Workload] = {
             (WARMUP, 20),
         ),
         Workload(
+            "gpt2_124m",
+            "Hugging Face GPT2LMHeadModel at GPT-2 small's config (124M parameters, vocab 50257, "
+            "12 layers, width 768, dropout off), batch 4 x 256 tokens, labels = inputs",
+            lambda full: gpt2_model(),
+            causal_lm_batch(GPT2_SMALL["vocab_size"], GPT2_BATCH),
+            _hf_loss,
+            (2, 3),
+            (4, 8),
+        ),
+        Workload(
+            "llama_350m",
+            "Hugging Face LlamaForCausalLM from config: about 350M parameters (vocab 32000, "
+            "hidden 1024, 22 layers, 16 heads, MLP 2816, untied head), batch 2 x 256, labels = inputs",
+            lambda full: llama_model(),
+            causal_lm_batch(LLAMA_350M["vocab_size"], LLAMA_BATCH),
+            _hf_loss,
+            (1, 3),
+            (3, 6),
+        ),
+        Workload(
             "llama_no_cache",
             "the same tiny Llama with use_cache=False (no DynamicCache in its outputs)",
             _llama(False),
@@ -414,7 +489,16 @@ WORKLOADS: dict[str, Workload] = {
 
 #: on request only: a variant of a default model, and the Hugging Face models at real
 #: vocabularies, whose eager steps (about 1 s each here) would double the suite's time
-ON_REQUEST = ("llama_no_cache", "hf_masked_lm", "hf_masked_lm_logits", "hf_llama_sft")
+ON_REQUEST = (
+    "llama_no_cache",
+    "hf_masked_lm",
+    "hf_masked_lm_logits",
+    "hf_llama_sft",
+    "gpt2_124m",
+    "llama_350m",
+)
+#: the real-size workloads of ``python -m benchmarks --scale`` (issue #41); on request only
+SCALE_MODELS = ("gpt2_124m", "llama_350m")
 #: what `python -m benchmarks` runs without --models
 DEFAULT_MODELS = tuple(name for name in WORKLOADS if name not in ON_REQUEST)
 

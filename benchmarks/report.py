@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .models import DEFAULT_MODELS, TINY, WORKLOADS
+from .models import DEFAULT_MODELS, SCALE_MODELS, TINY, WORKLOADS
 from .stats import goal_verdict
 
 #: ORTModule's step time as a multiple of eager's that the project aims at, per default model
@@ -20,6 +20,18 @@ SPEED_GOALS = {"gpt": 0.85, "masked_lm": 0.6}
 #: ORTModule under bfloat16 autocast against eager under the same autocast (interleaved, at or
 #: below); the rest of the autocast models: 1.0
 AUTOCAST_GOALS = {"gpt": 0.85}
+#: the rows of ``--scale`` (report keys), in table order: ``ortmodule-level1``/``-level2`` are
+#: ORTModule under ``ORTMODULE_MEMORY_OPT_LEVEL``, ``ortmodule-warm`` a second process on the
+#: export cache the cold one filled
+SCALE_MODES = (
+    "eager",
+    "eager-checkpoint",
+    "compile",
+    "ortmodule",
+    "ortmodule-warm",
+    "ortmodule-level1",
+    "ortmodule-level2",
+)
 
 #: /proc/cpuinfo flags that decide how fast bfloat16 is on a CPU: native bf16 dot products
 #: (AVX512-BF16, AMX), the AVX-512 they build on, and what PyTorch falls back to without them
@@ -38,6 +50,9 @@ MODE_TITLES = {
     "eager-bf16": "PyTorch eager, bf16 autocast",
     "compile-bf16": "torch.compile, bf16 autocast",
     "ortmodule-bf16": "ORTModule, bf16 autocast",
+    "ortmodule-level1": "ORTModule, ORTMODULE_MEMORY_OPT_LEVEL=1",
+    "ortmodule-level2": "ORTModule, ORTMODULE_MEMORY_OPT_LEVEL=2",
+    "eager-checkpoint": "PyTorch eager, gradient_checkpointing_enable()",
 }
 
 
@@ -133,6 +148,8 @@ class Report:
     seconds: float = 0.0
     #: intra-op threads forced with --threads, or None for PyTorch's default
     threads: int | None = None
+    #: ``--note``: a line of context for the reader (other work on the machine, ...)
+    note: str | None = None
 
     # -- figures ---------------------------------------------------------------------------
     def loss_diff(self, model: str, mode: str) -> float | None:
@@ -306,13 +323,16 @@ class Report:
                     "ortmodule",
                     "ortmodule-label-off",
                     "ortmodule-padding",
+                    "ortmodule-level1",
+                    "ortmodule-level2",
+                    "eager-checkpoint",
                     *(m for m in MODE_TITLES if m.endswith("-bf16")),
                 )
                 diff = self.loss_diff(model, mode) if mode in compared else None
                 first = _seconds(run.get("first_step_s"))
                 if mode.startswith("compile"):
                     first += " (compiles)"
-                elif mode in ("ortmodule", "ortmodule-bf16"):
+                elif mode.startswith("ortmodule") and mode != "ortmodule-label-off":
                     first += " (cold: export + build)"
                 elif warm:
                     first += " (export from cache)"
@@ -332,6 +352,86 @@ class Report:
                     + " |"
                 )
         return "\n".join(rows)
+
+    def scale_section(self) -> list[str]:
+        """``--scale``: time to first step by phase, step time against eager and torch.compile,
+        and peak RSS of the build and of the steps, per real-size model and mode."""
+        models = [m for m in SCALE_MODELS if any(k == m for k, _ in self.runs)]
+        if not models:
+            return []
+        lines = [
+            "## Real sizes (`--scale`)",
+            "",
+            "One fresh process per (model, mode). *Export*, *graph build* and *session creation* "
+            "are ORTModule's own phase timer (`ORTModule._runner.last_times`, the INFO summary); "
+            "*calibrations* are the kernel-choice measurements (`ORTMODULE_KERNEL_CHOICE=auto`), "
+            "each timed in `kernel_choice.calibration_seconds()`, and are part of the export (or "
+            "graph build) time beside them. *Build peak* is the process's high-water mark after "
+            "the first step (the model, the first step, and for ORTModule the export, gradient "
+            "build and session); *steps peak* is the largest RSS sampled every 20 ms during the "
+            "later steps. Step time is the median of the measured steps; for ORTModule the "
+            "in-engine thread trial (`ORTMODULE_TORCH_THREADS_IN_ENGINE=auto`, 12 steps) may "
+            "still be choosing during so few steps.",
+            "",
+        ]
+        for model in models:
+            lines += [
+                f"### {model}",
+                "",
+                "| mode | first step | export | graph build | session creation | calibrations "
+                "| median step | vs eager | vs compile | build peak | steps peak | max loss diff |",
+                "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            ]
+            compile_run = self.runs.get((model, "compile"), {})
+            for mode in SCALE_MODES:
+                run = self.runs.get((model, mode))
+                if run is None:
+                    continue
+                if "error" in run:
+                    lines.append(
+                        f"| {MODE_TITLES[mode]} | failed: {_cell(run['error'])} |" + " |" * 11
+                    )
+                    continue
+                phases = run.get("phases", {})
+                calibrations = run.get("calibrations", [])
+                measured = [c for c in calibrations if c.get("seconds")]
+                calib = ""
+                if calibrations:
+                    total = sum(c["seconds"] for c in measured)
+                    calib = f"{_seconds(total)}: " + ", ".join(
+                        f"{c['op']} {c['size']} {_seconds(c['seconds'])} -> {c['route']}"
+                        for c in measured
+                    )
+                    if len(measured) < len(calibrations):
+                        calib += f" ({len(calibrations) - len(measured)} from the cache)"
+                warm = mode == "ortmodule-warm"
+                ratio = None if warm else self.ratio(model, mode)
+                vs_compile = None
+                if not warm and "median_step_s" in run and "median_step_s" in compile_run:
+                    vs_compile = run["median_step_s"] / compile_run["median_step_s"]
+                diff = self.loss_diff(model, mode) if mode != "eager" and not warm else None
+                lines.append(
+                    "| "
+                    + " | ".join(
+                        [
+                            MODE_TITLES[mode],
+                            _seconds(run.get("first_step_s")),
+                            _seconds(phases.get("export")),
+                            _seconds(phases.get("graph build")),
+                            _seconds(phases.get("session creation")),
+                            _cell(calib),
+                            "" if warm else _seconds(run.get("median_step_s")),
+                            "" if ratio is None else f"{ratio:.2f}x",
+                            "" if vs_compile is None else f"{vs_compile:.2f}x",
+                            _mib(run.get("peak_rss_first_step_mib")),
+                            _mib(run.get("peak_rss_steps_mib")),
+                            "" if diff is None else f"{diff:.1e}",
+                        ]
+                    )
+                    + " |"
+                )
+            lines.append("")
+        return lines
 
     def label_sparsity_section(self) -> list[str]:
         rows = []
@@ -541,6 +641,10 @@ def _seconds(seconds: float | None) -> str:
     return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def _mib(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f} MiB"
+
+
 def _num(value: float | None) -> str:
     return "" if value is None else f"{value:.0f}"
 
@@ -607,6 +711,7 @@ def write_report(report: Report, path: Path) -> str:
         f"- Command: `{report.command}` (or `{_nox_equivalent(report.command)}`), from the repository root",
         "- ORTModule runs use `ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE`: a failure stops the run "
         "instead of timing PyTorch under ORTModule's name",
+        *([f"- Note: {report.note}"] if report.note else []),
         "",
     ]
     if report.busy():
@@ -638,6 +743,7 @@ def write_report(report: Report, path: Path) -> str:
                 f"- **{model}**: {w.description}; {warmup} warmup + {measured} measured steps"
             )
     lines += ["", report.main_table(), ""]
+    lines += report.scale_section()
     lines += report.interleaved_section()
     lines += report.goals_section()
     lines += report.autocast_section()

@@ -26,6 +26,7 @@ import pstats
 import resource
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections import defaultdict
@@ -41,7 +42,17 @@ from .stats import median_interval
 #: ``<mode>-bf16``: the same mode with forward and loss under ``torch.autocast("cpu", torch.bfloat16)``
 #: (backward and the optimizer outside it, as the autocast docs prescribe); fp32 weights
 AUTOCAST_SUFFIX = "-bf16"
-MODES = ("eager", "compile", "ortmodule", "eager-bf16", "compile-bf16", "ortmodule-bf16")
+#: ``eager-checkpoint``: eager with Hugging Face's ``gradient_checkpointing_enable()`` (the
+#: recompute levels' eager counterpart; Hugging Face models only)
+MODES = (
+    "eager",
+    "compile",
+    "ortmodule",
+    "eager-bf16",
+    "compile-bf16",
+    "ortmodule-bf16",
+    "eager-checkpoint",
+)
 
 
 def forward_context(mode: str) -> contextlib.AbstractContextManager[Any]:
@@ -59,6 +70,30 @@ def _rss_mib() -> float:
 def _peak_rss_mib() -> float:
     # kilobytes on Linux: the high-water mark of this fresh process
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class RssSampler:
+    """The largest resident set seen while it runs, read from ``/proc/self/statm`` every
+    ``interval`` seconds by a daemon thread: the peak of the later steps, which ``ru_maxrss``
+    (the process's high-water mark, the graph build included) cannot give. A spike shorter than
+    the interval can be missed."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.peak_mib = _rss_mib()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak_mib = max(self.peak_mib, _rss_mib())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mib = max(self.peak_mib, _rss_mib())
+        return self.peak_mib
 
 
 def _error_text(err: BaseException) -> str:
@@ -191,6 +226,12 @@ def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     mode = mode.removesuffix(AUTOCAST_SUFFIX)
     if mode == "compile":
         return torch.compile(model)  # type: ignore[return-value]
+    if mode == "eager-checkpoint":
+        # Hugging Face's activation checkpointing, non-reentrant (PyTorch's recommended form)
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+        return model
     if mode == "ortmodule":
         from ortmodule import ORTModule
 
@@ -201,9 +242,18 @@ def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
 
 
 def train(
-    workload: Workload, mode: str, full: bool, profile: str | None, steps: tuple[int, int] | None
+    workload: Workload,
+    mode: str,
+    full: bool,
+    profile: str | None,
+    steps: tuple[int, int] | None,
+    sample_rss: bool = False,
 ) -> dict[str, Any]:
-    """Warmup, then measured steps of forward + backward + AdamW; times, losses, memory."""
+    """Warmup, then measured steps of forward + backward + AdamW; times, losses, memory.
+
+    ``peak_rss_first_step_mib`` is the process's high-water mark after the first step (the
+    model, and for ORTModule the export, graph build and session); with ``sample_rss`` a
+    :class:`RssSampler` gives the peak of the later steps alone (``peak_rss_steps_mib``)."""
     warmup, measured = steps or workload.steps(full)
     batches = [workload.batch(i, full) for i in range(warmup + measured)]
     torch.manual_seed(0)
@@ -228,6 +278,7 @@ def train(
     optimizer_seconds: list[float] = []
     losses: list[float] = []
     agent: _TimedAgent | None = None
+    sampler: RssSampler | None = None
     engine_before = 0.0
     try:
         model = _wrap(base, mode)
@@ -237,6 +288,10 @@ def train(
             losses.append(loss)
             seconds.append(fwd_bwd + optimizer_s)
             optimizer_seconds.append(optimizer_s)
+            if step == 0:
+                result["peak_rss_first_step_mib"] = _peak_rss_mib()
+                if sample_rss:
+                    sampler = RssSampler()
             if mode.startswith("ortmodule") and agent is None:
                 agent = _time_engine_calls(model)
             if agent is not None and step == warmup - 1:
@@ -244,6 +299,10 @@ def train(
     except Exception as err:  # reported in the table, not raised
         result["error"] = _error_text(err)
         result["traceback"] = traceback.format_exc()[-3000:]
+    if sampler is not None:
+        peak = sampler.stop()
+        if len(seconds) > 1:  # a one-step run (the warm start) has no later steps
+            result["peak_rss_steps_mib"] = peak
     result["step_seconds"] = seconds
     result["losses"] = losses
     result["peak_rss_mib"] = _peak_rss_mib()
@@ -259,6 +318,7 @@ def train(
         times = getattr(model._runner, "last_times", None)
         result["phases"] = dict(times.seconds) if times is not None else {}
         result["exports"] = model._runner.exports
+        result["calibrations"] = _calibrations()
         if agent is not None and measured:
             result["engine_s_per_step"] = (agent.seconds - engine_before) / measured
         if profile:
@@ -266,6 +326,22 @@ def train(
             result["profile_file"] = engine.end_profiling()
             result["profile"] = _top_operators(result["profile_file"], warmup + measured)
     return result
+
+
+def _calibrations() -> list[dict[str, Any]]:
+    """The kernel-choice calibrations this process ran (or took from the export cache)."""
+    from ortmodule_exporter.aten import kernel_choice
+
+    return [
+        {
+            "op": op,
+            "dtype": dtype,
+            "size": str(size),
+            "route": route,
+            "seconds": kernel_choice.calibration_seconds().get((op, dtype, size), 0.0),
+        }
+        for (op, dtype, size), (route, _engine_us, _torch_us) in kernel_choice.decisions().items()
+    ]
 
 
 def ratio(
@@ -446,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--mode", choices=MODES, required=True)
     t.add_argument("--profile", help="file prefix: profile the engine (ortmodule mode)")
     t.add_argument("--steps", type=int, nargs=2, metavar=("WARMUP", "MEASURED"))
+    t.add_argument(
+        "--sample-rss",
+        action="store_true",
+        help="sample the resident set during the later steps (their own peak)",
+    )
     o = sub.add_parser("overhead")
     o.add_argument("--mode", choices=("eager", "ortmodule"), required=True)
     m = sub.add_parser("micro")
@@ -466,7 +547,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.what == "train":
         steps = tuple(args.steps) if args.steps else None
-        result = train(WORKLOADS[args.model], args.mode, args.full, args.profile, steps)  # type: ignore[arg-type]
+        result = train(
+            WORKLOADS[args.model],
+            args.mode,
+            args.full,
+            args.profile,
+            steps,  # type: ignore[arg-type]
+            sample_rss=args.sample_rss,
+        )
     elif args.what == "overhead":
         result = overhead(args.mode, args.full)
     elif args.what == "ratio":

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import stat
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -306,3 +308,213 @@ def test_the_key_changes_with_the_exporters_own_source(
     after = cache._versions()
     cache._exporter_source.cache_clear()
     assert before != after and "exporter-source=" in before
+
+
+# -- issue #41: a warm start skips the export and the kernel choice's calibrations -------------
+
+
+class LoopOverSequence(torch.nn.Module):
+    """``range(x.shape[1])`` bakes the length into the trace: a guard on the input's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = torch.zeros_like(x[:, 0])
+        for i in range(x.shape[1]):
+            state = torch.tanh(self.lin(x[:, i]) + state)
+        return state
+
+
+def test_guards_on_sizes_are_kept_in_the_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Hugging Face models check sizes (GPT-2: ``batch_size != position_ids.shape[0]``); such
+    # exports were never stored, so every start exported again
+    calls = _count_exports(monkeypatch)
+    x = torch.randn(2, 3, 4)
+    first = export(LoopOverSequence(), (x,), training=True, cache=ExportCache(str(tmp_path)))
+    second = export(LoopOverSequence(), (x,), training=True, cache=ExportCache(str(tmp_path)))
+    assert first.shape_guards and calls[0] == 1 and second.from_cache
+    assert [g.output for g in second.shape_guards] == [g.output for g in first.shape_guards]
+    names = {"input.x": [2, 3, 4]}
+    assert all(g.holds(names.__getitem__) for g in second.shape_guards)
+    assert not any(g.holds(lambda _: [2, 5, 4]) for g in second.shape_guards)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda g: g["steps"][0].update(op="Loop"),  # not a shape operation
+        lambda g: g["value"].update(dtype="object"),
+        lambda g: g.update(kind="exec"),
+        lambda g: g["shapes"][0].append("extra"),
+    ],
+)
+def test_a_damaged_shape_guard_is_refused(damage: Any) -> None:
+    from ortmodule_exporter.export.shape_guards import (
+        shape_guard_from_json,
+        shape_guard_to_json,
+    )
+
+    exported = export(LoopOverSequence(), (torch.randn(2, 3, 4),), training=True)
+    data = json.loads(json.dumps(shape_guard_to_json(exported.shape_guards[0])))
+    assert shape_guard_to_json(shape_guard_from_json(data)) == data  # the round trip
+    damage(data)
+    with pytest.raises(ValueError):
+        shape_guard_from_json(data)
+
+
+def test_the_code_fingerprint_is_the_same_in_every_process() -> None:
+    # a frozenset constant (``x in {"a", "b"}``) is ordered by string hashing, which each
+    # process seeds anew: the key must not follow it, nor the order of a set of names
+    import subprocess
+    import sys
+
+    code = (
+        "from ortmodule_exporter.export.cache import code_fingerprint\n"
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x, mode='a'):\n"
+        "        return x * 2 if mode in {'alpha', 'beta', 'gamma', 'delta'} else helper(x)\n"
+        "def helper(x):\n"
+        "    return other(x) + first(x)\n"
+        "def other(x):\n    return x\n"
+        "def first(x):\n    return x\n"
+        "print(code_fingerprint([M]))\n"
+    )
+    prints = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(prints) == 1
+
+
+class Gelu(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.fc(x))
+
+
+@pytest.fixture
+def counted_calibrations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A fresh kernel-choice state (as in a new process) whose GELU measurement is counted."""
+    from ortmodule_exporter.aten import kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "_DECISIONS", {})
+    monkeypatch.setattr(kernel_choice, "_SECONDS", {})
+    calls = [0]
+
+    def measure(numel: int, approximate: str = "none") -> tuple[float, float]:
+        calls[0] += 1
+        return 1.0, 2.0  # the engine's kernel is faster
+
+    monkeypatch.setattr(kernel_choice, "measure_gelu", measure)
+    return calls
+
+
+def test_a_warm_start_does_not_calibrate_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted_calibrations: list[int]
+) -> None:
+    from ortmodule_exporter.aten import kernel_choice
+
+    config = ExportConfig(kernel_choice="auto")
+    x = torch.randn(2, 4)
+    export(Gelu(), (x,), training=True, cache=ExportCache(str(tmp_path)), config=config)
+    assert counted_calibrations[0] == 1
+    measured = kernel_choice.decisions()
+    monkeypatch.setattr(kernel_choice, "_DECISIONS", {})  # the next process
+    warm = export(Gelu(), (x,), training=True, cache=ExportCache(str(tmp_path)), config=config)
+    assert warm.from_cache and counted_calibrations[0] == 1
+    # the measurements came back with the graph, for the passes that consult them later
+    assert kernel_choice.decisions() == measured
+
+
+def test_another_machine_calibrates_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted_calibrations: list[int]
+) -> None:
+    from ortmodule_exporter.aten import kernel_choice
+
+    config = ExportConfig(kernel_choice="auto")
+    x = torch.randn(2, 4)
+    export(Gelu(), (x,), training=True, cache=ExportCache(str(tmp_path)), config=config)
+    monkeypatch.setattr(kernel_choice, "_DECISIONS", {})
+    key = kernel_choice.machine_key()
+    monkeypatch.setattr(kernel_choice, "machine_key", lambda: {**key, "cpu": "another CPU"})
+    other = export(Gelu(), (x,), training=True, cache=ExportCache(str(tmp_path)), config=config)
+    assert not other.from_cache and counted_calibrations[0] == 2
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"not": "a list"},
+        [["gelu(none)", "Float", 8, "__import__('os')", 1.0, 2.0]],
+        [["gelu(none)", "Float", {"set": [1]}, "torch", 1.0, 2.0]],
+        [["gelu(none)", "Float", 8, "torch", "fast", 2.0]],
+    ],
+)
+def test_cached_decisions_are_validated(data: Any, counted_calibrations: list[int]) -> None:
+    from ortmodule_exporter.aten import kernel_choice
+
+    with pytest.raises(ValueError):
+        kernel_choice.decisions_from_json(data)
+    assert kernel_choice.decisions() == {}
+    good = [["gelu(none)", "Float", {"tuple": [8, "x"]}, "torch", 1.0, None]]
+    assert kernel_choice.decisions_from_json(good) == 1
+    assert kernel_choice.decisions()[("gelu(none)", "Float", (8, "x"))][0] == "torch"
+
+
+class BranchOnData(torch.nn.Module):
+    """``if x.sum() > 0``: a guard on data, checked on a graph output at every run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 2 if bool(x.sum() > 0) else y
+
+
+def test_guards_on_data_are_kept_in_the_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GPT-2 at full size: ``q_length > 1`` stays such a guard (an ATen node hides the sizes
+    # from shape inference), which kept every real-size GPT-2 export out of the cache
+    calls = _count_exports(monkeypatch)
+    x = torch.ones(2, 4)
+    first = export(BranchOnData(), (x,), training=True, cache=ExportCache(str(tmp_path)))
+    second = export(BranchOnData(), (x,), training=True, cache=ExportCache(str(tmp_path)))
+    assert first.guards and calls[0] == 1 and second.from_cache
+    assert [(n, g.kind, g.source, g.value.tolist()) for n, g in second.guards] == [
+        (n, g.kind, g.source, g.value.tolist()) for n, g in first.guards
+    ]
+    assert {n for n, _ in second.guards} <= {o.name for o in second.model.graph.output}
+
+
+def test_a_damaged_guard_is_refused() -> None:
+    from ortmodule_exporter.export.shape_guards import guard_from_json
+
+    with pytest.raises(ValueError):
+        guard_from_json(
+            {"kind": "bool", "value": {"array": [1], "dtype": "object", "shape": [1]}, "source": ""}
+        )
+    with pytest.raises(ValueError):
+        guard_from_json(
+            {
+                "kind": "bool",
+                "value": {"array": [1, 2], "dtype": "int64", "shape": [3]},
+                "source": "",
+            }
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -495,3 +496,40 @@ def test_the_gradient_of_an_input_broadcast_from_size_one_is_eagers() -> None:
         torch.testing.assert_close(wrapped.module.w.grad, eager.w.grad, rtol=1e-5, atol=1e-6)
         eager.w.grad = wrapped.module.w.grad = None
     assert wrapped._runner.exports == 2  # one graph per pattern of size-1 dims, found again
+
+
+class SignBranch(torch.nn.Module):
+    """``if x.sum() > 0``: a guard on data, a graph output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return (y * 2 if bool(x.sum() > 0) else y).pow(2).sum()
+
+
+@pytest.mark.parametrize(
+    ("cls", "inputs"),
+    [
+        (SignBranch, [torch.ones(2, 4), -torch.ones(2, 4), torch.ones(2, 4)]),
+        (LoopOverSequence, [torch.ones(2, 3, 4), torch.ones(2, 5, 4), torch.ones(2, 3, 4)]),
+    ],
+)
+def test_a_cached_graph_whose_guard_fails_is_exported_again(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cls: type[torch.nn.Module],
+    inputs: list[torch.Tensor],
+) -> None:
+    # guarded graphs are kept in the export cache; the entry's key does not hold the guards'
+    # values, so a graph for a new value must not come from it (it would fail the same guard)
+    monkeypatch.setenv("ORTMODULE_CACHE_DIR", str(tmp_path / "cache"))
+    for process in range(2):  # the second as a warm start on the first's cache
+        eager, wrapped = _pair(cls)
+        for x in inputs:
+            _step(eager, wrapped, x)
+        assert wrapped._runner.cache is not None
+        assert wrapped._runner.cache.hits == process
+        assert wrapped._runner.exports == 2 - process

@@ -843,7 +843,9 @@ class GraphRunner:
                 config=cfg.export_config,
                 static_shapes=cfg.static_shapes,
                 deepcopy=cfg.deepcopy,
-                cache=self.cache,
+                # a graph for a guard's new value: the entry (keyed without guard values)
+                # holds the graph whose guard just failed, so the cache is left out
+                cache=None if key.guards else self.cache,
                 save=save,
                 verbose=cfg.exporter_verbose,
             )

@@ -87,6 +87,7 @@ __all__ = [
     "ENGINE_FORWARDS",
     "CoveredOperator",
     "aten_cross_entropy",
+    "calibration_seconds",
     "choose",
     "configure_kernel_choice",
     "covered_operators",
@@ -94,6 +95,10 @@ __all__ = [
     "current_mode",
     "current_torch_threads",
     "decisions",
+    "decisions_from_json",
+    "decisions_to_json",
+    "machine_fingerprint",
+    "machine_key",
     "measure_conv",
     "measure_cross_entropy",
     "embedding_route",
@@ -141,6 +146,8 @@ _MODE = ["engine"]
 _TORCH_THREADS = [0]
 #: (operator, dtype, size class) -> "engine" or "torch", with the timings that decided it
 _DECISIONS: dict[tuple[str, str, Any], tuple[str, float, float]] = {}
+#: (operator, dtype, size class) -> seconds its measurement took in this process
+_SECONDS: dict[tuple[str, str, Any], float] = {}
 _PREVIOUS: dict[str, Any] = {}
 
 
@@ -158,6 +165,126 @@ def decisions() -> dict[tuple[str, str, Any], tuple[str, float, float]]:
     """What was chosen so far: key -> (route, engine us, torch us incl. the ATen nodes)."""
     with _LOCK:
         return dict(_DECISIONS)
+
+
+def calibration_seconds() -> dict[tuple[str, str, Any], float]:
+    """Seconds each decision's measurement took in this process (keys of :func:`decisions`;
+    a decision this process did not measure itself is absent)."""
+    with _LOCK:
+        return dict(_SECONDS)
+
+
+# -- calibrations kept with the export cache -----------------------------------------------------------
+#
+# A graph exported under ``auto`` has the routes this machine measured baked into it, so the
+# export cache keys such a graph by :func:`machine_fingerprint` (another CPU, thread count or
+# library version exports and measures again), and keeps the decisions in the entry as plain
+# JSON (:func:`decisions_to_json`) that a warm start takes back (:func:`decisions_from_json`)
+# for the passes that consult the kernel choice after the export.
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def machine_key() -> dict[str, Any]:
+    """What the measurements depend on: the CPU model, PyTorch's thread count (the engine's
+    sessions get as many), the in-engine PyTorch thread count and the torch and ONNX Runtime
+    versions."""
+    return {
+        "cpu": _cpu_model(),
+        "threads": torch.get_num_threads(),
+        "torch_threads_in_engine": _TORCH_THREADS[0],
+        "torch": torch.__version__,
+        "onnxruntime": str(getattr(import_onnxruntime(), "__version__", "?")),
+        "aten_node_us": ATEN_NODE_US,
+    }
+
+
+def machine_fingerprint() -> str:
+    """A SHA-256 of :func:`machine_key`: part of the export-cache key of ``auto`` graphs."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(machine_key(), sort_keys=True).encode()).hexdigest()
+
+
+#: what a size key may hold once read back (ints, strings and nested tuples of them)
+_MAX_DECISIONS = 10_000
+
+
+def _key_to_json(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return {"tuple": [_key_to_json(v) for v in value]}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"kernel-choice key {value!r} is not plain data")
+
+
+def _key_from_json(data: Any, depth: int = 0) -> Any:
+    if depth > 8:
+        raise ValueError("kernel-choice key nested too deeply")
+    if isinstance(data, dict) and set(data) == {"tuple"} and isinstance(data["tuple"], list):
+        return tuple(_key_from_json(v, depth + 1) for v in data["tuple"])
+    if data is None or type(data) in (bool, int, float, str):
+        return data
+    raise ValueError(f"bad kernel-choice key {data!r}")
+
+
+def _us_to_json(value: float) -> float | None:
+    return None if math.isinf(value) else value  # JSON has no infinity
+
+
+def decisions_to_json() -> list[list[Any]]:
+    """Every decision of this process as plain JSON data (for the export cache)."""
+    out = []
+    for (op, dtype, size), (route, engine_us, torch_us) in decisions().items():
+        try:
+            out.append([op, dtype, _key_to_json(size), route, engine_us, _us_to_json(torch_us)])
+        except TypeError:
+            continue  # a size that is not plain data stays in this process only
+    return out
+
+
+def decisions_from_json(data: Any) -> int:
+    """Take decisions that :func:`decisions_to_json` wrote (in an export-cache entry of this
+    machine) that this process has not made itself; how many were taken. ``ValueError`` when
+    ``data`` is not such a list (nothing is taken then)."""
+    if not isinstance(data, list) or len(data) > _MAX_DECISIONS:
+        raise ValueError("kernel-choice decisions must be a list")
+    found: dict[tuple[str, str, Any], tuple[str, float, float]] = {}
+    for item in data:
+        if not isinstance(item, list) or len(item) != 6:
+            raise ValueError("bad kernel-choice decision")
+        op, dtype, size, route, engine_us, torch_us = item
+        if (
+            not isinstance(op, str)
+            or not isinstance(dtype, str)
+            or route not in ("engine", "torch")
+        ):
+            raise ValueError("bad kernel-choice decision")
+        if type(engine_us) not in (int, float) or (
+            torch_us is not None and type(torch_us) not in (int, float)
+        ):
+            raise ValueError("bad kernel-choice timing")
+        found[(op, dtype, _key_from_json(size))] = (
+            route,
+            float(engine_us),
+            math.inf if torch_us is None else float(torch_us),
+        )
+    with _LOCK:
+        new = {k: v for k, v in found.items() if k not in _DECISIONS}
+        _DECISIONS.update(new)
+    return len(new)
 
 
 # -- the table of covered operators -----------------------------------------------------------------
@@ -803,6 +930,7 @@ def _decide(op: str, dtype: str, size: Any, measure: Callable[[], tuple[float, f
     with _LOCK:
         found = _DECISIONS.get(key)
     if found is None:
+        start = time.perf_counter()
         try:
             engine_us, torch_us = measure()
         except Exception as err:  # noqa: BLE001 - no measurement: keep the engine's kernel
@@ -812,6 +940,7 @@ def _decide(op: str, dtype: str, size: Any, measure: Callable[[], tuple[float, f
         found = (route, engine_us, torch_us)
         with _LOCK:
             _DECISIONS[key] = found
+            _SECONDS[key] = time.perf_counter() - start
         logger.info(
             "kernel choice: %s %s on %s runs on %s (engine %.0f us, PyTorch %.0f us "
             "with its ATen nodes, %d PyTorch threads)",

@@ -27,7 +27,6 @@ import functools
 import hashlib
 import inspect
 import json
-import marshal
 import os
 import stat
 import sys
@@ -42,7 +41,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..aten import kernel_choice
+from .guards import Guard
 from .model import ExportedModel
+from .shape_guards import (
+    ShapeGuard,
+    guard_from_json,
+    guard_to_json,
+    shape_guard_from_json,
+    shape_guard_to_json,
+)
 
 if TYPE_CHECKING:
     import onnx
@@ -123,11 +131,44 @@ def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _code_objects(const)
 
 
+def _stable(const: Any) -> bytes:
+    """A constant of a code object as bytes that do not depend on the process: a frozenset's
+    order follows string hashing, which Python randomises per process (``PYTHONHASHSEED``), and
+    ``marshal`` writes sets in that order, so it gave every process its own key."""
+    if isinstance(const, types.CodeType):
+        return _code_bytes(const)
+    if isinstance(const, frozenset | set):
+        return b"{" + b",".join(sorted(_stable(c) for c in const)) + b"}"
+    if isinstance(const, tuple):
+        return b"(" + b",".join(_stable(c) for c in const) + b")"
+    return f"{type(const).__name__}:{const!r}".encode()
+
+
+def _code_bytes(code: types.CodeType) -> bytes:
+    """What a code object does, as process-independent bytes (its line number included)."""
+    names = (
+        code.co_name,
+        getattr(code, "co_qualname", code.co_name),  # Python 3.11+
+        code.co_names,
+        code.co_varnames,
+        code.co_freevars,
+        code.co_cellvars,
+        code.co_argcount,
+        code.co_posonlyargcount,
+        code.co_kwonlyargcount,
+        code.co_flags,
+        code.co_firstlineno,
+    )
+    return repr(names).encode() + code.co_code + b"|" + _stable(code.co_consts)
+
+
 def _referenced(fn: types.FunctionType) -> Iterator[Any]:
-    """Objects the function's code reads by global name (``helper``, ``mod.helper``)."""
-    names: set[str] = set()
+    """Objects the function's code reads by global name (``helper``, ``mod.helper``), in name
+    order (a set's order changes from process to process, and with it the walk's)."""
+    found: set[str] = set()
     for code in _code_objects(fn.__code__):
-        names.update(code.co_names)
+        found.update(code.co_names)
+    names = sorted(found)
     scope = fn.__globals__
     for name in names:
         value = scope.get(name)
@@ -148,8 +189,9 @@ def code_fingerprint(classes: list[type], limit: int = 5000) -> str:
     """SHA-256 of the code of the classes' methods and of every function they reach by name.
 
     Changing a module-level helper that ``forward`` calls (or a helper of that helper, or a
-    class it uses) changes the fingerprint. Code objects are hashed (``marshal``), not source
-    text, so this stays fast on large models; moving a function within its file also changes
+    class it uses) changes the fingerprint. Code objects are hashed (:func:`_code_bytes`: the
+    bytecode, names and constants, the same in every process), not source text, so this stays
+    fast on large models; moving a function within its file also changes
     it, which only costs one export. Code of torch, onnx and the engine is left out: their
     versions are in the key. ``limit`` bounds the walk on very large programs.
     """
@@ -177,7 +219,7 @@ def code_fingerprint(classes: list[type], limit: int = 5000) -> str:
             continue
         seen.add(id(fn))
         h.update(f"def {fn.__module__}.{fn.__qualname__}\n".encode())
-        h.update(marshal.dumps(fn.__code__))
+        h.update(_code_bytes(fn.__code__))
         pending.extend(_referenced(fn))
     return h.hexdigest()
 
@@ -191,6 +233,11 @@ class CacheEntry:
 
     model: onnx.ModelProto
     header: dict[str, Any]
+    #: the guards on input sizes checked before each run (validated plain data, see
+    #: :func:`~ortmodule_exporter.export.shape_guards.shape_guard_from_json`)
+    shape_guards: tuple[ShapeGuard, ...] = ()
+    #: the guards that stay graph outputs: (output name, guard), validated plain data too
+    guards: tuple[tuple[str, Guard], ...] = ()
 
     def exported(self, input_schema: Schema, output_schema: Schema) -> ExportedModel | None:
         """The entry as an ``ExportedModel`` when ``output_schema`` (computed by running the
@@ -216,6 +263,8 @@ class CacheEntry:
             variance_updates={
                 k: (str(v[0]), float(v[1])) for k, v in h["variance_updates"].items()
             },
+            shape_guards=self.shape_guards,
+            guards=self.guards,
             from_cache=True,
         )
 
@@ -246,6 +295,16 @@ def _header(key: str, exported: ExportedModel) -> dict[str, Any]:
         "output_names": list(exported.output_schema.names),
         "output_requires_grad": [s.requires_grad for s in exported.output_schema.tensor_specs],
         "output_schema": repr(exported.output_schema),
+        # Hugging Face models check sizes (``batch_size != position_ids.shape[0]``): without
+        # their guards in the entry, such models were never cached at all
+        "shape_guards": [shape_guard_to_json(g) for g in exported.shape_guards],
+        # guards checked on a graph output (GPT-2's ``q_length > 1`` at full size, where an
+        # ATen node hides the sizes from shape inference): their traced values are small
+        "guards": [[name, guard_to_json(g)] for name, g in exported.guards],
+        # the kernel choice's measurements (the key holds the machine they were made on)
+        "kernel_choice": (
+            kernel_choice.decisions_to_json() if exported.config.kernel_choice == "auto" else []
+        ),
     }
 
 
@@ -375,12 +434,32 @@ class ExportCache:
         header = json.loads(rest[: int(size)].decode("utf-8"))
         if not isinstance(header, dict) or header.get("key") != key:
             raise ValueError("entry belongs to a different model")
-        return CacheEntry(onnx.load_from_string(rest[int(size) :]), header)
+        shape_guards, guards = header.get("shape_guards", []), header.get("guards", [])
+        if not isinstance(shape_guards, list) or not isinstance(guards, list):
+            raise ValueError("bad guards")
+        if not all(isinstance(g, list) and len(g) == 2 and isinstance(g[0], str) for g in guards):
+            raise ValueError("bad guards")
+        model = onnx.load_from_string(rest[int(size) :])
+        outputs = {vi.name for vi in model.graph.output}
+        if any(name not in outputs for name, _ in guards):
+            raise ValueError("a guard names no output of the graph")
+        return CacheEntry(
+            model,
+            header,
+            tuple(shape_guard_from_json(g) for g in shape_guards),
+            tuple((name, guard_from_json(g)) for name, g in guards),
+        )
 
     # -- store --------------------------------------------------------------------------
     def store(self, key: str, exported: ExportedModel) -> None:
         try:
-            header = json.dumps(_header(key, exported), sort_keys=True).encode("utf-8")
+            fields = _header(key, exported)
+        except TypeError:
+            # a guard whose traced value is big or of another dtype (a ``tolist()`` of a
+            # tensor): this graph is exported in each process, as every guarded one was before
+            return
+        try:
+            header = json.dumps(fields, sort_keys=True).encode("utf-8")
         except (TypeError, ValueError) as err:
             self._warn(f"cannot cache this export ({err}); training continues without the cache")
             return

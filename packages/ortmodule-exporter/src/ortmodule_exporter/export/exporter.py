@@ -354,12 +354,15 @@ def _export(
 
     key = None
     if cache is not None:
+        # a graph of the measured kernel choice holds this machine's routes: keyed by it
+        machine = kernel_choice.machine_fingerprint() if config.kernel_choice == "auto" else ""
         key = cache.key_for(
             module,
             input_schema,
             training=training,
             opset=opset,
-            extra=f"{config.fingerprint()}|{cache_extra}",
+            extra=f"{config.fingerprint()}|{cache_extra}"
+            + (f"|machine={machine}" if machine else ""),
         )
         entry = cache.load(key)
         hit = None
@@ -370,6 +373,12 @@ def _export(
             )
         # else it names Functions this process has not exported: re-export
         if hit is not None:
+            if machine and entry is not None:
+                # the measurements the export made: passes after it consult them too
+                try:
+                    kernel_choice.decisions_from_json(entry.header.get("kernel_choice", []))
+                except ValueError as err:
+                    logger.info("export cache: kernel-choice decisions not taken (%s)", err)
             hit.config = config
             if save is not None:
                 _save(hit.model, save, "exported", training)
@@ -465,14 +474,13 @@ def _export(
     _keep_guards(exported, flat.guards, tensors)
     exported.config = config
     exported.export_seconds = time.perf_counter() - start
-    # the cache holds no tensors: a model with constant outputs or guards (whose values are
-    # tensors) is exported again next time, and so is one that writes to its inputs
+    # the cache holds no tensors: a model with constant outputs is exported again next time,
+    # and so is one that writes to its inputs. Guards (their traced values small tensors, a
+    # bool or a count) are kept in the entry as plain data; a big one keeps it out (store warns)
     if (
         cache is not None
         and key is not None
         and not exported.constant_outputs
-        and not exported.guards
-        and not exported.shape_guards
         and not exported.input_writes
     ):
         cache.store(key, exported)

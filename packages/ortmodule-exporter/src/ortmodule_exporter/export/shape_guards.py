@@ -30,7 +30,15 @@ import torch
 from ..engine_binding import import_onnxruntime
 from .guards import Guard
 
-__all__ = ["Dim", "ShapeGuard", "split_shape_guards"]
+__all__ = [
+    "Dim",
+    "ShapeGuard",
+    "guard_from_json",
+    "guard_to_json",
+    "shape_guard_from_json",
+    "shape_guard_to_json",
+    "split_shape_guards",
+]
 
 
 @dataclass(frozen=True)
@@ -387,3 +395,186 @@ def _shape_program(
             continue
         stack.extend(node.input)
     return nodes, shapes
+
+
+# -- plain data for the export cache --------------------------------------------------------------
+#
+# The export cache stores nothing but JSON and ONNX bytes (docs/export_cache.md): a shape guard
+# goes into an entry's header as the dicts below and comes back through ``shape_guard_from_json``,
+# which checks every field's type, allows only the shape operations of ``_SHAPE_OPS`` and the
+# dtypes of ``_JSON_DTYPES``, and raises ``ValueError`` on anything else (the entry is then
+# removed and the graph exported again). Nothing read is imported, called or unpickled.
+
+_GUARD_KINDS = frozenset({"bool", "int", "float", "item", "tolist", "index"})
+_JSON_DTYPES = {
+    "bool": (torch.bool, np.bool_),
+    "int32": (torch.int32, np.int32),
+    "int64": (torch.int64, np.int64),
+    "float32": (torch.float32, np.float32),
+    "float64": (torch.float64, np.float64),
+}
+_TORCH_DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _) in _JSON_DTYPES.items()}
+#: the longest list a header may hold for one value (a guard's steps, an array's elements)
+_JSON_LIMIT = 100_000
+
+
+def _array_to_json(value: np.ndarray) -> dict[str, Any]:
+    name = str(value.dtype)
+    if name not in _JSON_DTYPES:
+        raise TypeError(f"a shape guard holds a {name} array, which the cache does not store")
+    return {"array": value.reshape(-1).tolist(), "dtype": name, "shape": list(value.shape)}
+
+
+def _array_from_json(data: Any) -> np.ndarray:
+    if not isinstance(data, dict) or set(data) != {"array", "dtype", "shape"}:
+        raise ValueError("bad array in a cached shape guard")
+    dtype, shape, values = data["dtype"], data["shape"], data["array"]
+    if dtype not in _JSON_DTYPES or not isinstance(values, list) or len(values) > _JSON_LIMIT:
+        raise ValueError("bad array in a cached shape guard")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError("bad array shape in a cached shape guard")
+    if not all(type(v) in (bool, int, float) for v in values):
+        raise ValueError("bad array element in a cached shape guard")
+    if int(np.prod(shape)) != len(values):
+        raise ValueError("array size and shape disagree in a cached shape guard")
+    return np.array(values, dtype=_JSON_DTYPES[dtype][1]).reshape(shape)
+
+
+def _attr_to_json(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return _array_to_json(value)
+    if isinstance(value, bool | int | float):
+        return {"scalar": value}
+    if isinstance(value, bytes):
+        return {"text": value.decode("utf-8")}
+    if isinstance(value, tuple):
+        return {"list": [_attr_to_json(v) for v in value]}
+    raise TypeError(f"a shape guard's attribute {value!r} is not stored by the export cache")
+
+
+def _attr_from_json(data: Any) -> Any:
+    if isinstance(data, dict) and len(data) == 1:
+        ((kind, value),) = data.items()
+        if kind == "scalar" and type(value) in (bool, int, float):
+            return value
+        if kind == "text" and isinstance(value, str):
+            return value.encode("utf-8")
+        if kind == "list" and isinstance(value, list) and len(value) <= _JSON_LIMIT:
+            return tuple(_attr_from_json(v) for v in value)
+    return _array_from_json(data)
+
+
+def _dim_to_json(dim: int | Dim | None) -> Any:
+    return {"input": dim.input, "axis": dim.axis} if isinstance(dim, Dim) else dim
+
+
+def _dim_from_json(data: Any) -> int | Dim | None:
+    if data is None or type(data) is int:
+        return data  # type: ignore[no-any-return]
+    if (
+        isinstance(data, dict)
+        and set(data) == {"input", "axis"}
+        and isinstance(data["input"], str)
+        and type(data["axis"]) is int
+    ):
+        return Dim(data["input"], data["axis"])
+    raise ValueError("bad dim in a cached shape guard")
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("bad names in a cached shape guard")
+    return tuple(value)
+
+
+#: the most elements a guard's traced value may have to be kept in an entry (a ``tolist()`` of
+#: a big tensor keeps its export out of the cache)
+GUARD_VALUE_LIMIT = 4096
+
+
+def guard_to_json(guard: Guard) -> dict[str, Any]:
+    """A :class:`Guard` as plain JSON data: its kind, traced value and source line (raises
+    ``TypeError`` for a value the cache does not hold: another dtype, too many elements)."""
+    value = guard.value
+    if value.dtype not in _TORCH_DTYPE_NAMES or value.numel() > GUARD_VALUE_LIMIT:
+        raise TypeError(f"a guard's value ({value.dtype}, {value.numel()} elements) is not cached")
+    return {
+        "kind": guard.kind,
+        "value": _array_to_json(value.detach().cpu().numpy()),
+        "source": guard.source,
+    }
+
+
+def guard_from_json(data: Any) -> Guard:
+    """The :class:`Guard` :func:`guard_to_json` wrote; ``ValueError`` for anything else."""
+    if not isinstance(data, dict) or set(data) != {"kind", "value", "source"}:
+        raise ValueError("bad guard in the cache entry")
+    if data["kind"] not in _GUARD_KINDS or not isinstance(data["source"], str):
+        raise ValueError("bad guard kind or source in the cache entry")
+    array = _array_from_json(data["value"])
+    if array.size > GUARD_VALUE_LIMIT:
+        raise ValueError("a cached guard's value is too large")
+    value = torch.from_numpy(array.copy()).to(_JSON_DTYPES[data["value"]["dtype"]][0])
+    return Guard(data["kind"], value, data["source"])
+
+
+def shape_guard_to_json(guard: ShapeGuard) -> dict[str, Any]:
+    """``guard`` as plain JSON data (raises ``TypeError`` for a value it cannot hold)."""
+    return {
+        **guard_to_json(guard.guard),
+        "steps": [
+            {
+                "op": s.op,
+                "inputs": list(s.inputs),
+                "output": s.output,
+                "attrs": [[name, _attr_to_json(v)] for name, v in s.attrs],
+            }
+            for s in guard.steps
+        ],
+        "output": guard.output,
+        "shapes": [[name, [_dim_to_json(d) for d in dims]] for name, dims in guard.shapes],
+    }
+
+
+def shape_guard_from_json(data: Any) -> ShapeGuard:
+    """The :class:`ShapeGuard` that :func:`shape_guard_to_json` wrote; ``ValueError`` when
+    ``data`` is anything else (a field of the wrong type, an operation that is not a shape
+    operation, an unknown dtype)."""
+    fields = {"kind", "value", "source", "steps", "output", "shapes"}
+    if not isinstance(data, dict) or set(data) != fields:
+        raise ValueError("bad shape guard in the cache entry")
+    guard = guard_from_json({k: data[k] for k in ("kind", "value", "source")})
+    steps_data, shapes_data = data["steps"], data["shapes"]
+    if not isinstance(steps_data, list) or not isinstance(shapes_data, list):
+        raise ValueError("bad steps or shapes in a cached shape guard")
+    if len(steps_data) > _JSON_LIMIT or len(shapes_data) > _JSON_LIMIT:
+        raise ValueError("too many steps in a cached shape guard")
+    steps = []
+    for step in steps_data:
+        if not isinstance(step, dict) or set(step) != {"op", "inputs", "output", "attrs"}:
+            raise ValueError("bad step in a cached shape guard")
+        if step["op"] not in _SHAPE_OPS or not isinstance(step["output"], str):
+            raise ValueError(f"a cached shape guard names {step['op']!r}, not a shape operation")
+        attrs = step["attrs"]
+        if not isinstance(attrs, list) or not all(
+            isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) for a in attrs
+        ):
+            raise ValueError("bad attributes in a cached shape guard")
+        steps.append(
+            _Step(
+                step["op"],
+                _strings(step["inputs"]),
+                step["output"],
+                tuple((name, _attr_from_json(v)) for name, v in attrs),
+            )
+        )
+    shapes = []
+    for item in shapes_data:
+        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):
+            raise ValueError("bad shape in a cached shape guard")
+        if not isinstance(item[1], list):
+            raise ValueError("bad dims in a cached shape guard")
+        shapes.append((item[0], tuple(_dim_from_json(d) for d in item[1])))
+    if not isinstance(data["output"], str):
+        raise ValueError("bad output in a cached shape guard")
+    return ShapeGuard(guard, tuple(steps), data["output"], tuple(shapes))
