@@ -73,6 +73,8 @@ class DebugOptions:
     memory_opt_config: str | None = None
     #: ``ORTMODULE_ATEN_DROPOUT`` from code: dropout on PyTorch's kernel, eager's masks
     aten_dropout: bool | None = None
+    #: ``ORTMODULE_EXPORTER`` from code: ``"torchscript"`` or ``"torch_export"``
+    exporter: str | None = None
 
     def __post_init__(self) -> None:
         # frozen: normalise through object.__setattr__ so "INFO" and 2 become LogLevel.INFO
@@ -109,6 +111,14 @@ class DebugOptions:
             raise InvalidOptionError(
                 f"DebugOptions.aten_dropout={self.aten_dropout!r} must be True (dropout on "
                 "PyTorch's kernel, eager's masks), False (the engine's Dropout) or None (unset)."
+            )
+        if self.exporter is not None and (
+            not isinstance(self.exporter, str)
+            or self.exporter.lower() not in ("torchscript", "torch_export")
+        ):
+            raise InvalidOptionError(
+                f"DebugOptions.exporter={self.exporter!r} must be 'torchscript' (the default), "
+                "'torch_export' or None (unset)."
             )
         if any(sep in self.onnx_prefix for sep in ("/", "\\")):
             raise InvalidOptionError(

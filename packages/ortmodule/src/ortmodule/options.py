@@ -132,6 +132,15 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _lower_choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.lower() not in choices:
+            raise ValueError("not one of the choices")
+        return text.lower()
+
+    return parse
+
+
 def _flags(kind: type[_F], alone: _F) -> Callable[[str], _F]:
     """``A|B|C`` -> a combination of ``kind``; ``alone`` may not be combined with other flags."""
 
@@ -229,6 +238,23 @@ VARIABLES: tuple[EnvVar, ...] = (
         _EXPORTER,
         "ONNX opset the model is exported with; pin it to stay on a validated opset.",
         "15",
+    ),
+    EnvVar(
+        "ORTMODULE_EXPORTER",
+        "str",
+        "torchscript",
+        _lower_choice("torchscript", "torch_export"),
+        "torchscript or torch_export (any case)",
+        _EXPORTER,
+        "Which frontend writes the ONNX graph: torchscript, PyTorch's TorchScript exporter "
+        "(torch.onnx.export dynamo=False); torch_export (experimental; needs onnxscript), "
+        "torch.export (non-strict, every input dim dynamic) lowered by the dynamo ONNX "
+        "translator, at opset 18 or ORTMODULE_ONNX_OPSET_VERSION if higher: a branch on a "
+        "tensor's value is an export error instead of a guard, in-place writes are "
+        "functionalized, no shape is baked in. Not yet with custom autograd.Functions "
+        "(PythonOp), the ATen routes, the kernel choice or padding elimination "
+        "(docs/architecture.md, The torch_export frontend).",
+        "torch_export",
     ),
     EnvVar(
         "ORTMODULE_FALLBACK_POLICY",
@@ -574,6 +600,7 @@ _DEBUG_VARIABLES = {
     "memory_opt_level": "ORTMODULE_MEMORY_OPT_LEVEL",
     "memory_opt_config": "ORTMODULE_MEMORY_OPT_CONFIG",
     "aten_dropout": "ORTMODULE_ATEN_DROPOUT",
+    "exporter": "ORTMODULE_EXPORTER",
 }
 
 DEFAULT, DEBUG_OPTIONS, ENVIRONMENT = "default", "DebugOptions", "environment"
@@ -625,6 +652,7 @@ class RuntimeOptions:
     onnx_prefix: str
     save_onnx_path: str | None
     onnx_opset_version: int
+    exporter: str
     fallback_policy: FallbackPolicy
     fallback_retry: bool
     allow_autograd_checkpoint: bool

@@ -75,6 +75,7 @@ def export_config(options: RuntimeOptions) -> ExportConfig:
         aten_dropout=options.aten_dropout,
         kernel_choice=kernel_choice,
         kernel_choice_threads=kernel_choice_threads(options.torch_threads_in_engine),
+        frontend=options.exporter,
     )
 
 

@@ -16,16 +16,14 @@
 """
 
 from .cache import ExportCache
+from .calls import bind_arguments, call_bound, forward_signature
 from .config import DEFAULT_OPSET, ExportConfig
 from .exporter import (
     MAX_OPSET,
     MIN_OPSET,
-    bind_arguments,
-    call_bound,
     check_opset,
     copy_for_export,
     export,
-    forward_signature,
     module_path,
 )
 from .guards import Guard, GuardError

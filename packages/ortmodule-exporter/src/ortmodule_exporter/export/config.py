@@ -27,9 +27,12 @@ from ..aten import kernel_choice
 from ..aten import routes as aten_routes
 from ..symbolics.registry import registered_symbolics
 
-__all__ = ["DEFAULT_OPSET", "ExportConfig", "callable_source"]
+__all__ = ["DEFAULT_OPSET", "FRONTENDS", "ExportConfig", "callable_source"]
 
 DEFAULT_OPSET = 17
+
+#: the export frontends (``ORTMODULE_EXPORTER``); the first is the default
+FRONTENDS = ("torchscript", "torch_export")
 
 # One export at a time applies its switches: two threads exporting with different configs must
 # not see each other's (symbolics.registry's lock already serialises the export itself).
@@ -60,6 +63,15 @@ class ExportConfig:
     #: PyTorch's threads while the engine runs PyTorch-run nodes (``ORTMODULE_TORCH_THREADS_IN_ENGINE``;
     #: 0: PyTorch's count): the kernel choice times PyTorch's kernels at this count
     kernel_choice_threads: int = 0
+    #: which frontend writes the graph (``ORTMODULE_EXPORTER``): ``torchscript``, the TorchScript
+    #: trace, or ``torch_export``, ``torch.export`` lowered by the dynamo ONNX translator
+    frontend: str = "torchscript"
+
+    def __post_init__(self) -> None:
+        if self.frontend not in FRONTENDS:
+            raise ValueError(
+                f"ExportConfig.frontend={self.frontend!r} is not one of {', '.join(FRONTENDS)}"
+            )
 
     @classmethod
     def from_switches(cls, opset: int = DEFAULT_OPSET) -> ExportConfig:

@@ -9,7 +9,6 @@ outputs are the flattened outputs, named ``output.<path>``.
 from __future__ import annotations
 
 import copy
-import inspect
 import io
 import logging
 import os
@@ -34,11 +33,13 @@ from ..symbolics.registry import symbolics_applied
 from ..symbolics.traced_state import tracing_state_of
 from .bool_scalars import bool_scalars_as_numbers
 from .cache import ExportCache
+from .calls import bind_arguments, call_bound, writable_buffers
 from .config import DEFAULT_OPSET, ExportConfig
 from .gradient_cuts import cutting_gradients
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX, ExportedModel, SaveOptions
 from .shape_guards import split_shape_guards
+from .torch_export import TORCH_EXPORT_MIN_OPSET, TorchExportFlat, export_program
 from .traced_sizes import remove_size_barriers, sizes_kept_dynamic
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -60,40 +61,6 @@ def check_opset(opset: int, source: str = "opset") -> int:
             f"use {DEFAULT_OPSET} (the default) unless you need a newer operator."
         )
     return opset
-
-
-def forward_signature(module: torch.nn.Module) -> inspect.Signature | None:
-    try:
-        return inspect.signature(module.forward)
-    except (TypeError, ValueError):
-        return None
-
-
-def bind_arguments(
-    module: torch.nn.Module,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    signature: inspect.Signature | None = None,
-) -> dict[str, Any]:
-    """The forward call as an ordered {parameter name: value} dict, so names are readable and a
-    positional and a keyword call of the same argument give the same schema."""
-    sig = signature or forward_signature(module)
-    try:
-        if sig is None:
-            raise TypeError("no signature")
-        bound = sig.bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return {"args": tuple(args), "kwargs": dict(kwargs)}
-    return dict(bound.arguments)
-
-
-def call_bound(module: torch.nn.Module, arguments: Mapping[str, Any]) -> Any:
-    try:
-        sig = inspect.signature(module.forward)
-        bound = inspect.BoundArguments(sig, dict(arguments))  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return module(*arguments["args"], **arguments["kwargs"])
-    return module(*bound.args, **bound.kwargs)
 
 
 class _FlatModule(torch.nn.Module):
@@ -121,7 +88,7 @@ class _FlatModule(torch.nn.Module):
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         arguments = unflatten(list(flat), self._input_schema)
         module = getattr(self, _WRAPPED)
-        buffers = _writable_buffers(module)
+        buffers = writable_buffers(module)
         input_versions = [t._version for t in flat]
         buffer_versions = {name: b._version for name, b in buffers.items()}
         with recording_conversions() as guards:
@@ -150,23 +117,6 @@ class _FlatModule(torch.nn.Module):
             *(f"{BUFFER_WRITE_PREFIX}{n}" for n in self.written_buffers),
             *(guard_output_name(i) for i in range(len(self.guards))),
         ]
-
-
-# buffers the BatchNorm pass already keeps in step (``passes.batchnorm``): their in-place update
-# happens inside the kernel, so the trace holds no new value for them
-_NORM_STATS = torch.nn.modules.batchnorm._NormBase
-
-
-def _writable_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's buffers by qualified name, but for the running statistics of norm layers."""
-    found = {}
-    for prefix, sub in module.named_modules():
-        if isinstance(sub, _NORM_STATS):
-            continue
-        for name, buf in sub.named_buffers(recurse=False):
-            if buf is not None:
-                found[f"{prefix}.{name}" if prefix else name] = buf
-    return found
 
 
 def _traced_input(tensor: torch.Tensor) -> torch.Tensor:
@@ -386,6 +336,57 @@ def _export(
 
     start = time.perf_counter()
     target = copy_for_export(module, deepcopy)
+    flat: _FlatModule | TorchExportFlat
+    if config.frontend == "torch_export":
+        opset = max(opset, TORCH_EXPORT_MIN_OPSET)
+        flat, model = _torch_export(
+            module, target, input_schema, tensors, training, opset, static_shapes
+        )
+    else:
+        flat, model = _torchscript_trace(
+            module, target, input_schema, tensors, training, opset, static_shapes, verbose
+        )
+    assert flat.output_schema is not None
+    exported = _finish(
+        model, input_schema, flat.output_schema, training, opset, flat.extra_output_names()
+    )
+    exported.constant_outputs = _drop_constant_outputs(model, flat.traced_outputs)
+    _keep_written_state(exported, flat, tensors, module_path(module))
+    _keep_guards(exported, flat.guards, tensors)
+    exported.config = config
+    exported.export_seconds = time.perf_counter() - start
+    # the cache holds no tensors: a model with constant outputs is exported again next time,
+    # and so is one that writes to its inputs. Guards (their traced values small tensors, a
+    # bool or a count) are kept in the entry as plain data; a big one keeps it out (store warns)
+    if (
+        cache is not None
+        and key is not None
+        and not exported.constant_outputs
+        and not exported.input_writes
+    ):
+        cache.store(key, exported)
+    if save is not None:
+        _save(exported.model, save, "exported", training)
+    logger.info(
+        "exported %s (%s) in %.2f s",
+        module_path(module),
+        "training" if training else "inference",
+        exported.export_seconds,
+    )
+    return exported
+
+
+def _torchscript_trace(
+    module: torch.nn.Module,
+    target: torch.nn.Module,
+    input_schema: Schema,
+    tensors: Sequence[torch.Tensor],
+    training: bool,
+    opset: int,
+    static_shapes: bool,
+    verbose: bool,
+) -> tuple[_FlatModule, onnx.ModelProto]:
+    """The TorchScript frontend: ``torch.onnx.export(dynamo=False)`` of the flat wrapper."""
     flat = _FlatModule(target, input_schema)
     buf = io.BytesIO()
     names = list(input_schema.names)
@@ -466,33 +467,44 @@ def _export(
     _report_trace_warnings(caught, module_path(module))
     model = onnx.load_from_string(buf.getvalue())
     remove_size_barriers(model)
-    exported = _finish(
-        model, input_schema, flat.output_schema, training, opset, flat.extra_output_names()
-    )
-    exported.constant_outputs = _drop_constant_outputs(model, flat.traced_outputs)
-    _keep_written_state(exported, flat, tensors, module_path(module))
-    _keep_guards(exported, flat.guards, tensors)
-    exported.config = config
-    exported.export_seconds = time.perf_counter() - start
-    # the cache holds no tensors: a model with constant outputs is exported again next time,
-    # and so is one that writes to its inputs. Guards (their traced values small tensors, a
-    # bool or a count) are kept in the entry as plain data; a big one keeps it out (store warns)
-    if (
-        cache is not None
-        and key is not None
-        and not exported.constant_outputs
-        and not exported.input_writes
-    ):
-        cache.store(key, exported)
-    if save is not None:
-        _save(exported.model, save, "exported", training)
-    logger.info(
-        "exported %s (%s) in %.2f s",
-        module_path(module),
-        "training" if training else "inference",
-        exported.export_seconds,
-    )
-    return exported
+    return flat, model
+
+
+def _torch_export(
+    module: torch.nn.Module,
+    target: torch.nn.Module,
+    input_schema: Schema,
+    tensors: Sequence[torch.Tensor],
+    training: bool,
+    opset: int,
+    static_shapes: bool,
+) -> tuple[TorchExportFlat, onnx.ModelProto]:
+    """The torch_export frontend (``torch_export.export_program``), in the module's mode."""
+    flat = TorchExportFlat(target, input_schema, _WRAPPED)
+    was_training = target.training
+    if was_training != training:
+        target.train(training)
+    try:
+        with _preserved_state(target):
+            model = export_program(
+                flat,
+                [_traced_input(t) for t in tensors],
+                list(input_schema.names),
+                opset,
+                static_shapes,
+                module_path(module),
+            )
+    except Exception as err:
+        if flat.output_error is not None:
+            raise UnsupportedOutputError(
+                f"{module_path(module)} returned an output ORTModule cannot hand back: "
+                f"{flat.output_error}",
+                module_path=module_path(module),
+            ) from err
+        raise
+    finally:
+        target.train(was_training)
+    return flat, model
 
 
 def _output_schema(

@@ -1,0 +1,487 @@
+"""The ``torch_export`` frontend (``ORTMODULE_EXPORTER=torch_export``): ``torch.export`` + the
+dynamo ONNX translator, giving the same graph interface as the TorchScript frontend.
+
+1. ``torch.export.export`` (non-strict) captures the flat wrapper (:class:`TorchExportFlat`) in
+   the module's own training mode, batch and sequence dims (every dim of every input, unless
+   ``static_shapes``) as ``Dim.AUTO``: shapes stay symbolic (no ``Reshape`` to a traced size),
+   a branch on a tensor's value is refused with PyTorch's data-dependent error, and the
+   in-place writes to buffers and inputs are functionalized (the wrapper returns their new
+   values as outputs, named as the TorchScript frontend names them).
+2. ``torch.onnx.export(program, dynamo=True)`` translates the ATen graph to ONNX with
+   onnxscript's torch_lib, with our translations where torch_lib's are inference-only
+   (:data:`TRAINING_TRANSLATIONS`), without its optimizer (it constant-folds initializers,
+   which here are the trained parameters).
+3. The result is put in the TorchScript frontend's shape: local functions inlined, parameters
+   and buffers as graph inputs without data named by their qualified names, user inputs named
+   from their pytree paths, outputs by position.
+
+Why not an FX -> ONNX lowering of our own: torch_lib already lowers every core ATen operator
+(hundreds, with their dtype and broadcast rules); ours would start from zero and diverge. Its
+training gaps are few and local, and a custom translation closes each (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+import onnx.inliner
+import onnx.shape_inference
+import torch
+
+from ortmodule_pytree import Schema, flatten, unflatten
+
+from .. import onnx_graph
+from ..errors import ExportError
+from .calls import call_bound, writable_buffers
+from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX
+
+logger = logging.getLogger("ortmodule.exporter")
+
+#: the opset the dynamo translator writes: torch_lib's functions are written for opset 18 and
+#: newer, and the engine (1.19.2) runs and differentiates up to 21
+TORCH_EXPORT_MIN_OPSET = 18
+
+
+@dataclass
+class _Found:
+    """What the wrapper's forward found out while torch.export ran it."""
+
+    output_schema: Schema | None = None
+    output_error: TypeError | None = None
+    written_inputs: list[int] = field(default_factory=list)
+    written_buffers: list[str] = field(default_factory=list)
+
+
+class TorchExportFlat(torch.nn.Module):
+    """Flat tensors in, flat tensors out, for ``torch.export``: the user's outputs, then the new
+    values of the inputs and buffers the forward wrote in place (found from their version
+    counters, which functionalization keeps moving under export)."""
+
+    def __init__(self, module: torch.nn.Module, input_schema: Schema, wrapped_name: str) -> None:
+        super().__init__()
+        self._wrapped_name = wrapped_name
+        setattr(self, wrapped_name, module)
+        self._input_schema = input_schema
+        # torch.export puts back the module attributes a forward assigns: what the forward
+        # finds is kept in this record, which it changes but never replaces
+        self._found = _Found()
+        # what the TorchScript wrapper also reports: export runs on fake tensors (no traced
+        # values to keep for constant outputs) and refuses data-dependent Python (no guards)
+        self.traced_outputs: tuple[torch.Tensor, ...] = ()
+        self.guards: list[Any] = []
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        arguments = unflatten(list(flat), self._input_schema)
+        module = getattr(self, self._wrapped_name)
+        buffers = writable_buffers(module)
+        input_versions = [t._version for t in flat]
+        buffer_versions = {name: b._version for name, b in buffers.items()}
+        out = call_bound(module, arguments)
+        try:
+            tensors, schema = flatten(out, prefix="output")
+        except TypeError as err:
+            self._found.output_error = err
+            raise
+        found = self._found
+        found.output_schema = schema
+        found.written_inputs = [i for i, t in enumerate(flat) if t._version != input_versions[i]]
+        found.written_buffers = [n for n, b in buffers.items() if b._version != buffer_versions[n]]
+        written = [flat[i] for i in found.written_inputs] + [
+            buffers[n] for n in found.written_buffers
+        ]
+        # a returned buffer or input is a view of the state export lifts: a clone keeps the
+        # output a value of its own
+        return (*tensors, *(w.clone() for w in written))
+
+    @property
+    def output_schema(self) -> Schema | None:
+        return self._found.output_schema
+
+    @property
+    def output_error(self) -> TypeError | None:
+        return self._found.output_error
+
+    @property
+    def written_inputs(self) -> list[int]:
+        return self._found.written_inputs
+
+    @property
+    def written_buffers(self) -> list[str]:
+        return self._found.written_buffers
+
+    def extra_output_names(self) -> list[str]:
+        """Names of the outputs after the user's, as the TorchScript frontend names them."""
+        names = self._input_schema.names
+        return [
+            *(f"{INPUT_WRITE_PREFIX}{names[i]}" for i in self.written_inputs),
+            *(f"{BUFFER_WRITE_PREFIX}{n}" for n in self.written_buffers),
+        ]
+
+
+def _dynamic_shapes(tensors: Sequence[torch.Tensor], static_shapes: bool) -> Any:
+    if static_shapes:
+        return None
+    auto = torch.export.Dim.AUTO
+    # one entry per forward parameter: the wrapper's is ``*flat``, a tuple of all the tensors
+    return (tuple({i: auto for i in range(t.dim())} if t.dim() else None for t in tensors),)
+
+
+# -- training translations: where torch_lib lowers for inference only ---------------------------
+
+
+def _batch_norm_training(opset: int) -> Any:
+    """``_native_batch_norm_legit_functional`` as a training-mode ``BatchNormalization``.
+
+    torch_lib 0.7 forces ``training = False`` (an ONNX Runtime limitation of old opsets), which
+    normalises a training step with the running statistics: silently wrong. The engine's
+    training-mode BatchNormalization uses the batch's and has a gradient; the BatchNorm pass
+    (``passes.batchnorm``) takes its running-statistic outputs to the module's buffers as for
+    the TorchScript frontend.
+    """
+    import onnxscript  # noqa: PLC0415 - optional: only this frontend needs it
+
+    op = onnxscript.values.Opset("", opset)
+
+    def batch_norm(
+        input: Any,
+        weight: Any = None,
+        bias: Any = None,
+        running_mean: Any = None,
+        running_var: Any = None,
+        training: bool = False,
+        momentum: float = 0.9,
+        eps: float = 1e-05,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        channels = op.Shape(input, start=1, end=2)
+        if weight is None:
+            weight = op.Expand(op.CastLike(op.Constant(value_float=1.0), input), channels)
+        if bias is None:
+            bias = op.Expand(op.CastLike(op.Constant(value_float=0.0), input), channels)
+        rank = len(input.shape)
+        axes = op.Constant(value_ints=[0, *range(2, rank)])
+        if running_mean is None or running_var is None:
+            raise ExportError(
+                "BatchNorm without running statistics (track_running_stats=False) is not "
+                "supported by ORTMODULE_EXPORTER=torch_export yet; use the torchscript frontend"
+            )
+        if not training:
+            norm = op.BatchNormalization(
+                input, weight, bias, running_mean, running_var, epsilon=eps, momentum=1.0 - momentum
+            )
+            save_mean = op.Identity(running_mean)
+            save_rstd = op.Div(
+                op.CastLike(op.Constant(value_float=1.0), running_var),
+                op.Sqrt(
+                    op.Add(running_var, op.CastLike(op.Constant(value_float=eps), running_var))
+                ),
+            )
+            return norm, save_mean, save_rstd, op.Identity(running_mean), op.Identity(running_var)
+        norm, new_mean, new_var = op.BatchNormalization(
+            input,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            epsilon=eps,
+            momentum=1.0 - momentum,
+            training_mode=1,
+            _outputs=3,
+        )
+        save_mean = op.ReduceMean(input, axes, keepdims=0)
+        centered = op.Sub(input, op.ReduceMean(input, axes, keepdims=1))
+        var = op.ReduceMean(op.Mul(centered, centered), axes, keepdims=0)
+        save_rstd = op.Div(
+            op.CastLike(op.Constant(value_float=1.0), var),
+            op.Sqrt(op.Add(var, op.CastLike(op.Constant(value_float=eps), var))),
+        )
+        return norm, save_mean, save_rstd, new_mean, new_var
+
+    return batch_norm
+
+
+def _splits(opset: int) -> tuple[Any, Any]:
+    """``split`` and ``split_with_sizes`` as one ``Split`` with a fixed number of outputs.
+
+    torch_lib writes ``SplitToSequence`` and reads parts with ``SequenceAt``; the engine's
+    gradient builder has neither (1.19.2). The number of parts is known whenever the split
+    dim's size is (sizes given, or a static dim); a dynamic one keeps torch_lib's lowering and
+    the engine's error names the node.
+    """
+    import onnxscript  # noqa: PLC0415 - optional: only this frontend needs it
+
+    op = onnxscript.values.Opset("", opset)
+
+    def _static(sizes: Any) -> list[int] | None:
+        if isinstance(sizes, int):
+            return [sizes]
+        if isinstance(sizes, (list, tuple)) and all(isinstance(v, int) for v in sizes):
+            return list(sizes)
+        return None
+
+    def parts(self: Any, sizes: list[int], dim: int) -> Any:
+        if len(set(sizes)) == 1:
+            # the translator counts Split's outputs from num_outputs only
+            return op.Split(self, axis=dim, num_outputs=len(sizes))
+        out, start = [], 0
+        for size in sizes:
+            out.append(
+                op.Slice(
+                    self,
+                    op.Constant(value_ints=[start]),
+                    op.Constant(value_ints=[start + size]),
+                    op.Constant(value_ints=[dim]),
+                )
+            )
+            start += size
+        return tuple(out)
+
+    def split_with_sizes(self: Any, split_sizes: Any, dim: int = 0) -> Any:
+        sizes = _static(split_sizes)
+        if sizes is None:
+            return op.SplitToSequence(self, split_sizes, axis=dim)
+        return parts(self, sizes, dim)
+
+    def split(self: Any, split_size: Any, dim: int = 0) -> Any:
+        size = _static(split_size)
+        rank = len(self.shape) if self.shape is not None else None
+        total = self.shape[dim] if rank is not None else None
+        if size is None or len(size) != 1 or not isinstance(total, int):
+            return op.SplitToSequence(self, split_size, axis=dim)
+        step = size[0]
+        sizes = [step] * (total // step) + ([total % step] if total % step else [])
+        return parts(self, sizes, dim)
+
+    return split, split_with_sizes
+
+
+def training_translations(opset: int) -> dict[Any, Any]:
+    """ATen overload -> onnxscript function, for the ops whose torch_lib lowering is wrong in
+    training or has no gradient in the engine."""
+    split, split_with_sizes = _splits(opset)
+    aten = torch.ops.aten
+    return {
+        aten._native_batch_norm_legit_functional.default: _batch_norm_training(opset),
+        aten.split.Tensor: split,
+        aten.split_with_sizes.default: split_with_sizes,
+    }
+
+
+# -- graph rewrites for the engine's gradient builder ------------------------------------------
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    types = {
+        vi.name: vi.type.tensor_type.elem_type
+        for vi in (*graph.input, *graph.value_info, *graph.output)
+        if vi.type.HasField("tensor_type")
+    }
+    types.update({init.name: init.data_type for init in graph.initializer})
+    return types
+
+
+#: op -> how many outputs the engine's gradient builder reads (1.19.2): torch_lib writes only
+#: the first, the builder reads the saved statistics, the log-probabilities or the argmax
+#: indices, and crashes (an index check, or a segmentation fault for MaxPool) without them
+_GRADIENT_OUTPUTS = {
+    "LayerNormalization": 3,
+    "SimplifiedLayerNormalization": 2,
+    "SoftmaxCrossEntropyLoss": 2,
+    "MaxPool": 2,
+    "Dropout": 2,
+}
+
+
+def _outputs_for_gradients(model: onnx.ModelProto) -> None:
+    for index, node in enumerate(model.graph.node):
+        wanted = _GRADIENT_OUTPUTS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if wanted is None:
+            continue
+        while len(node.output) < wanted:
+            node.output.append("")
+        for slot in range(1, wanted):
+            if not node.output[slot]:
+                node.output[slot] = f"{node.name or node.op_type}_{index}_out{slot}"
+
+
+def _max_pool_values_gathered(model: onnx.ModelProto) -> None:
+    """MaxPool picks the indices only; its values are gathered from the flattened input.
+
+    The engine's CPU MaxPoolGrad (1.19.2) sizes its output from the node's static shape, so
+    with dynamic dims it writes out of bounds (a segmentation fault); Gather's gradient
+    scatters back instead. The same workaround as the TorchScript symbolic
+    (``symbolics.pooling``), here on the graph.
+    """
+    graph = model.graph
+    new_nodes: list[onnx.NodeProto] = []
+    h = onnx.helper
+    for index, node in enumerate(graph.node):
+        new_nodes.append(node)
+        if node.op_type != "MaxPool" or node.domain not in ("", "ai.onnx") or not node.output[0]:
+            continue
+        values = node.output[0]
+        tag = f"{node.name or 'MaxPool'}_{index}"
+        node.output[0] = f"{tag}_unused_values"
+        flat_shape = f"{tag}_minus_one"
+        flat = f"{tag}_flat_input"
+        new_nodes += [
+            h.make_node(
+                "Constant",
+                [],
+                [flat_shape],
+                value=h.make_tensor(flat_shape, onnx.TensorProto.INT64, [1], [-1]),
+            ),
+            h.make_node("Reshape", [node.input[0], flat_shape], [flat]),
+            h.make_node("Gather", [flat, node.output[1]], [values], axis=0),
+        ]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _cast_like_as_cast(model: onnx.ModelProto) -> None:
+    """``CastLike(x, like)`` -> ``Cast(x, to=like's type)``: the engine (1.19.2) has no gradient
+    for CastLike; torch_lib writes one for nearly every Python scalar it combines with a tensor."""
+    if not any(n.op_type == "CastLike" for n in model.graph.node):
+        return
+    types = _elem_types(model)
+    missing = [
+        n.input[1] for n in model.graph.node if n.op_type == "CastLike" and n.input[1] not in types
+    ]
+    if missing:
+        inferred = onnx.shape_inference.infer_shapes(model)
+        types.update(_elem_types(inferred))
+    for node in model.graph.node:
+        if node.op_type != "CastLike":
+            continue
+        to = types.get(node.input[1], 0)
+        if not to:
+            raise ExportError(
+                f"the torch_export graph has a CastLike ({node.name}) to a type not known "
+                "before the run; the engine cannot differentiate it"
+            )
+        del node.input[1:]
+        node.op_type = "Cast"
+        node.attribute.append(onnx.helper.make_attribute("to", to))
+
+
+# -- the export ---------------------------------------------------------------------------------
+
+
+def export_program(
+    flat: TorchExportFlat,
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    opset: int,
+    static_shapes: bool,
+    where: str,
+) -> onnx.ModelProto:
+    """``flat`` (already in the mode to export in) -> the ONNX model, inputs named ``names``
+    then every parameter and buffer the graph reads, without data."""
+    try:
+        import onnxscript  # noqa: F401, PLC0415
+    except ImportError as err:
+        raise ExportError(
+            "ORTMODULE_EXPORTER=torch_export needs onnxscript (pip install onnxscript); "
+            "unset ORTMODULE_EXPORTER for the TorchScript exporter",
+            module_path=where,
+        ) from err
+    try:
+        program = torch.export.export(
+            flat,
+            tuple(tensors),
+            dynamic_shapes=_dynamic_shapes(tensors, static_shapes),
+            strict=False,
+        )
+    except Exception as err:
+        if flat.output_error is not None:
+            raise
+        hint = ""
+        if _data_dependent(err):
+            hint = (
+                "\nThe forward branches on (or reads as a Python value) a tensor's data, which "
+                "torch.export does not capture: compute it with tensor ops (torch.where, "
+                "torch.cond), or use ORTMODULE_EXPORTER=torchscript, which guards the value the "
+                "trace saw."
+            )
+        raise ExportError(
+            f"torch.export could not capture {where}: {type(err).__name__}: "
+            f"{_first_lines(str(err))}{hint}",
+            module_path=where,
+        ) from err
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            onnx_program = torch.onnx.export(
+                program,
+                (),
+                dynamo=True,
+                opset_version=opset,
+                optimize=False,
+                verbose=False,
+                custom_translation_table=training_translations(opset),
+            )
+    except Exception as err:
+        raise ExportError(
+            f"the ONNX translation of {where}'s torch.export graph failed: "
+            f"{type(err).__name__}: {_first_lines(str(err))}",
+            module_path=where,
+        ) from err
+    assert onnx_program is not None
+    model = onnx_program.model_proto
+    return _as_training_graph(model, program, names, where)
+
+
+def _data_dependent(err: BaseException) -> bool:
+    """Whether ``err`` is torch.export refusing a branch on (or a read of) a tensor's value."""
+    text = f"{type(err).__name__}: {err}"
+    return "DataDependent" in text or "data-dependent" in text or "data dependent" in text
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    return "\n".join(text.strip().splitlines()[:n])
+
+
+def _as_training_graph(
+    model: onnx.ModelProto,
+    program: torch.export.ExportedProgram,
+    names: Sequence[str],
+    where: str,
+) -> onnx.ModelProto:
+    """Inline local functions, make initializers (parameters, buffers) graph inputs without
+    data, rename user inputs to ``names``. Lifted constants stay initializers."""
+    if model.functions:
+        model = onnx.inliner.inline_local_functions(model)
+        del model.functions[:]
+    _cast_like_as_cast(model)
+    _outputs_for_gradients(model)
+    _max_pool_values_gathered(model)
+    graph = model.graph
+    sig = program.graph_signature
+    state = set(sig.inputs_to_parameters.values()) | set(sig.inputs_to_buffers.values())
+    user = [vi for vi in graph.input]
+    if len(user) != len(names):
+        raise ExportError(
+            f"the torch.export graph of {where} has {len(user)} inputs for {len(names)} tensors",
+            module_path=where,
+        )
+    renames = {vi.name: name for vi, name in zip(user, names, strict=True)}
+    kept_inits = []
+    state_inputs = []
+    for init in graph.initializer:
+        if init.name in state:
+            vi = onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+            state_inputs.append(vi)
+        else:
+            kept_inits.append(init)
+    del graph.initializer[:]
+    graph.initializer.extend(kept_inits)
+    graph.input.extend(state_inputs)
+    for old, new in renames.items():
+        if old != new:
+            onnx_graph.rename_value(graph, old, new)
+    return model
