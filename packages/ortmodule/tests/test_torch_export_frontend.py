@@ -1,0 +1,164 @@
+"""ORTMODULE_EXPORTER=torch_export (``DebugOptions(exporter=...)``): the torch.export frontend
+trains as eager does, and does by construction what the TorchScript trace needs guards for.
+Fallback is disabled (conftest), so every step ran in the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ortmodule import DebugOptions, ORTModule
+from ortmodule_exporter.errors import ExportError
+from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
+from ortmodule_testing.zoo import ZOO, GPTConfig, GPTDecoder
+
+pytest.importorskip("onnxscript")
+
+TORCH_EXPORT = DebugOptions(exporter="torch_export")
+STEPS = 4
+
+
+def _sgd(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+def test_zoo_trains_as_eager(name: str) -> None:
+    """Losses, step-1 gradients, final parameters and buffers (cnn: BatchNorm statistics)."""
+    case = ZOO[name]
+    model = case.build(seed=0)
+    eager = train_steps(clone_model(model), case, STEPS, _sgd)
+    wrapped = ORTModule(clone_model(model), TORCH_EXPORT)
+    ours = train_steps(wrapped, case, STEPS, _sgd)
+    rtol, atol = case.tolerance
+    assert_same_training(eager=eager, other=ours, rtol=rtol, atol=atol)
+    assert wrapped._runner.transitions.builds == 1, wrapped._runner.transitions.history
+    assert wrapped._runner.config.export_config.frontend == "torch_export"  # type: ignore[union-attr]
+
+
+def test_new_sequence_length_and_batch_reuse_the_graph() -> None:
+    """Every dim is symbolic: no Reshape holds a traced size, one graph serves every shape."""
+    config = GPTConfig.small()
+    model = GPTDecoder(config)
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model), TORCH_EXPORT)
+    gen = torch.Generator().manual_seed(0)
+    for batch, seq in ((4, 16), (3, 12), (2, 7), (4, 16)):
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+        want, _ = ref(ids, labels=ids)
+        got, _ = wrapped(ids, labels=ids)
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(ref.named_parameters(), wrapped.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert wrapped._runner.transitions.builds == 1, wrapped._runner.transitions.history
+
+
+class _Counting(nn.Module):
+    """A buffer written in place every step, read by the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        self.total.add_(x.detach().sum(0))
+        return self.fc(x) * self.steps + self.total
+
+
+def test_buffer_writes_happen_every_step() -> None:
+    model = _Counting()
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model), TORCH_EXPORT)
+    for step in range(3):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+        want, got = ref(x), wrapped(x)
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        want.sum().backward()
+    assert int(wrapped.module.steps) == 3
+    torch.testing.assert_close(wrapped.module.total, ref.total)
+    torch.testing.assert_close(wrapped.module.fc.weight.grad, ref.fc.weight.grad)
+
+
+def test_batchnorm_statistics_follow_eager() -> None:
+    """torch_lib lowers a training BatchNorm with the running statistics (inference); ours
+    normalises with the batch's and updates the statistics as eager does."""
+    model = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 1))
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model), TORCH_EXPORT)
+    for step in range(3):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step)) * 3 + 1
+        want, got = ref(x), wrapped(x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        got.sum().backward()
+        want.sum().backward()
+    bn, bn_ref = wrapped.module[1], ref[1]
+    torch.testing.assert_close(bn.running_mean, bn_ref.running_mean)
+    torch.testing.assert_close(bn.running_var, bn_ref.running_var)
+    torch.testing.assert_close(wrapped.module[0].weight.grad, ref[0].weight.grad)
+
+
+class _Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if y.sum() > 0:
+            return y * 2
+        return y * -3
+
+
+def test_data_dependent_branch_is_a_clear_error() -> None:
+    wrapped = ORTModule(_Branching(), TORCH_EXPORT)
+    with pytest.raises(ExportError, match=r"branches on .*torch\.where.*torchscript"):
+        wrapped(torch.randn(2, 3))
+
+
+def test_torchscript_guards_the_same_branch() -> None:
+    """The other frontend, for comparison: the traced value is guarded, both sides give
+    eager's result (one graph per side)."""
+    model = _Branching()
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model))
+    for sign in (1.0, -1.0, 1.0):
+        x = torch.full((2, 3), sign)
+        with torch.no_grad():
+            x = x * ref.fc.weight.sum(0).sign()
+        torch.testing.assert_close(wrapped(x), ref(x))
+
+
+def test_unknown_exporter_is_an_error() -> None:
+    from ortmodule.options import InvalidOptionError, RuntimeOptions
+
+    with pytest.raises(InvalidOptionError, match="ORTMODULE_EXPORTER='dynamo'.*torch_export"):
+        RuntimeOptions.resolve(environ={"ORTMODULE_EXPORTER": "dynamo"})
+    with pytest.raises(InvalidOptionError, match="DebugOptions.exporter"):
+        DebugOptions(exporter="dynamo")
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 7)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc(x), y)
+
+
+def test_cross_entropy_in_the_module() -> None:
+    """SoftmaxCrossEntropyLoss gets the log-probability output its gradient reads."""
+    model = _Classifier()
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model), TORCH_EXPORT)
+    x, y = torch.randn(6, 5), torch.randint(0, 7, (6,))
+    want, got = ref(x, y), wrapped(x, y)
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(wrapped.module.fc.weight.grad, ref.fc.weight.grad)
