@@ -162,3 +162,39 @@ def test_cross_entropy_in_the_module() -> None:
     got.backward()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(wrapped.module.fc.weight.grad, ref.fc.weight.grad)
+
+
+class _RoundSTE(torch.autograd.Function):
+    """Round forward, identity backward: torch.export would keep only the forward."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _Quantized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RoundSTE.apply(self.fc(x))  # type: ignore[no-any-return]
+
+
+def test_custom_function_is_a_clear_error() -> None:
+    """Not a silent zero gradient: the Function and the other frontend are named."""
+    wrapped = ORTModule(_Quantized(), TORCH_EXPORT)
+    with pytest.raises(ExportError, match=r"_RoundSTE.*drops its backward.*torchscript"):
+        wrapped(torch.randn(2, 3))
+
+
+def test_torchscript_only_options_are_refused_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ortmodule.options import InvalidOptionError
+
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
+    with pytest.raises(InvalidOptionError, match="cannot honour ORTMODULE_KERNEL_CHOICE"):
+        ORTModule(nn.Linear(2, 2), TORCH_EXPORT)

@@ -22,9 +22,10 @@ training gaps are few and local, and a custom translation closes each (docs/arch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,8 @@ class _Found:
     output_error: TypeError | None = None
     written_inputs: list[int] = field(default_factory=list)
     written_buffers: list[str] = field(default_factory=list)
+    #: the torch.autograd.Function subclasses the forward applied, by qualified name
+    functions: list[str] = field(default_factory=list)
 
 
 class TorchExportFlat(torch.nn.Module):
@@ -81,7 +84,8 @@ class TorchExportFlat(torch.nn.Module):
         buffers = writable_buffers(module)
         input_versions = [t._version for t in flat]
         buffer_versions = {name: b._version for name, b in buffers.items()}
-        out = call_bound(module, arguments)
+        with _recording_functions(self._found.functions):
+            out = call_bound(module, arguments)
         try:
             tensors, schema = flatten(out, prefix="output")
         except TypeError as err:
@@ -114,6 +118,10 @@ class TorchExportFlat(torch.nn.Module):
     def written_buffers(self) -> list[str]:
         return self._found.written_buffers
 
+    @property
+    def functions(self) -> list[str]:
+        return self._found.functions
+
     def extra_output_names(self) -> list[str]:
         """Names of the outputs after the user's, as the TorchScript frontend names them."""
         names = self._input_schema.names
@@ -121,6 +129,35 @@ class TorchExportFlat(torch.nn.Module):
             *(f"{INPUT_WRITE_PREFIX}{names[i]}" for i in self.written_inputs),
             *(f"{BUFFER_WRITE_PREFIX}{n}" for n in self.written_buffers),
         ]
+
+
+# Functions whose backward is the derivative of their forward, recomputed: inlining them
+# (what torch.export does with every Function) keeps the gradient
+_INLINE_SAFE_FUNCTIONS = ("torch.utils.checkpoint.CheckpointFunction",)
+
+
+@contextlib.contextmanager
+def _recording_functions(seen: list[str]) -> Iterator[None]:
+    """Record every ``torch.autograd.Function.apply`` while torch.export runs the forward.
+
+    torch.export inlines a Function's forward and drops its backward: the engine would then
+    differentiate the forward (a straight-through estimator's round() has a zero gradient),
+    so the caller refuses the graph instead (:func:`export_program`).
+    """
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if name not in seen:
+            seen.append(name)
+        return original.__func__(cls, *args, **kwargs)
+
+    function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
+    try:
+        yield
+    finally:
+        function.apply = original  # type: ignore[method-assign]
 
 
 def _dynamic_shapes(tensors: Sequence[torch.Tensor], static_shapes: bool) -> Any:
@@ -413,6 +450,16 @@ def export_program(
             f"{_first_lines(str(err))}{hint}",
             module_path=where,
         ) from err
+    functions = [f for f in flat.functions if f not in _INLINE_SAFE_FUNCTIONS]
+    if functions:
+        raise ExportError(
+            f"{where} applies the custom autograd.Function {', '.join(functions)}: torch.export "
+            "keeps its forward and drops its backward, so the engine would differentiate the "
+            "forward instead (wrong gradients). ORTMODULE_EXPORTER=torch_export does not run "
+            "custom Functions yet: use ORTMODULE_EXPORTER=torchscript (PythonOp runs the "
+            "backward).",
+            module_path=where,
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
