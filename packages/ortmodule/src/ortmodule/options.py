@@ -252,7 +252,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "translator, at opset 18 or ORTMODULE_ONNX_OPSET_VERSION if higher: a branch on a "
         "tensor's value is an export error instead of a guard, in-place writes are "
         "functionalized, no shape is baked in. Not yet with custom autograd.Functions "
-        "(PythonOp), the ATen routes, the kernel choice or padding elimination "
+        "(an export error) or the ATen routes and the kernel choice (an error when set) "
         "(docs/architecture.md, The torch_export frontend).",
         "torch_export",
     ),
