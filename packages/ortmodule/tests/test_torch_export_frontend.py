@@ -198,3 +198,31 @@ def test_torchscript_only_options_are_refused_when_set(monkeypatch: pytest.Monke
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
     with pytest.raises(InvalidOptionError, match="cannot honour ORTMODULE_KERNEL_CHOICE"):
         ORTModule(nn.Linear(2, 2), TORCH_EXPORT)
+
+
+class _TiedLM(nn.Module):
+    """The LM head shares the embedding's weight; torch.export lifts it as ``head.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(self.embed(ids)))
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def test_tied_weights_are_trained_under_their_first_name() -> None:
+    """Not a None gradient for the tied weight (the runtime trains ``embed.weight``)."""
+    model = _TiedLM()
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model), TORCH_EXPORT)
+    ids = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(0))
+    want, got = ref(ids), wrapped(ids)
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    assert wrapped.module.embed.weight.grad is not None
+    torch.testing.assert_close(wrapped.module.embed.weight.grad, ref.embed.weight.grad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import Any
 
 from ortmodule_exporter import ExportConfig, SaveOptions
 from ortmodule_exporter.aten.parallel import THREADS_AUTO
@@ -55,7 +56,7 @@ def kernel_choice_threads(value: str) -> int:
 
 #: options the torch_export frontend cannot honour yet: they work through TorchScript symbolics
 #: (the ATen routes, the kernel choice) -> the value that means "not used"
-TORCHSCRIPT_ONLY = {
+TORCHSCRIPT_ONLY: dict[str, Any] = {
     "aten_sdpa_fallback": False,
     "use_efficient_attention": False,
     "aten_dropout": False,

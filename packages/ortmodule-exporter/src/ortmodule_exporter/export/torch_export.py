@@ -480,7 +480,7 @@ def export_program(
         ) from err
     assert onnx_program is not None
     model = onnx_program.model_proto
-    return _as_training_graph(model, program, names, where)
+    return _as_training_graph(model, program, names, where, canonical_state_names(flat))
 
 
 def _data_dependent(err: BaseException) -> bool:
@@ -493,11 +493,25 @@ def _first_lines(text: str, n: int = 6) -> str:
     return "\n".join(text.strip().splitlines()[:n])
 
 
+def canonical_state_names(module: torch.nn.Module) -> dict[str, str]:
+    """Every name of a parameter or buffer -> the name ``named_parameters()`` /
+    ``named_buffers()`` give it (the first). A tied weight (an embedding shared with the LM
+    head) has two names, and torch.export may lift it under either; the runtime feeds and
+    trains parameters by the first."""
+    canonical: dict[str, str] = {}
+    for named in (module.named_parameters, module.named_buffers):
+        first: dict[int, str] = {}
+        for name, tensor in named(remove_duplicate=False):
+            canonical[name] = first.setdefault(id(tensor), name)
+    return canonical
+
+
 def _as_training_graph(
     model: onnx.ModelProto,
     program: torch.export.ExportedProgram,
     names: Sequence[str],
     where: str,
+    canonical: dict[str, str],
 ) -> onnx.ModelProto:
     """Inline local functions, make initializers (parameters, buffers) graph inputs without
     data, rename user inputs to ``names``. Lifted constants stay initializers."""
@@ -528,7 +542,16 @@ def _as_training_graph(
     del graph.initializer[:]
     graph.initializer.extend(kept_inits)
     graph.input.extend(state_inputs)
+    for vi in state_inputs:
+        if canonical.get(vi.name, vi.name) != vi.name:
+            renames[vi.name] = canonical[vi.name]
     for old, new in renames.items():
         if old != new:
             onnx_graph.rename_value(graph, old, new)
+    # two names of one tied tensor, both lifted, are one input now
+    seen: set[str] = set()
+    unique = [vi for vi in graph.input if not (vi.name in seen or seen.add(vi.name))]
+    if len(unique) != len(graph.input):
+        del graph.input[:]
+        graph.input.extend(unique)
     return model
