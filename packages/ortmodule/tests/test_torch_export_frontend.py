@@ -226,3 +226,16 @@ def test_tied_weights_are_trained_under_their_first_name() -> None:
     torch.testing.assert_close(got, want)
     assert wrapped.module.embed.weight.grad is not None
     torch.testing.assert_close(wrapped.module.embed.weight.grad, ref.embed.weight.grad)
+
+
+def test_layer_norm_without_bias() -> None:
+    """torch_lib writes LayerNormalization(x, scale); the engine's gradient reads a bias."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6, bias=False), nn.Linear(6, 1))
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model), TORCH_EXPORT)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    want, got = ref(x), wrapped(x)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(wrapped.module[1].weight.grad, ref[1].weight.grad)
+    torch.testing.assert_close(wrapped.module[0].weight.grad, ref[0].weight.grad)

@@ -346,6 +346,49 @@ def _outputs_for_gradients(model: onnx.ModelProto) -> None:
                 node.output[slot] = f"{node.name or node.op_type}_{index}_out{slot}"
 
 
+def _layer_norm_bias(model: onnx.ModelProto) -> None:
+    """A LayerNormalization without bias (``nn.LayerNorm(bias=False)``) gets a zero one: the
+    engine's gradient builder (1.19.2) reads the bias input unconditionally."""
+    graph = model.graph
+    norms = [
+        n
+        for n in graph.node
+        if n.op_type == "LayerNormalization" and (len(n.input) < 3 or not n.input[2])
+    ]
+    if not norms:
+        return
+    types = _elem_types(model)
+    if any(n.input[1] not in types for n in norms):
+        types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        if node in norms:
+            scale = node.input[1]
+            dtype = types.get(scale, 0)
+            if not dtype:
+                raise ExportError(
+                    f"the torch_export graph's LayerNormalization {node.name} has no bias and a "
+                    "scale of unknown type; the engine cannot differentiate it"
+                )
+            tag = f"{node.name or 'LayerNormalization'}_{index}"
+            new_nodes += [
+                h.make_node("Shape", [scale], [f"{tag}_bias_shape"]),
+                h.make_node(
+                    "ConstantOfShape",
+                    [f"{tag}_bias_shape"],
+                    [f"{tag}_zero_bias"],
+                    value=h.make_tensor(f"{tag}_zero", dtype, [1], [0]),
+                ),
+            ]
+            while len(node.input) < 3:
+                node.input.append("")
+            node.input[2] = f"{tag}_zero_bias"
+        new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
 def _max_pool_values_gathered(model: onnx.ModelProto) -> None:
     """MaxPool picks the indices only; its values are gathered from the flattened input.
 
@@ -520,6 +563,7 @@ def _as_training_graph(
         del model.functions[:]
     _cast_like_as_cast(model)
     _outputs_for_gradients(model)
+    _layer_norm_bias(model)
     _max_pool_values_gathered(model)
     graph = model.graph
     sig = program.graph_signature
