@@ -564,7 +564,10 @@ def _finish(
 
 
 def _keep_written_state(
-    exported: ExportedModel, flat: _FlatModule, tensors: Sequence[torch.Tensor], where: str
+    exported: ExportedModel,
+    flat: _FlatModule | TorchExportFlat,
+    tensors: Sequence[torch.Tensor],
+    where: str,
 ) -> None:
     """Record the in-place writes the forward made, so the runtime makes them on every call."""
     names = exported.input_schema.names

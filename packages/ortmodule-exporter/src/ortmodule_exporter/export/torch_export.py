@@ -593,8 +593,10 @@ def _as_training_graph(
         if old != new:
             onnx_graph.rename_value(graph, old, new)
     # two names of one tied tensor, both lifted, are one input now
-    seen: set[str] = set()
-    unique = [vi for vi in graph.input if not (vi.name in seen or seen.add(vi.name))]
+    first: dict[str, onnx.ValueInfoProto] = {}
+    for vi in graph.input:
+        first.setdefault(vi.name, vi)
+    unique = list(first.values())
     if len(unique) != len(graph.input):
         del graph.input[:]
         graph.input.extend(unique)
