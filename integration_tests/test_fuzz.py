@@ -20,7 +20,15 @@ from ortmodule_testing.fuzz.worker import Worker
 FIRST_SEED = 0
 PROGRAMS = 60
 
-KNOWN: dict[int, str] = {}
+KNOWN: dict[int, str] = {
+    # Not a wrong gradient, float32 rounding made chaotic: sin() of a parameter that SGD moves by
+    # about 20 a step (gradients of 200). The first step's gradients agree with eager's to 2 ulp;
+    # by step 2 the loss is 6e-3 from the float64 training, eager's 3e-5 (eager happens to stay
+    # close). The shrunk program was as far off before size-1 input dims were fixed in the graph
+    # (2026-11-26, the unshrunk one then just passed); no fix is planned: a better criterion for
+    # chaotic programs is.
+    48: "float32 rounding amplified by sin() of a fast-growing parameter",
+}
 # (seed 56, layer_norm -> sum -> sum -> where on a 0-d result, was listed here until AtenOp
 # summed a gradient handed in the broadcast shape to its output's shape, 2026-11-26)
 
