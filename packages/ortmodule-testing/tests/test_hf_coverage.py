@@ -72,6 +72,17 @@ def test_size_overrides_turns_off_every_random_drop() -> None:
     }
 
 
+def test_size_overrides_turns_off_per_stage_drop_probabilities() -> None:
+    # CvT keeps one drop path rate per stage, (0.0, 0.0, 0.1) by default: left on, its last
+    # stage drops different samples in eager and under the engine and the sweep read "wrong"
+    settings = {"drop_path_rate": (0.0, 0.0, 0.1), "attention_drop_rate": [0.1, 0.2],
+                "embed_dim": (64, 192, 384)}  # fmt: skip
+    assert size_overrides(settings) == {
+        "drop_path_rate": (0.0, 0.0, 0.0),
+        "attention_drop_rate": [0.0, 0.0],
+    }
+
+
 def test_size_overrides_distilbert_names_and_stage_lists() -> None:
     out = size_overrides({"dim": 768, "hidden_dim": 3072, "depths": [3, 4, 6, 3],
                           "hidden_sizes": [256, 512, 1024, 2048], "num_heads": [3, 6, 12, 24]})  # fmt: skip

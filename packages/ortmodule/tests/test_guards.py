@@ -189,6 +189,82 @@ def test_buffer_written_in_place_is_written_every_call() -> None:
     assert float(wrapped.module.count) == 4.0
 
 
+class RangeTracker(torch.nn.Module):
+    """I-BERT's QuantAct: the forward gives a buffer a new tensor (``self.x_min = ...``)
+    instead of writing into it, and picks the update by the buffer's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("x_min", torch.zeros(1))
+        self.register_buffer("x_max", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        low, high = y.detach().min(), y.detach().max()
+        if self.x_min.min() > -1e-5 and self.x_max.max() < 1e-5:
+            self.x_min = self.x_min + low
+            self.x_max = self.x_max + high
+        else:
+            self.x_min = self.x_min * 0.9 + low * 0.1
+            self.x_max = torch.max(self.x_max, high)
+        return ((y - self.x_min) * (self.x_max - y)).sum()
+
+
+def test_buffer_given_a_new_tensor_is_updated_every_call() -> None:
+    # before: the trace saw no in-place write, the buffers kept their first value and every
+    # later step took the first branch again (silently wrong ranges and outputs)
+    eager, wrapped = _pair(RangeTracker)
+    buffers = [wrapped.module.x_min, wrapped.module.x_max]
+    for seed in range(4):
+        torch.manual_seed(seed)
+        _step(eager, wrapped, torch.randn(3, 4))
+        torch.testing.assert_close(wrapped.module.x_min, eager.x_min)
+        torch.testing.assert_close(wrapped.module.x_max, eager.x_max)
+    # the new values went into the module's own buffers (the engine's feeds)
+    assert [wrapped.module.x_min, wrapped.module.x_max] == buffers
+    assert not wrapped.module.x_min.requires_grad
+
+
+class Regrow(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.seen = torch.cat([self.seen, y.detach().sum().reshape(1)])
+        return y.sum()
+
+
+def test_buffer_given_a_tensor_of_another_shape_is_refused() -> None:
+    from ortmodule_exporter import ExportError
+
+    wrapped = ORTModule(Regrow())
+    with pytest.raises(ExportError, match="buffer 'seen'.*shape"):
+        wrapped(torch.randn(3, 4))
+
+
+class ScaleByData(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return (y * y.data.abs().mean()).sum()
+
+
+def test_tensor_data_is_traced_not_a_constant() -> None:
+    # the tracer does not record .data: what is computed from it was the traced call's value,
+    # a constant, on every later call (I-BERT's activation ranges, x.data.min())
+    eager, wrapped = _pair(ScaleByData)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        _step(eager, wrapped, torch.randn(3, 4))
+
+
 class AddToInput(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -39,6 +39,7 @@ from .gradient_cuts import cutting_gradients
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX, ExportedModel, SaveOptions
 from .shape_guards import split_shape_guards
+from .tensor_data import data_as_detach
 from .torch_export import TORCH_EXPORT_MIN_OPSET, TorchExportFlat, export_program
 from .traced_sizes import remove_size_barriers, sizes_kept_dynamic
 
@@ -77,6 +78,8 @@ class _FlatModule(torch.nn.Module):
         self._input_schema = input_schema
         self.output_schema: Schema | None = None
         self.output_error: TypeError | None = None
+        #: the forward left a buffer in a state the runtime cannot carry
+        self.state_error: ExportError | None = None
         self.traced_outputs: tuple[torch.Tensor, ...] = ()
         #: flat input positions the forward wrote in place
         self.written_inputs: list[int] = []
@@ -102,11 +105,23 @@ class _FlatModule(torch.nn.Module):
         self.output_schema = schema
         self.traced_outputs = tuple(t.detach() for t in tensors)
         self.written_inputs = [i for i, t in enumerate(flat) if t._version != input_versions[i]]
-        self.written_buffers = [n for n, b in buffers.items() if b._version != buffer_versions[n]]
-        self.guards = list(guards)
-        written = [flat[i] for i in self.written_inputs] + [
-            buffers[n] for n in self.written_buffers
+        # a buffer is written in place (its version moves) or given a new tensor
+        # (``self.x_min = self.x_min + low``, I-BERT's QuantAct): either way its value after
+        # the forward is a graph output the runtime puts into the buffer on every call
+        after = writable_buffers(module)
+        self.written_buffers = [
+            n
+            for n, b in buffers.items()
+            if after.get(n) is not b or b._version != buffer_versions[n]
         ]
+        for name in self.written_buffers:
+            try:
+                _check_new_buffer_value(module, name, buffers[name], after.get(name))
+            except ExportError as err:
+                self.state_error = err
+                raise
+        self.guards = list(guards)
+        written = [flat[i] for i in self.written_inputs] + [after[n] for n in self.written_buffers]
         return (*tensors, *written, *converted)
 
     def extra_output_names(self) -> list[str]:
@@ -117,6 +132,29 @@ class _FlatModule(torch.nn.Module):
             *(f"{BUFFER_WRITE_PREFIX}{n}" for n in self.written_buffers),
             *(guard_output_name(i) for i in range(len(self.guards))),
         ]
+
+
+def _check_new_buffer_value(
+    module: torch.nn.Module, name: str, old: torch.Tensor, new: torch.Tensor | None
+) -> None:
+    """The runtime writes a buffer's new value into the buffer the module has (the engine's
+    feed), so a forward that gives a buffer a tensor of another shape, dtype or device, or
+    none, is refused rather than silently cut to the old shape."""
+    if new is not None and (new.shape, new.dtype, new.device) == (old.shape, old.dtype, old.device):
+        return
+    got = (
+        "None"
+        if new is None
+        else f"a {new.dtype} tensor of shape {tuple(new.shape)} on {new.device}"
+    )
+    raise ExportError(
+        f"{module_path(module)}: the forward sets buffer {name!r} "
+        f"({old.dtype}, shape {tuple(old.shape)} on {old.device}) to {got}. ORTModule keeps "
+        "each buffer's shape, dtype and device across calls and writes its new value into it: "
+        "give the buffer a tensor of its own shape, dtype and device, or keep the value in a "
+        "plain attribute outside the module's buffers.",
+        module_path=module_path(module),
+    )
 
 
 def _traced_input(tensor: torch.Tensor) -> torch.Tensor:
@@ -156,17 +194,24 @@ def _available_bytes(device: torch.device) -> int | None:
 
 @contextmanager
 def _preserved_state(module: torch.nn.Module) -> Iterator[None]:
-    """Tracing runs forward once; keep the user's buffers and the RNG streams as they were."""
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    """Tracing runs forward once; keep the user's buffers (the same tensors, with the same
+    values, also where the forward gave a buffer a new tensor) and the RNG streams as they
+    were."""
+    owned = [
+        (sub, attr, b, b.detach().clone())
+        for sub in module.modules()
+        for attr, b in sub._buffers.items()
+        if b is not None
+    ]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         yield
     finally:
         with torch.no_grad():
-            for name, b in module.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
+            for sub, attr, b, value in owned:
+                sub._buffers[attr] = b
+                b.copy_(value)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
@@ -412,6 +457,7 @@ def _torchscript_trace(
             kernel_choice.recording_traced_sizes(),
             # after the size recorder: it sees the calls as traced (numbers for bools)
             bool_scalars_as_numbers(),
+            data_as_detach(),
             python_op.exporting_copy_of(module, target),
             sizes_kept_dynamic(tensors, enabled=not static_shapes),
             warnings.catch_warnings(record=True) as caught,
@@ -436,6 +482,8 @@ def _torchscript_trace(
                 operator_export_type=aten_routes.operator_export_type(),
             )
     except Exception as err:
+        if flat.state_error is not None:
+            raise flat.state_error from err
         if flat.output_error is not None:
             raise UnsupportedOutputError(
                 f"{module_path(module)} returned an output ORTModule cannot hand back: "

@@ -128,7 +128,7 @@ def size_overrides(settings: dict[str, Any], layers_before: int | None = None) -
     """The tiny settings for a configuration whose ``to_dict()`` is ``settings``.
 
     Sizes from :data:`SIZES` where the name is present and not None, every float drop
-    probability 0 (dropout, drop path, LayerDrop),
+    probability 0 (dropout, drop path, LayerDrop; each element of a per-stage list of them),
     token ids inside the vocabulary, per-stage lists shrunk, per-layer lists dropped so that
     the configuration derives them again.
 
@@ -143,6 +143,14 @@ def size_overrides(settings: dict[str, Any], layers_before: int | None = None) -
             out[name] = [STAGE_LISTS[name](i, v) for i, v in enumerate(value)]
         elif isinstance(value, float) and _is_drop_probability(name):
             out[name] = 0.0
+        elif (
+            isinstance(value, (list, tuple))
+            and value
+            and all(isinstance(v, float) for v in value)
+            and _is_drop_probability(name)
+        ):
+            # one probability per stage (CvT: drop_path_rate=(0.0, 0.0, 0.1)): every one off
+            out[name] = type(value)(0.0 for _ in value)
         elif name == "dim" and isinstance(value, int) and "hidden_dim" in settings:
             out[name] = HIDDEN  # DistilBERT: dim is the width, hidden_dim the feed-forward
         elif name == "hidden_dim" and isinstance(value, int) and "dim" in settings:
