@@ -39,6 +39,7 @@ from .gradient_cuts import cutting_gradients
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX, ExportedModel, SaveOptions
 from .shape_guards import split_shape_guards
+from .strided_views import strided_views_traced
 from .tensor_data import data_as_detach
 from .torch_export import TORCH_EXPORT_MIN_OPSET, TorchExportFlat, export_program
 from .traced_sizes import remove_size_barriers, sizes_kept_dynamic
@@ -458,6 +459,7 @@ def _torchscript_trace(
             # after the size recorder: it sees the calls as traced (numbers for bools)
             bool_scalars_as_numbers(),
             data_as_detach(),
+            strided_views_traced(),
             python_op.exporting_copy_of(module, target),
             sizes_kept_dynamic(tensors, enabled=not static_shapes),
             warnings.catch_warnings(record=True) as caught,
