@@ -6,8 +6,8 @@ order, which is the input's memory only when the input is contiguous. A view tha
 chunking then calls ``as_strided`` on it with strides read from that view) was gathered from the
 wrong elements: silently wrong attention scores.
 
-While the export traces, a ``TorchFunctionMode`` answers ``as_strided`` on a tensor whose
-elements are dense in memory (any order of dimensions, no gaps, no overlap) with the same
+While the export traces, a ``TorchFunctionMode`` answers ``as_strided`` on a non-contiguous
+tensor whose elements are dense in memory (any order of dimensions, no gaps, no overlap) with the same
 elements gathered from the input put in memory order: the dimensions sorted by stride and
 flattened, then ``index_select`` with the element offsets ``as_strided`` would read. The offsets
 are constants of the traced sizes; the sizes are read with ``int()``, which the exporter guards,
@@ -90,7 +90,9 @@ class _StridedViews(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _AS_STRIDED and torch._C._get_tracing_state() is not None:
             bound = _arguments(*args, **kwargs)
-            if bound is not None:
+            # a contiguous input's logical order is its memory order: torch.onnx's symbolic
+            # reads it right (and keeps its sizes dynamic)
+            if bound is not None and not bound[0].is_contiguous():
                 return _gathered(*bound)
         return func(*args, **kwargs)
 
