@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import time
 
 import pytest
@@ -113,10 +114,12 @@ def test_shrinking_finds_the_planted_op() -> None:
 
 
 def test_hypothesis_shrinks_to_the_planted_op() -> None:
+    # a fixed seed: unseeded, the search missed every cumsum in 500 examples once in a while
     small = find(
         programs(),
         _wrong_on_cumsum,
         settings=settings(max_examples=500, database=None, deadline=None),
+        random=random.Random(0),
     )
     assert [op.kind for op in small.live_ops() if op.kind != "binary"] == ["along"]
 

@@ -74,5 +74,8 @@ def test_generate_in_eval_mode_runs_the_engine_and_matches_eager(name: str) -> N
     wrapped = ORTModule(model)
     got = wrapped.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, want)
-    # the prompt (empty cache) and the decoding steps (a filled cache): two inference graphs
-    assert wrapped._runner.transitions.builds == 2, wrapped._runner.transitions.history
+    # the prompt (empty cache) and the decoding steps (a filled cache): two inference graphs,
+    # and for T5 a third for its first decoding step, whose cache holds one position (a dim of
+    # size 1 stays a fixed 1 in a graph)
+    want_builds = 3 if name == "t5" else 2
+    assert wrapped._runner.transitions.builds == want_builds, wrapped._runner.transitions.history
