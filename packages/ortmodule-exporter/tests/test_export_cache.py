@@ -518,3 +518,47 @@ def test_a_damaged_guard_is_refused() -> None:
                 "source": "",
             }
         )
+
+
+class _SeesItsInputs(torch.nn.Module):
+    """Records the type of each input it is called with; returns a dict, as HF models do."""
+
+    def __init__(self, read_value: bool = False) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.read_value = read_value
+        self.seen: list[type] = []
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        self.seen.append(type(x))
+        y = self.fc(x)
+        out: dict[str, Any] = {"y": y}
+        if self.read_value:
+            out["big"] = bool(x.sum() > 1e9)  # a Python value read from the data
+        return out
+
+
+def test_a_hit_takes_the_output_structure_from_a_fake_forward(tmp_path: Path) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    cache = ExportCache(str(tmp_path))
+    export(_SeesItsInputs(), (torch.randn(2, 4),), training=True, cache=cache)
+    module = _SeesItsInputs()
+    hit = export(module, (torch.randn(5, 4),), training=True, cache=cache)
+    assert hit.from_cache
+    # the warm start computed nothing: a GPT-2 124M forward is seconds
+    assert module.seen == [FakeTensor]
+    real = _SeesItsInputs()
+    assert hit.output_schema == export(real, (torch.randn(5, 4),), training=True).output_schema
+
+
+def test_a_value_read_from_data_takes_the_real_forward_on_a_hit(tmp_path: Path) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    cache = ExportCache(str(tmp_path))
+    first = export(_SeesItsInputs(True), (torch.randn(2, 4),), training=True, cache=cache)
+    module = _SeesItsInputs(True)
+    hit = export(module, (torch.randn(2, 4),), training=True, cache=cache)
+    assert hit.from_cache
+    assert module.seen[0] is FakeTensor and module.seen[1:] == [torch.Tensor]
+    assert hit.output_schema == first.output_schema

@@ -560,8 +560,18 @@ def _torch_export(
 def _output_schema(
     module: torch.nn.Module, input_schema: Schema, tensors: Sequence[torch.Tensor], training: bool
 ) -> Schema:
-    """The output structure of ``module`` on these inputs, from one forward under no_grad (the
-    export cache stores no Python objects). Buffers and RNG streams are left as they were."""
+    """The output structure of ``module`` on these inputs (the export cache stores no Python
+    objects): from one forward on fake tensors when it runs there, else from one forward under
+    no_grad. Buffers and RNG streams are left as they were.
+
+    The fake forward computes nothing (a GPT-2 124M forward is seconds of a warm start; its
+    fake one is tens of milliseconds). A forward whose output could depend on values (a tensor
+    read as a Python number, ``.tolist()``) raises under fake tensors, and so does anything
+    else they do not support: then the real forward decides.
+    """
+    schema = _fake_output_schema(module, input_schema, tensors, training)
+    if schema is not None:
+        return schema
     flat = _FlatModule(module, input_schema)
     was_training = module.training
     try:
@@ -572,6 +582,31 @@ def _output_schema(
         module.train(was_training)
     if flat.output_schema is None:  # pragma: no cover - forward raised instead
         raise ExportError(f"{module_path(module)} returned no output")
+    return flat.output_schema
+
+
+def _fake_output_schema(
+    module: torch.nn.Module, input_schema: Schema, tensors: Sequence[torch.Tensor], training: bool
+) -> Schema | None:
+    """:func:`_output_schema` from a forward on fake tensors, or None where it does not run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    flat = _FlatModule(module, input_schema)
+    was_training = module.training
+    try:
+        with _preserved_state(module), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module.train(training)
+            # the parameters and buffers stay real: the mode wraps them as fake per operation
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                flat(*(mode.from_tensor(t.detach()) for t in tensors))
+    except Exception as err:  # noqa: BLE001 - any failure: the real forward decides
+        logger.debug("output structure: the fake forward failed (%s); running it for real", err)
+        return None
+    finally:
+        module.train(was_training)
+    if flat.guards or flat.written_buffers or flat.written_inputs:
+        return None  # values read or written: only a real forward is sure to agree
     return flat.output_schema
 
 
