@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -53,22 +53,27 @@ def producers_and_consumers(
 
 def rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
     """Rename a value everywhere in ``graph`` (node inputs and outputs, graph inputs/outputs)."""
-    if old == new:
+    rename_values(graph, {old: new})
+
+
+def rename_values(graph: onnx.GraphProto, renames: Mapping[str, str]) -> None:
+    """Rename values everywhere in ``graph``, all at once, in one walk over it (a walk per
+    value took 2 s for GPT-2 124M's 163 parameters). Renames are simultaneous: a new name that
+    is also an old one is not renamed again."""
+    renames = {old: new for old, new in renames.items() if old != new}
+    if not renames:
         return
     for node in graph.node:
-        for i, name in enumerate(node.input):
-            if name == old:
-                node.input[i] = new
-        for i, name in enumerate(node.output):
-            if name == old:
-                node.output[i] = new
-    for seq in (graph.input, graph.output, graph.value_info):
-        for vi in seq:
-            if vi.name == old:
-                vi.name = new
-    for init in graph.initializer:
-        if init.name == old:
-            init.name = new
+        for names in (node.input, node.output):
+            for i, name in enumerate(names):
+                new = renames.get(name)
+                if new is not None:
+                    names[i] = new
+    for seq in (graph.input, graph.output, graph.value_info, graph.initializer):
+        for item in seq:
+            new = renames.get(item.name)
+            if new is not None:
+                item.name = new
 
 
 def name_outputs(graph: onnx.GraphProto, names: list[str]) -> None:

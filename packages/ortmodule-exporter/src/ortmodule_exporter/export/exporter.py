@@ -623,17 +623,19 @@ def _finish(
     user_names = set(input_schema.names)
     prefix = _WRAPPED + "."
     user_inputs, params = [], []
+    renames: dict[str, str] = {}
     for vi in list(graph.input):
         if vi.name in user_names:
             user_inputs.append(vi.name)
         elif vi.name.startswith(prefix):
-            new = vi.name[len(prefix) :]
-            onnx_graph.rename_value(graph, vi.name, new)
-            params.append(new)
+            renames[vi.name] = vi.name[len(prefix) :]
+            params.append(renames[vi.name])
         else:
             raise ExportError(
                 f"exported graph has an input {vi.name!r} that is neither a user input nor a parameter"
             )
+    # simultaneous: no parameter's new name (the prefix stripped) is another's old one
+    onnx_graph.rename_values(graph, renames)
     onnx_graph.name_outputs(graph, [*output_schema.names, *extra_outputs])
     for vi in graph.output:
         onnx_graph.make_dims_symbolic(vi, vi.name)
