@@ -67,16 +67,16 @@ import torch.nn.functional as F
 from torch.onnx import symbolic_helper as sh
 from torch.overrides import TorchFunctionMode
 
-from ..engine_binding import import_onnxruntime
-from ..label_density import DENSITY_THRESHOLD, label_density
-from ..onnx_graph import attribute
-from ..symbolics import embedding as embedding_symbolic
-from ..symbolics import losses
-from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
-from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
-from .gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
-from .parallel import TorchThreadsInEngine, elementwise
-from .routes import embedding_node, traced_sizes
+from ...engine_binding import import_onnxruntime
+from ...label_density import DENSITY_THRESHOLD, label_density
+from ...onnx_graph import attribute
+from ...symbolics import embedding as embedding_symbolic
+from ...symbolics import losses
+from ...symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
+from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
+from ..parallel import TorchThreadsInEngine, elementwise
+from ..routes import embedding_node, traced_sizes
 
 __all__ = [
     "ATEN_NODE_US",
