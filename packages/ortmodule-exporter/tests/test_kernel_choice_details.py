@@ -85,3 +85,17 @@ def test_auto_keeps_the_engine_kernel_in_an_export_traced_off_the_cpu() -> None:
         assert ("test-op-cuda", "Float", 64) not in kernel_choice.decisions()  # nothing timed
     finally:
         kernel_choice.configure_kernel_choice(before)
+
+
+def test_the_families_register_in_a_fixed_order() -> None:
+    # kernel_choice/__init__.py imports the families in this order (they register as they are
+    # imported); configure_kernel_choice installs their symbolics in it
+    assert kernel_choice.covered_operators() == (
+        "aten::gelu",
+        "aten::relu",
+        "aten::layer_norm",
+        "aten::cross_entropy_loss",
+        "aten::_convolution",
+        "aten::max_pool2d",
+        "aten::max_pool2d_with_indices",
+    )
