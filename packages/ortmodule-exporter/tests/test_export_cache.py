@@ -409,17 +409,18 @@ class Gelu(torch.nn.Module):
 @pytest.fixture
 def counted_calibrations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A fresh kernel-choice state (as in a new process) whose GELU measurement is counted."""
-    from ortmodule_exporter.aten import kernel_choice
+    from ortmodule_exporter.aten.kernel_choice import choice, gelu
 
-    monkeypatch.setattr(kernel_choice, "_DECISIONS", {})
-    monkeypatch.setattr(kernel_choice, "_SECONDS", {})
+    # patched where they are read: the decisions' module and the GELU family's
+    monkeypatch.setattr(choice, "_DECISIONS", {})
+    monkeypatch.setattr(choice, "_SECONDS", {})
     calls = [0]
 
     def measure(numel: int, approximate: str = "none") -> tuple[float, float]:
         calls[0] += 1
         return 1.0, 2.0  # the engine's kernel is faster
 
-    monkeypatch.setattr(kernel_choice, "measure_gelu", measure)
+    monkeypatch.setattr(gelu, "measure_gelu", measure)
     return calls
 
 
@@ -427,13 +428,14 @@ def test_a_warm_start_does_not_calibrate_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted_calibrations: list[int]
 ) -> None:
     from ortmodule_exporter.aten import kernel_choice
+    from ortmodule_exporter.aten.kernel_choice import choice
 
     config = ExportConfig(kernel_choice="auto")
     x = torch.randn(2, 4)
     export(Gelu(), (x,), training=True, cache=ExportCache(str(tmp_path)), config=config)
     assert counted_calibrations[0] == 1
     measured = kernel_choice.decisions()
-    monkeypatch.setattr(kernel_choice, "_DECISIONS", {})  # the next process
+    monkeypatch.setattr(choice, "_DECISIONS", {})  # the next process
     warm = export(Gelu(), (x,), training=True, cache=ExportCache(str(tmp_path)), config=config)
     assert warm.from_cache and counted_calibrations[0] == 1
     # the measurements came back with the graph, for the passes that consult them later
@@ -444,13 +446,15 @@ def test_another_machine_calibrates_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted_calibrations: list[int]
 ) -> None:
     from ortmodule_exporter.aten import kernel_choice
+    from ortmodule_exporter.aten.kernel_choice import choice, stored_decisions
 
     config = ExportConfig(kernel_choice="auto")
     x = torch.randn(2, 4)
     export(Gelu(), (x,), training=True, cache=ExportCache(str(tmp_path)), config=config)
-    monkeypatch.setattr(kernel_choice, "_DECISIONS", {})
+    monkeypatch.setattr(choice, "_DECISIONS", {})
     key = kernel_choice.machine_key()
-    monkeypatch.setattr(kernel_choice, "machine_key", lambda: {**key, "cpu": "another CPU"})
+    # machine_fingerprint reads it from its own module
+    monkeypatch.setattr(stored_decisions, "machine_key", lambda: {**key, "cpu": "another CPU"})
     other = export(Gelu(), (x,), training=True, cache=ExportCache(str(tmp_path)), config=config)
     assert not other.from_cache and counted_calibrations[0] == 2
 

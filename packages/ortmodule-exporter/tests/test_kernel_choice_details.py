@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from ortmodule_exporter.aten import kernel_choice
-from ortmodule_exporter.aten.kernel_choice import CHANNELS_LAST, _max_pool2d, pool_layout
+from ortmodule_exporter.aten.kernel_choice import (
+    CHANNELS_LAST,
+    _max_pool2d,
+    max_pool,
+    pool_layout,
+    traced,
+)
 
 SETTINGS = [
     # kernel, stride, padding, dilation, ceil_mode
@@ -46,14 +52,15 @@ def test_channels_last_copy_gives_the_same_values_and_indices(
 
 def test_the_layout_is_timed_once_per_shape_and_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[object] = []
-    real = kernel_choice._torch_us
+    real = max_pool._torch_us
 
     def counting(fn: object, aten_nodes: int = 2) -> float:
         calls.append(fn)
         return real(fn, aten_nodes)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(kernel_choice, "_torch_us", counting)
-    monkeypatch.setattr(kernel_choice, "_POOL_LAYOUTS", {})
+    # pool_layout reads both from its own module
+    monkeypatch.setattr(max_pool, "_torch_us", counting)
+    monkeypatch.setattr(max_pool, "_POOL_LAYOUTS", {})
     shape, settings = (2, 8, 16, 16), [2, 2, 2, 2, 0, 0, 1, 1, 0]
     first = pool_layout(shape, settings)
     assert first in ("", CHANNELS_LAST) and len(calls) == 2  # as is, and on a copy
@@ -73,8 +80,22 @@ def test_auto_keeps_the_engine_kernel_in_an_export_traced_off_the_cpu() -> None:
         with kernel_choice.recording_traced_sizes():
             assert kernel_choice.choose("test-op-cpu", "Float", 64, torch_faster) == "torch"
             # what the recorder notes when a traced operator had a CUDA tensor
-            kernel_choice._TRACE.recorder.off_cpu = True
+            traced._TRACE.recorder.off_cpu = True
             assert kernel_choice.choose("test-op-cuda", "Float", 64, torch_faster) == "engine"
         assert ("test-op-cuda", "Float", 64) not in kernel_choice.decisions()  # nothing timed
     finally:
         kernel_choice.configure_kernel_choice(before)
+
+
+def test_the_families_register_in_a_fixed_order() -> None:
+    # kernel_choice/__init__.py imports the families in this order (they register as they are
+    # imported); configure_kernel_choice installs their symbolics in it
+    assert kernel_choice.covered_operators() == (
+        "aten::gelu",
+        "aten::relu",
+        "aten::layer_norm",
+        "aten::cross_entropy_loss",
+        "aten::_convolution",
+        "aten::max_pool2d",
+        "aten::max_pool2d_with_indices",
+    )

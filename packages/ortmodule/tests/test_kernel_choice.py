@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 from ortmodule import ORTModule
 from ortmodule_exporter.aten import kernel_choice, output_pool
 from ortmodule_exporter.aten.executor import ATEN_DOMAIN
+from ortmodule_exporter.aten.kernel_choice import choice, convolution, max_pool, relu
 from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_exporter.passes import engine_forwards
 from ortmodule_testing.parity import clone_model
@@ -222,7 +223,7 @@ def test_max_pool_on_a_channels_last_copy_trains_like_eager(
     ceil_mode: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
-    monkeypatch.setattr(kernel_choice, "pool_layout", lambda *a: kernel_choice.CHANNELS_LAST)
+    monkeypatch.setattr(max_pool, "pool_layout", lambda *a: kernel_choice.CHANNELS_LAST)
     # the pooled map is a ReLU output: ties at zero in many windows, each one's gradient
     # must reach the same element as in eager
     model = _train_convnet(ceil_mode, return_indices=True)
@@ -308,17 +309,18 @@ def _relu_measured(
     """AUTO with ReLU's two measurements mocked (engine us, PyTorch us); returns which were
     made. Convolution and pooling stay on the engine."""
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "AUTO")
-    monkeypatch.setattr(kernel_choice, "_DECISIONS", {})  # no decision of an earlier test
+    monkeypatch.setattr(choice, "_DECISIONS", {})  # no decision of an earlier test
     made: list[str] = []
 
     def measured(name: str, result: tuple[float, float]) -> Any:
         return lambda *_: made.append(name) or result
 
-    monkeypatch.setattr(kernel_choice, "measure_relu", measured("forward", forward))
-    monkeypatch.setattr(kernel_choice, "measure_relu_backward", measured("backward", backward))
+    # each patched in the family module whose symbolic reads it
+    monkeypatch.setattr(relu, "measure_relu", measured("forward", forward))
+    monkeypatch.setattr(relu, "measure_relu_backward", measured("backward", backward))
     slower = measured("other", (1.0, 1e9))
-    monkeypatch.setattr(kernel_choice, "measure_conv", slower)
-    monkeypatch.setattr(kernel_choice, "measure_max_pool2d", slower)
+    monkeypatch.setattr(convolution, "measure_conv", slower)
+    monkeypatch.setattr(max_pool, "measure_max_pool2d", slower)
     return made
 
 

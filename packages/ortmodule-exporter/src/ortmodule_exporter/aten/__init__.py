@@ -9,6 +9,7 @@
 ``aten_op``           :class:`~ortmodule_exporter.aten.aten_op.AtenOp`: an operator without a
                       gradient definition, run as a PythonOp
 ``kernel_choice``     per operator and size, the engine's kernel or PyTorch's, by timing both
+                      (a package: the mechanism, then one module per operator family)
 ``parallel``          PyTorch-run attention and GELU nodes in pieces across the engine's threads
 ``output_pool``       reused buffers for PyTorch-run nodes' large outputs (no page faults per step)
 ``attention_layout``  CPU flash attention on token-major tensors (no Transposes around it)

@@ -20,8 +20,8 @@ with a height of 1: ``dY``, ``X`` and ``W`` get an ``Unsqueeze`` at axis 2 (``ke
 ``dX``/``dW`` a ``Squeeze`` of that axis (``dB`` is the same). Unsqueeze and Squeeze are views
 in the engine; the 2-D gradients equal PyTorch's within fp32 tolerance (tests). It is also
 quicker: a depthwise ConvGrad (kernel 4) on ``(8, 256, 128)`` took 13.1 ms as 1-D and 1.7 ms
-as 2-D (``kernel_choice._engine_us``, 2026-11-26, the 2-core CPU machine). Graphs built for
-CUDA keep the node (cuDNN computes the gradient there).
+as 2-D (``kernel_choice.measuring._engine_us``, 2026-11-26, the 2-core CPU machine). Graphs
+built for CUDA keep the node (cuDNN computes the gradient there).
 
 A grouped ``Conv3d`` takes the same broken path (measured 2026-11-26 on the same machine: the
 backward of a depthwise ``Conv3d(8, 8, 3, groups=8)`` on a ``(2, 8, 3, 4, 4)`` input cleared

@@ -1,0 +1,258 @@
+"""Convolution (``aten::_convolution``, not transposed, float32, input needing a gradient): the
+engine's ``Conv`` + ``ConvGrad`` or PyTorch's ``convolution`` and ``convolution_backward`` as
+ATen nodes. Keyed by the weight's shape and the settings, sized by the traced input's shape
+(unknown: the engine's kernel stays).
+
+>>> from ortmodule_exporter.aten.kernel_choice import measure_conv
+>>> engine_us, torch_us = measure_conv((2, 4, 8, 8), (4, 4, 3, 3), (1, 1), (1, 1), (1, 1))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.onnx import symbolic_helper as sh
+
+from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
+from .choice import _decide
+from .helpers import _all_tensors, _dtype, _ints_const, _per_dim
+from .measuring import _engine_us, _randn, _seeded, _torch_us
+from .registry import CoveredOperator, register_kernel_choice
+from .traced import _traced
+
+CONV = "_ortmodule_conv"
+CONV_BACKWARD = "_ortmodule_conv_backward"
+
+
+@dataclass(frozen=True)
+class _ConvSettings:
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+
+    def params(self) -> list[int]:
+        return [*self.stride, *self.padding, *self.dilation, self.groups]
+
+    @classmethod
+    def parse(cls, params: Sequence[int], n: int) -> _ConvSettings:
+        return cls(
+            tuple(params[:n]), tuple(params[n : 2 * n]), tuple(params[2 * n : 3 * n]), params[3 * n]
+        )
+
+
+# Overloads: "xw" without bias, "xwb" with one. The engine builds every input gradient a
+# gradient definition writes and fails when nobody needs one (a convolution of the model's input:
+# "invalid index -1"; a definition without the input's gradient was refused too, "failed to find
+# NodeArg <weight>_grad"), so only convolutions whose input needs a gradient are routed.
+_CONV_OVERLOADS = ("xw", "xwb")
+
+
+def _conv(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    x, weight, *rest = inputs
+    assert x is not None and weight is not None and rest[-1] is not None
+    bias = rest[0] if "b" in overload else None
+    n = weight.dim() - 2
+    s = _ConvSettings.parse(rest[-1].tolist(), n)
+    # whole, not in pieces (see aten/parallel.py)
+    return [
+        torch.convolution(
+            x, weight, bias, s.stride, s.padding, s.dilation, False, [0] * n, s.groups
+        )
+    ]
+
+
+def _conv_backward(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    grad, x, weight, params = inputs
+    assert grad is not None and x is not None and weight is not None and params is not None
+    n = weight.dim() - 2
+    s = _ConvSettings.parse(params.tolist(), n)
+    mask = ["x" in overload, True, "b" in overload]
+    grads = torch.ops.aten.convolution_backward(
+        grad,
+        x,
+        weight,
+        [weight.shape[0]] if mask[2] else None,
+        s.stride,
+        s.padding,
+        s.dilation,
+        False,
+        [0] * n,
+        s.groups,
+        mask,
+    )
+    return [g for g, wanted in zip(grads, mask, strict=True) if wanted]
+
+
+register_aten_function(CONV, AtenFunction(_conv, _all_tensors))
+register_aten_function(CONV_BACKWARD, AtenFunction(_conv_backward, _all_tensors))
+for _overload in _CONV_OVERLOADS:
+    _params = "I(3)" if "b" in _overload else "I(2)"
+    register_aten_gradient(
+        CONV,
+        _overload,
+        [
+            GradientNode.aten(
+                CONV_BACKWARD,
+                ["GO(0)", "I(0)", "I(1)", _params],
+                [f"GI({i})" for i, c in enumerate("xwb") if c in _overload],
+                overload=_overload,
+            )
+        ],
+    )
+    register_stop_gradient_edges(CONV, _overload, [int(_params[2])])
+
+
+def measure_conv(
+    input_shape: Sequence[int],
+    weight_shape: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int = 1,
+    bias: bool = False,
+) -> tuple[float, float]:
+    """Microseconds of a convolution's forward + backward (input, weight and bias gradients):
+    (engine, torch). Engine: ``Conv`` + ``ConvGrad``; PyTorch: ``convolution`` +
+    ``convolution_backward`` and two ATen nodes."""
+    from onnx import helper
+
+    n = len(weight_shape) - 2
+    attrs: dict[str, Any] = {
+        "kernel_shape": list(weight_shape[2:]),
+        "strides": list(stride),
+        "pads": list(padding) * 2,
+        "dilations": list(dilation),
+        "group": groups,
+    }
+    _seeded()
+    x, w = _randn(*input_shape), _randn(*weight_shape)
+    b = _randn(weight_shape[0])
+    y = torch.convolution(
+        x, w, b if bias else None, stride, padding, dilation, False, [0] * n, groups
+    )
+    dy = _randn(*y.shape)
+    conv_inputs = ["x", "w", "b"] if bias else ["x", "w"]
+    grads = ["dx", "dw", "db"] if bias else ["dx", "dw"]
+    engine_x, engine_w, engine_dy = x, w, dy
+    if n == 1 and groups > 1:
+        # The engine's grouped 1-D ConvGrad clears memory past its input gradient (engine bug,
+        # passes/grouped_conv_grad.py), so built graphs run it as the 2-D kernel with a height
+        # of 1: time that form (and never run the faulty kernel here).
+        engine_x, engine_w, engine_dy = x.unsqueeze(2), w.unsqueeze(2), dy.unsqueeze(2)
+        attrs.update(
+            kernel_shape=[1, *weight_shape[2:]],
+            strides=[1, *stride],
+            pads=[0, padding[0], 0, padding[0]],
+            dilations=[1, *dilation],
+        )
+    nodes = [
+        helper.make_node("Conv", conv_inputs, ["y"], **attrs),
+        helper.make_node("ConvGrad", ["dy", "x", "w"], grads, domain="com.microsoft", **attrs),
+    ]
+    feeds = {"x": engine_x, "w": engine_w, "dy": engine_dy, **({"b": b} if bias else {})}
+    engine_us = _engine_us("conv", nodes, feeds, ["y", *grads])
+
+    params = torch.tensor(
+        _ConvSettings(tuple(stride), tuple(padding), tuple(dilation), groups).params()
+    )
+
+    def torch_route() -> None:
+        (out,) = _conv("xwb" if bias else "xw", [x, w, *([b] if bias else []), params])
+        torch.ops.aten.convolution_backward(
+            dy,
+            x,
+            w,
+            [w.shape[0]] if bias else None,
+            stride,
+            padding,
+            dilation,
+            False,
+            [0] * n,
+            groups,
+            [True, True, bias],
+        )
+        del out
+
+    return engine_us, _torch_us(torch_route)
+
+
+def _convolution_symbolic(default: Callable[..., Any], g: Any, *args: Any) -> Any:
+    x, weight, bias, stride, padding, dilation, transposed = args[:7]
+    groups = args[8]
+    dtype = _dtype(x)
+    weight_sizes = sh._get_tensor_sizes(weight)
+    if (
+        dtype != "Float"
+        or _dtype(weight) != "Float"
+        or sh._maybe_get_const(transposed, "i")
+        or weight_sizes is None
+        or any(s is None for s in weight_sizes)
+        or len(weight_sizes) < 3
+    ):
+        return default(g, *args)
+    n = len(weight_sizes) - 2
+    has_bias = not sh._is_none(bias)
+    try:
+        settings = _ConvSettings(
+            tuple(_per_dim(sh._maybe_get_const(stride, "is"), n, 1)),
+            tuple(_per_dim(sh._maybe_get_const(padding, "is"), n, 0)),
+            tuple(_per_dim(sh._maybe_get_const(dilation, "is"), n, 1)),
+            int(sh._maybe_get_const(groups, "i")),
+        )
+    except (TypeError, ValueError):  # a setting only known at run time
+        return default(g, *args)
+    traced = _traced(g)
+    if traced is None or not traced.input_needs_grad:
+        return default(g, *args)
+    input_shape = traced.sizes[0] if traced.sizes else None
+    op = (
+        f"conv(weight={'x'.join(map(str, weight_sizes))},stride={settings.stride},"
+        f"padding={settings.padding},dilation={settings.dilation},groups={settings.groups},"
+        f"bias={int(has_bias)})"
+    )
+    if input_shape is None or len(input_shape) != n + 2:
+        # the cost depends on the spatial sizes: without them nothing can be measured
+        route = _decide(op, dtype, None, lambda: (0.0, math.inf))
+    else:
+        route = _decide(
+            op,
+            dtype,
+            tuple(input_shape),
+            lambda: measure_conv(
+                input_shape,
+                weight_sizes,
+                settings.stride,
+                settings.padding,
+                settings.dilation,
+                settings.groups,
+                has_bias,
+            ),
+        )
+    if route != "torch":
+        return default(g, *args)
+    params = _ints_const(g, settings.params())
+    inputs = [x, weight, bias, params] if has_bias else [x, weight, params]
+    overload = "xwb" if has_bias else "xw"
+    out = g.op(
+        f"{ATEN_DOMAIN}::ATen", *inputs, operator_s=CONV, overload_name_s=overload, outputs=1
+    )
+    out.setType(x.type().with_sizes([None, int(weight_sizes[0]), *([None] * n)]))
+    return out
+
+
+def _default_convolution() -> Callable[..., Any]:
+    from torch.onnx import symbolic_opset9
+
+    fn: Callable[..., Any] = symbolic_opset9._convolution
+    return fn
+
+
+register_kernel_choice(
+    CoveredOperator("aten::_convolution", _convolution_symbolic, _default_convolution)
+)

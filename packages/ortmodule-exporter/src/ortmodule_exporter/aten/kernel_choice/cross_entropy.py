@@ -1,0 +1,204 @@
+"""Cross-entropy on class indices (mean or sum, no class weights or smoothing), where the labels
+are dense enough that label sparsity leaves the loss whole (judged on the traced batch as that
+pass judges it): the engine's ``SoftmaxCrossEntropyLoss`` and its gradient or PyTorch's
+``log_softmax`` + ``nll_loss`` as ATen nodes. The padding pass asks
+:func:`cross_entropy_route` too, and writes :func:`aten_cross_entropy`'s node.
+
+>>> from ortmodule_exporter.aten.kernel_choice import measure_cross_entropy
+>>> engine_us, torch_us = measure_cross_entropy(64, 32)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import torch
+from torch.onnx import symbolic_helper as sh
+
+from ...label_density import DENSITY_THRESHOLD
+from ...onnx_graph import attribute
+from ...symbolics import losses
+from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
+from .choice import _decide, _size_class
+from .helpers import _all_tensors, _dtype, _ints_const
+from .measuring import _engine_us, _randn, _seeded, _torch_us
+from .registry import CoveredOperator, register_kernel_choice
+from .traced import _traced
+
+CROSS_ENTROPY = "_ortmodule_cross_entropy"
+CROSS_ENTROPY_BACKWARD = "_ortmodule_cross_entropy_backward"
+
+
+#: ATen's reduction codes the route takes (``none`` keeps the engine's kernel)
+_MEAN, _SUM = 1, 2
+
+
+def _cross_entropy(_overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    logits, target, params = inputs
+    assert logits is not None and target is not None and params is not None
+    reduction, ignore_index = params.tolist()
+    # what F.cross_entropy runs on class indices: log_softmax, then nll_loss
+    log_prob = torch.log_softmax(logits, 1)
+    loss, total = torch.ops.aten.nll_loss_forward(log_prob, target, None, reduction, ignore_index)
+    return [loss, log_prob, total]
+
+
+def _cross_entropy_backward(
+    _overload: str, inputs: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    grad, log_prob, target, total, params = inputs
+    assert grad is not None and log_prob is not None and target is not None
+    assert total is not None and params is not None
+    reduction, ignore_index = params.tolist()
+    grad_log_prob = torch.ops.aten.nll_loss_backward(
+        grad, log_prob, target, None, reduction, ignore_index, total
+    )
+    return [torch.ops.aten._log_softmax_backward_data(grad_log_prob, log_prob, 1, log_prob.dtype)]
+
+
+register_aten_function(CROSS_ENTROPY, AtenFunction(_cross_entropy, _all_tensors))
+register_aten_function(CROSS_ENTROPY_BACKWARD, AtenFunction(_cross_entropy_backward, _all_tensors))
+register_aten_gradient(
+    CROSS_ENTROPY,
+    "",
+    [
+        GradientNode.aten(
+            CROSS_ENTROPY_BACKWARD, ["GO(0)", "O(1)", "I(1)", "O(2)", "I(2)"], ["GI(0)"]
+        )
+    ],
+)
+register_stop_gradient_edges(CROSS_ENTROPY, "", [1, 2])
+
+
+def measure_cross_entropy(rows: int, classes: int) -> tuple[float, float]:
+    """Microseconds of a mean cross-entropy over ``rows`` x ``classes`` logits, forward +
+    backward: (engine, torch). Engine: ``SoftmaxCrossEntropyLoss`` and its gradient; PyTorch:
+    ``log_softmax`` + ``nll_loss`` and their backwards, two ATen nodes."""
+    from onnx import TensorProto, helper
+
+    _seeded()
+    logits = _randn(rows, classes)
+    target = torch.randint(0, classes, (rows,), generator=_randn.gen)  # type: ignore[attr-defined]
+    nodes = [
+        helper.make_node(
+            "SoftmaxCrossEntropyLoss", ["x", "t"], ["loss", "log_prob"], reduction="mean"
+        ),
+        helper.make_node(
+            "SoftmaxCrossEntropyLossGrad",
+            ["dloss", "log_prob", "t"],
+            ["dx"],
+            domain="com.microsoft",
+            reduction="mean",
+        ),
+    ]
+    feeds = {"x": logits, "t": target, "dloss": torch.tensor(1.0)}
+    engine_us = _engine_us("cross_entropy", nodes, feeds, ["loss", "dx"], {"t": TensorProto.INT64})
+    params = torch.tensor([_MEAN, -100])
+
+    def torch_route() -> None:
+        _loss, log_prob, total = _cross_entropy("", [logits, target, params])
+        _cross_entropy_backward("", [torch.tensor(1.0), log_prob, target, total, params])
+
+    return engine_us, _torch_us(torch_route)
+
+
+def cross_entropy_route(rows: int, classes: int) -> str:
+    """``"engine"`` or ``"torch"`` for a float32 mean or sum cross-entropy over ``rows`` x
+    ``classes`` logits and class indices, forward and backward (timed at ``rows``' size
+    class)."""
+    size = _size_class(rows)
+    return _decide(
+        f"cross_entropy({classes})", "Float", size, lambda: measure_cross_entropy(size, classes)
+    )
+
+
+def aten_cross_entropy(loss: onnx.NodeProto) -> tuple[onnx.NodeProto, onnx.TensorProto]:
+    """The ATen node PyTorch's cross-entropy runs as, in place of the engine's
+    ``SoftmaxCrossEntropyLoss`` node ``loss`` (reduction mean or sum, an ``ignore_index``, no
+    weight): the node, with ``loss``'s name, inputs and outputs and a third output, and the
+    initializer of its reduction and ignore index."""
+    reduction = attribute(loss, "reduction", "mean")
+    ignore_index = attribute(loss, "ignore_index")
+    if reduction not in ("mean", "sum") or ignore_index is None or len(loss.input) != 2:
+        raise ValueError(f"{loss.name}: not a mean or sum cross-entropy with an ignore_index")
+    code = _MEAN if reduction == "mean" else _SUM
+    params = onnx.numpy_helper.from_array(
+        np.array([code, int(ignore_index)], np.int64), f"{loss.name}/reduction_and_ignore_index"
+    )
+    log_prob = loss.output[1] if len(loss.output) > 1 and loss.output[1] else ""
+    outputs = [loss.output[0], log_prob or f"{loss.name}/log_prob", f"{loss.name}/total"]
+    node = onnx.helper.make_node(
+        "ATen",
+        [loss.input[0], loss.input[1], params.name],
+        outputs,
+        name=loss.name,
+        domain=ATEN_DOMAIN,
+        operator=CROSS_ENTROPY,
+        overload_name="",
+    )
+    return node, params
+
+
+def _cross_entropy_symbolic(
+    default: Callable[..., Any],
+    g: Any,
+    logits: Any,
+    target: Any,
+    weight: Any,
+    reduction: Any,
+    ignore_index: Any,
+    label_smoothing: Any,
+) -> Any:
+    args = (logits, target, weight, reduction, ignore_index, label_smoothing)
+    mode = sh._maybe_get_const(reduction, "i")
+    ignored = sh._maybe_get_const(ignore_index, "i")
+    smoothing = sh._maybe_get_const(label_smoothing, "f")
+    traced = _traced(g)
+    if (
+        _dtype(logits) != "Float"
+        or not sh._is_none(weight)
+        or mode not in (_MEAN, _SUM)
+        or not isinstance(ignored, int)
+        or smoothing != 0.0
+        or traced is None
+        or not traced.input_needs_grad
+        # label sparsity would shrink this loss to its labelled rows: the engine's node stays
+        or traced.label_density is None
+        or traced.label_density < DENSITY_THRESHOLD
+        or len(traced.sizes) < 2
+        or traced.sizes[0] is None
+        or len(traced.sizes[0]) != 2
+        or traced.sizes[1] is None
+        or len(traced.sizes[1]) != 1
+    ):
+        return default(g, *args)
+    rows, classes = traced.sizes[0]
+    if cross_entropy_route(rows, classes) != "torch":
+        return default(g, *args)
+    loss, log_prob, total = g.op(
+        f"{ATEN_DOMAIN}::ATen",
+        logits,
+        target,
+        _ints_const(g, [mode, ignored]),
+        operator_s=CROSS_ENTROPY,
+        overload_name_s="",
+        outputs=3,
+    )
+    loss.setType(logits.type().with_sizes([]))
+    log_prob.setType(logits.type().with_sizes([None, None]))
+    total.setType(logits.type().with_sizes([]))
+    return loss
+
+
+register_kernel_choice(
+    CoveredOperator(
+        "aten::cross_entropy_loss",
+        _cross_entropy_symbolic,
+        lambda: losses.cross_entropy_loss,
+    )
+)

@@ -1,0 +1,103 @@
+"""Embedding lookups (``padding_idx`` and ``scale_grad_by_freq`` included), covered from the
+exporter's own ``embedding`` symbolic, which calls :func:`embedding_route` through the hook
+``symbolics.embedding.LOOKUP_ROUTE`` this module fills: the engine's ``Gather`` + ``GatherGrad``
+or PyTorch's ``embedding`` and ``embedding_backward`` as an ATen node.
+
+>>> from ortmodule_exporter.aten.kernel_choice import measure_embedding
+>>> engine_us, torch_us = measure_embedding(100, 16, 64)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.onnx import symbolic_helper as sh
+
+from ...symbolics import embedding as embedding_symbolic
+from ..routes import embedding_node
+from .choice import _decide, _size_class
+from .helpers import _dtype, _ints_const
+from .measuring import _engine_us, _randn, _seeded, _torch_us
+from .modes import current_mode
+from .traced import _traced
+
+
+def measure_embedding(rows: int, dim: int, lookups: int) -> tuple[float, float]:
+    """Microseconds of an embedding lookup of ``lookups`` indices into a ``rows`` x ``dim``
+    table, forward + backward (the table's gradient): (engine, torch). Engine: ``Gather`` +
+    ``GatherGrad``; PyTorch: ``embedding`` and ``embedding_backward``, two ATen nodes."""
+    from onnx import TensorProto, helper
+
+    _seeded()
+    w, dy = _randn(rows, dim), _randn(lookups, dim)
+    idx = torch.randint(0, rows, (lookups,), generator=_randn.gen)  # type: ignore[attr-defined]
+    nodes = [
+        helper.make_node("Gather", ["w", "idx"], ["y"]),
+        helper.make_node("Shape", ["w"], ["shape"]),
+        helper.make_node("GatherGrad", ["shape", "idx", "dy"], ["dw"], domain="com.microsoft"),
+    ]
+    feeds = {"w": w, "idx": idx, "dy": dy}
+    engine_us = _engine_us("embedding", nodes, feeds, ["y", "dw"], {"idx": TensorProto.INT64})
+
+    def torch_route() -> None:
+        torch.ops.aten.embedding(w, idx)
+        torch.ops.aten.embedding_backward(dy, idx, rows, -1, False, False)
+
+    return engine_us, _torch_us(torch_route)
+
+
+def embedding_route(
+    g: Any, weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False
+) -> Any:
+    """An ATen ``embedding`` node (PyTorch's lookup and ``embedding_backward``, with
+    ``padding_idx`` and ``scale_grad_by_freq`` as eager has them) where PyTorch's kernels
+    measured faster, else None (the exporter's own form). Called by the exporter's
+    ``embedding`` symbolic.
+
+    Timed on the plain lookup (``Gather`` + ``GatherGrad`` against PyTorch's pair): the
+    engine's form with a padding row or frequency scaling adds nodes to that (an ``Equal``,
+    a ``Where`` and a second ``Gather``; a ``ScatterElements`` count), PyTorch's pair stays
+    one kernel each, so where PyTorch wins the plain lookup it wins these too."""
+    if current_mode() == "engine":
+        return None
+    weight_sizes = sh._get_tensor_sizes(weight)
+    traced = _traced(g)
+    if (
+        _dtype(weight) != "Float"
+        or weight_sizes is None
+        or len(weight_sizes) != 2
+        or any(s is None for s in weight_sizes)
+        or traced is None
+        # F.embedding(indices, weight): the table's gradient must be wanted
+        or len(traced.needs_grad) != 2
+        or not traced.needs_grad[1]
+        or len(traced.sizes) < 2
+        or traced.sizes[1] is None
+    ):
+        return None
+    rows, dim = (int(s) for s in weight_sizes)
+    lookups = _size_class(math.prod(traced.sizes[1]))
+    route = _decide(
+        f"embedding({rows}x{dim})",
+        "Float",
+        lookups,
+        lambda: measure_embedding(rows, dim, lookups),
+    )
+    if route != "torch":
+        return None
+    out = embedding_node(
+        g, weight, indices, padding_idx, scale_grad_by_freq, index_rank=len(traced.sizes[1])
+    )
+    # The engine knows no shape for an ATen node's output, whatever the graph declares, and
+    # its broadcasting gradients need one (a position embedding added to a batch of token
+    # embeddings: "GetShape(input_grad ...) was false"); a Reshape to the indices' shape plus
+    # the embedding dim, which it infers the rank of, gives it one.
+    shape = g.op("Concat", g.op("Shape", indices), _ints_const(g, [dim]), axis_i=0)
+    reshaped = g.op("Reshape", out, shape)
+    reshaped.setType(out.type())
+    return reshaped
+
+
+embedding_symbolic.LOOKUP_ROUTE[0] = embedding_route

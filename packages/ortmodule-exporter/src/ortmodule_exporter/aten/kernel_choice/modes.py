@@ -1,0 +1,41 @@
+"""The kernel choice's mode and the PyTorch thread count its measurements use.
+
+Both are set by :func:`~ortmodule_exporter.aten.kernel_choice.configure_kernel_choice` and read
+through :func:`current_mode` and :func:`current_torch_threads` (this module is their one owner).
+
+>>> from ortmodule_exporter.aten.kernel_choice import current_mode
+>>> current_mode() in MODES
+True
+"""
+
+from __future__ import annotations
+
+__all__ = ["MODES", "current_mode", "current_torch_threads"]
+
+MODES = ("auto", "engine", "torch")
+
+# nothing is rerouted until a caller (ORTModule, through ExportConfig) asks for it
+_MODE = ["engine"]
+#: PyTorch's intra-op threads inside the engine (0: PyTorch's current count)
+_TORCH_THREADS = [0]
+
+
+def current_mode() -> str:
+    """The mode :func:`configure_kernel_choice` set last (``engine`` until it is called)."""
+    return _MODE[0]
+
+
+def current_torch_threads() -> int:
+    """The PyTorch thread count the measurement uses (0: PyTorch's current count)."""
+    return _TORCH_THREADS[0]
+
+
+def _set_mode(mode: str, torch_threads: int | None) -> None:
+    """Check and keep what ``configure_kernel_choice`` was given (None keeps the thread count)."""
+    if mode not in MODES:
+        raise ValueError(f"kernel choice mode must be one of {MODES}, got {mode!r}")
+    if torch_threads is not None:
+        if torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0, got {torch_threads}")
+        _TORCH_THREADS[0] = torch_threads
+    _MODE[0] = mode
