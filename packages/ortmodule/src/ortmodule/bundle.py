@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
+from types import MappingProxyType
 
-__all__ = ["BUNDLED", "BundledComponent", "MissingComponentError", "find_export", "status"]
+__all__ = [
+    "BUNDLED",
+    "COMPONENT_VARIABLES",
+    "BundledComponent",
+    "MissingComponentError",
+    "find_export",
+    "status",
+]
 
 
 class MissingComponentError(ImportError):
@@ -60,6 +69,39 @@ BUNDLED: tuple[BundledComponent, ...] = (
 )
 
 _BY_NAME = {name: c for c in BUNDLED for name in c.exports}
+
+# Each component declares its own variables (parser, default, doc) in its package, and the
+# runtime reads those declarations from the installed components. This is the one thing the
+# meta-package knows of them without them: which distribution to name when a variable is set and
+# its component is not installed (the message would otherwise call it an unknown name). A test
+# checks it against what the installed components declare.
+#: variable -> the distribution (installed by ortmodule's extras) that declares it
+COMPONENT_VARIABLES: Mapping[str, str] = MappingProxyType(
+    {
+        **dict.fromkeys(
+            (
+                "ORTMODULE_PRINT_MEMORY_STATS",
+                "ORTMODULE_MEMORY_OPT_LEVEL",
+                "ORTMODULE_MEMORY_OPT_CONFIG",
+                "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
+            ),
+            "ortmodule-memory",
+        ),
+        **dict.fromkeys(
+            (
+                "ORTMODULE_USE_TRITON",
+                "ORTMODULE_TRITON_CONFIG_FILE",
+                "ORTMODULE_TRITON_DEBUG",
+                "ORTMODULE_ENABLE_TUNING",
+                "ORTMODULE_MAX_TUNING_DURATION_MS",
+                "ORTMODULE_TUNING_RESULTS_PATH",
+                "ORTMODULE_USE_FLASH_ATTENTION",
+            ),
+            "ortmodule-triton",
+        ),
+        "ORTMODULE_ENABLE_ZERO_STAGE3": "ortmodule-zero",
+    }
+)
 
 
 def find_export(name: str) -> object:
