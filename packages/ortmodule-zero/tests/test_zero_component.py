@@ -19,7 +19,7 @@ from ortmodule_exporter.components import StepContext, load_components, step_hoo
 
 def test_the_entry_point_registers_the_stage3_hook() -> None:
     found = load_components()
-    assert found["ortmodule-zero"].options == (OPTION,)
+    assert found["ortmodule-zero"].option_names == (OPTION,)
     assert any(isinstance(h, ZeroStage3Hook) for h in step_hooks())
 
 

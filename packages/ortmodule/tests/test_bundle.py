@@ -35,7 +35,7 @@ def test_component_names_are_the_components_own_objects() -> None:
         LoadBalancingDistributedBatchSampler
         is ortmodule_sampler.LoadBalancingDistributedBatchSampler
     )
-    assert set(bundle._BY_NAME) <= set(ortmodule.__all__) <= set(dir(ortmodule))
+    assert set(bundle.exports()) <= set(ortmodule.__all__) <= set(dir(ortmodule))
     with pytest.raises(AttributeError, match="no attribute 'NotAThing'"):
         ortmodule.NotAThing  # noqa: B018
 
@@ -63,6 +63,31 @@ def test_a_missing_component_names_the_distribution_to_install() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "optim ok" in out.stdout
     assert "pip install ortmodule-sampler" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_names_come_from_the_components_entry_points() -> None:
+    # each component's pyproject.toml offers its names; the meta-package imports no module by name
+    offered = {name: ep.value for name, ep in bundle.exports().items()}
+    assert offered["FusedAdam"] == "ortmodule_optim:FusedAdam"
+    assert offered["LoadBalancingDistributedSampler"] == (
+        "ortmodule_sampler:LoadBalancingDistributedSampler"
+    )
+    promised = set(ortmodule.__all__) - set(vars(ortmodule))
+    assert promised <= set(offered), "ortmodule.__all__ names something no component offers"
+
+
+def test_a_promised_name_without_any_component_names_the_extra() -> None:
+    code = (
+        "from importlib import metadata\n"
+        "import ortmodule.bundle as b\n"
+        "b.exports = lambda: {}\n"
+        "try:\n"
+        "    from ortmodule import FusedAdam\n"
+        "except ImportError as err:\n"
+        "    print(type(err).__name__, err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "MissingComponentError" in out.stdout and "ortmodule[cpu]" in out.stdout, out.stdout
 
 
 def test_doctor_lists_each_component_with_its_version_and_state() -> None:

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 from conftest import BARE_PACKAGES
 
+from ortmodule.bundle import COMPONENT_VARIABLES
 from ortmodule.debug_options import DebugOptions, LogLevel
 from ortmodule.options import (
     DEFAULT_FALLBACK_POLICY,
+    RUNTIME_VARIABLES,
     VARIABLES,
     FallbackPolicy,
     InvalidOptionError,
@@ -170,6 +172,12 @@ def _invalid(a_file: str, tmp: str) -> dict[str, list[str]]:
     }
 
 
+def _installed(cases: dict[str, Any]) -> dict[str, Any]:
+    """The cases of the variables declared here: a component that is not installed declares none
+    (its own tests parse them; the dev environment has every component)."""
+    return {name: value for name, value in cases.items() if name in BY_NAME}
+
+
 def _resolve(env: dict[str, str]) -> RuntimeOptions:
     if env.get("ORTMODULE_USE_FLASH_ATTENTION", "0").lower() in ("1", "true", "yes", "on"):
         env = {**env, "ORTMODULE_USE_TRITON": "1"}  # flash attention needs triton; tested below
@@ -178,14 +186,25 @@ def _resolve(env: dict[str, str]) -> RuntimeOptions:
 
 def test_cases_cover_every_variable(tmp_path: Path, a_file: str) -> None:
     names = {var.name for var in VARIABLES}
-    assert set(_valid(str(tmp_path), a_file)) == names
-    assert set(_invalid(a_file, str(tmp_path))) == names
+    for cases in (_valid(str(tmp_path), a_file), _invalid(a_file, str(tmp_path))):
+        assert set(cases) >= names
+        # the rest belong to components that are not installed here
+        assert set(cases) - names <= set(COMPONENT_VARIABLES)
 
 
 def test_fields_are_the_variables_plus_debug_options() -> None:
-    names = {f.name for f in dataclasses.fields(RuntimeOptions)} - {"sources"}
-    assert names == {var.field for var in VARIABLES} | {"save_onnx", "onnx_prefix"}
+    names = {f.name for f in dataclasses.fields(RuntimeOptions)}
+    names -= {"sources", "components", "unclaimed"}
+    assert names == {var.field for var in RUNTIME_VARIABLES} | {"save_onnx", "onnx_prefix"}
     assert all(var.name == "ORTMODULE_" + var.field.upper() for var in VARIABLES)
+    # a component's variable is read like the runtime's own
+    defaults = RuntimeOptions.defaults()
+    components = {var.field for var in VARIABLES} - {var.field for var in RUNTIME_VARIABLES}
+    assert {field for field, _ in defaults.components} == components
+    for field in components:
+        assert getattr(defaults, field) == BY_NAME["ORTMODULE_" + field.upper()].default
+    with pytest.raises(AttributeError, match="no attribute 'not_a_variable'"):
+        defaults.not_a_variable  # noqa: B018
 
 
 def test_defaults_as_the_guide_says() -> None:
@@ -208,14 +227,22 @@ def test_defaults_as_the_guide_says() -> None:
         o.deepcopy_before_model_export,
     ) == (True,) * 3
     assert o.enable_custom_autograd and not o.allow_autograd_checkpoint
-    assert not (
-        o.enable_embedding_sparse_optimizer or o.print_input_density or o.print_memory_stats
-    )
-    assert o.cache_dir is None and o.save_onnx_path is None and o.memory_opt_level == 0
-    assert not (
-        o.use_triton or o.use_flash_attention or o.use_efficient_attention or o.enable_tuning
-    )
-    assert not (o.enable_mem_efficient_grad_mgmt or o.enable_zero_stage3 or o.fallback_retry)
+    assert not (o.enable_embedding_sparse_optimizer or o.print_input_density)
+    assert o.cache_dir is None and o.save_onnx_path is None
+    assert not (o.use_efficient_attention or o.fallback_retry)
+    # the components' variables, where installed (each component's defaults are off)
+    components = {
+        "print_memory_stats": False,
+        "memory_opt_level": 0,
+        "use_triton": False,
+        "use_flash_attention": False,
+        "enable_tuning": False,
+        "enable_mem_efficient_grad_mgmt": False,
+        "enable_zero_stage3": False,
+    }
+    for field, off in components.items():
+        if "ORTMODULE_" + field.upper() in BY_NAME:
+            assert getattr(o, field) == off, field
     assert o.skipcheck_policy == SkipCheck.SKIP_CHECK_DISABLED and o.conv_algo_search == "HEURISTIC"
     for var in VARIABLES:
         assert getattr(o, var.field) == var.default, var.name
@@ -223,7 +250,7 @@ def test_defaults_as_the_guide_says() -> None:
 
 
 def test_every_valid_value(tmp_path: Path, a_file: str) -> None:
-    for name, cases in _valid(str(tmp_path), a_file).items():
+    for name, cases in _installed(_valid(str(tmp_path), a_file)).items():
         field = BY_NAME[name].field
         for text, expected in cases:
             o = _resolve({name: text})
@@ -232,7 +259,7 @@ def test_every_valid_value(tmp_path: Path, a_file: str) -> None:
 
 
 def test_every_invalid_value_names_variable_value_and_accepted(tmp_path: Path, a_file: str) -> None:
-    for name, bad_values in _invalid(a_file, str(tmp_path)).items():
+    for name, bad_values in _installed(_invalid(a_file, str(tmp_path))).items():
         for bad in bad_values:
             with pytest.raises(InvalidOptionError) as info:
                 _resolve({name: bad})
@@ -285,6 +312,8 @@ def test_empty_value_counts_as_unset() -> None:
 
 
 def test_flash_attention_needs_triton() -> None:
+    if "ORTMODULE_USE_FLASH_ATTENTION" not in BY_NAME:
+        pytest.skip("ortmodule-triton (which declares the variables) is not installed")
     with pytest.raises(
         InvalidOptionError, match="ORTMODULE_USE_FLASH_ATTENTION=1 needs ORTMODULE_USE_TRITON=1"
     ):
@@ -312,6 +341,48 @@ def test_unknown_variable_warns_with_the_closest_name() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RuntimeOptions.resolve(environ={"ORTMODULE_CACHE_DIR": "/tmp"})
+
+
+def test_a_component_variable_without_its_component_is_no_unknown_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ortmodule.options import inactive_variables
+    from ortmodule_exporter import components
+
+    # as if no component were installed: nothing declares the variable, the bundle names it
+    monkeypatch.setattr(components, "declared_options", lambda: ())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        options = RuntimeOptions.resolve(
+            DebugOptions(memory_opt_level=1),
+            environ={"ORTMODULE_USE_TRITON": "1", "ORTMODULE_ENABLE_TUNING": "0"},
+        )
+    assert not hasattr(options, "use_triton")
+    assert inactive_variables(options) == [
+        (
+            "DebugOptions.memory_opt_level",
+            "DebugOptions.memory_opt_level=1 has no effect: no installed component declares it; "
+            "install the component it is for.",
+        ),
+        (
+            "ORTMODULE_USE_TRITON",
+            "ORTMODULE_USE_TRITON=1 has no effect: no installed component honours it; "
+            "install ortmodule-triton (pip install ortmodule-triton).",
+        ),
+    ]
+
+
+def test_the_bundle_names_what_the_installed_components_declare() -> None:
+    from ortmodule_exporter.components import declared_options
+
+    for option, component in declared_options():
+        if component in set(COMPONENT_VARIABLES.values()):
+            assert COMPONENT_VARIABLES.get(option.name) == component, option.name
+    declared = {option.name for option, _ in declared_options()}
+    installed = {c for _, c in declared_options()}
+    for name, component in COMPONENT_VARIABLES.items():
+        if component in installed:
+            assert name in declared, f"{component} no longer declares {name}"
 
 
 def test_options_are_frozen_and_sources_named() -> None:

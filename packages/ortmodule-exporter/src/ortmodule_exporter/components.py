@@ -20,14 +20,25 @@ The runtime never imports a component by name: a new component is a new folder u
 and whose module defines::
 
     from ortmodule_exporter.components import Component
+    from ortmodule_exporter.option import Option, int_in
+
+    LEVEL = Option(
+        "ORTMODULE_MEMORY_OPT_LEVEL", "int", 0, int_in(0, 2), "0, 1 or 2", "ortmodule-memory",
+        "Recompute level.", "1", debug_field="memory_opt_level",
+    )
 
     def _register() -> None:
         register_session_contributor("memory", contribute)
 
     COMPONENT = Component(
-        name="ortmodule-memory", version="0.1.0", register=_register,
-        options=("ORTMODULE_MEMORY_OPT_LEVEL", "ORTMODULE_MEMORY_OPT_CONFIG"),
+        name="ortmodule-memory", version="0.1.0", register=_register, options=(LEVEL,),
     )
+
+An :class:`~ortmodule_exporter.option.Option` in ``options`` is declared by the component: the
+runtime parses and validates the variable with it, documents it in ``docs/options.md``, maps its
+``DebugOptions`` field and warns when it is set while the component is not registered
+(:func:`declared_options` reads the installed components' declarations without registering
+them). A plain name in ``options`` says the component acts on a variable declared elsewhere.
 
 Everything a component receives from the runtime's options is a read-only mapping from the
 ``ORTMODULE_*`` variable name to its parsed value (defaults, then ``DebugOptions``, then the
@@ -39,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,12 +59,15 @@ from typing import Any
 import onnx
 import torch
 
+from .option import Option
+
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Component",
     "attribute_changes_graph",
     "register_untracked_attributes",
     "ComponentError",
+    "Option",
     "SessionContext",
     "SessionContribution",
     "SessionInfo",
@@ -60,6 +75,7 @@ __all__ = [
     "StepHook",
     "StepPhases",
     "component_failures",
+    "declared_options",
     "handled_options",
     "has_session_contributors",
     "is_module_hook_handled",
@@ -95,12 +111,22 @@ class Component:
     version: str
     #: installs the component into the registries; called once per process
     register: Callable[[], None]
-    #: the ``ORTMODULE_*`` variables the component honours
-    options: tuple[str, ...] = ()
+    #: the ``ORTMODULE_*`` variables the component honours: an :class:`Option` it declares
+    #: (parser, default, doc), or the name of a variable declared elsewhere
+    options: tuple[str | Option, ...] = ()
     #: ``None`` when the component can work on this machine, else the reason it cannot
     check: Callable[[], str | None] | None = None
     #: one line for ``ortmodule doctor``
     summary: str = ""
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(o if isinstance(o, str) else o.name for o in self.options)
+
+    @property
+    def declared(self) -> tuple[Option, ...]:
+        """The options this component declares (not the names it only honours)."""
+        return tuple(o for o in self.options if isinstance(o, Option))
 
     def problem(self) -> str | None:
         """Why the component cannot work here, or ``None``; a failing check is a problem too."""
@@ -151,6 +177,28 @@ def _from_entry_point(ep: importlib.metadata.EntryPoint) -> Component:
     return obj
 
 
+_ANNOUNCED: dict[tuple[str, ...], list[tuple[str, str, Component | str]]] = {}
+
+
+def _announced() -> list[tuple[str, str, Component | str]]:
+    """``(entry-point name, value, Component or the error that stopped it)`` for every installed
+    entry point, loaded (not registered) once per ``sys.path``; sorted so the order is stable."""
+    key = tuple(sys.path)
+    with _LOCK:
+        found = _ANNOUNCED.get(key)
+        if found is None:
+            found = []
+            points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+            for ep in sorted(points, key=lambda ep: (ep.name, ep.value)):
+                try:
+                    found.append((ep.name, ep.value, _from_entry_point(ep)))
+                except Exception as err:
+                    found.append((ep.name, ep.value, f"{type(err).__name__}: {err}"))
+            _ANNOUNCED.clear()
+            _ANNOUNCED[key] = found
+        return found
+
+
 def load_components() -> dict[str, Component]:
     """Discover and register every installed component once per process; returns them by name.
 
@@ -160,18 +208,49 @@ def load_components() -> dict[str, Component]:
     with _LOCK:
         if not _DISCOVERED[0]:
             _DISCOVERED[0] = True
-            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            for name, value, got in _announced():
                 try:
-                    register_component(_from_entry_point(ep))
+                    if isinstance(got, str):
+                        raise ComponentError(got)
+                    register_component(got)
                 except Exception as err:
-                    _FAILURES[ep.name] = f"{type(err).__name__}: {err}"
+                    _FAILURES[name] = (
+                        got if isinstance(got, str) else f"{type(err).__name__}: {err}"
+                    )
                     logger.warning(
                         "component %s (%s) could not be loaded and is skipped: %s",
-                        ep.name,
-                        ep.value,
-                        _FAILURES[ep.name],
+                        name,
+                        value,
+                        _FAILURES[name],
                     )
         return dict(_COMPONENTS)
+
+
+def declared_options() -> tuple[tuple[Option, str], ...]:
+    """``(option, component name)`` for every option an installed or registered component
+    declares, whether or not it is registered yet; a variable declared twice keeps the first.
+
+    >>> [(o.name, c) for o, c in declared_options()][:1]  # doctest: +SKIP
+    [('ORTMODULE_MEMORY_OPT_LEVEL', 'ortmodule-memory')]
+    """
+    with _LOCK:
+        found = [got for _n, _v, got in _announced() if isinstance(got, Component)]
+        seen = {c.name for c in found}
+        found += [c for name, c in sorted(_COMPONENTS.items()) if name not in seen]
+    declared: dict[str, tuple[Option, str]] = {}
+    for component in sorted(found, key=lambda c: c.name):
+        for option in component.declared:
+            if option.name in declared:
+                logger.warning(
+                    "%s is declared by %s and by %s; %s's declaration is used",
+                    option.name,
+                    declared[option.name][1],
+                    component.name,
+                    declared[option.name][1],
+                )
+                continue
+            declared[option.name] = (option, component.name)
+    return tuple(declared.values())
 
 
 def loaded_components() -> dict[str, Component]:
@@ -188,7 +267,7 @@ def component_failures() -> dict[str, str]:
 def handled_options() -> frozenset[str]:
     """The ``ORTMODULE_*`` variables that some loaded component honours."""
     with _LOCK:
-        return frozenset(name for c in _COMPONENTS.values() for name in c.options)
+        return frozenset(name for c in _COMPONENTS.values() for name in c.option_names)
 
 
 # -- attributes that never change the exported graph -------------------------------------------

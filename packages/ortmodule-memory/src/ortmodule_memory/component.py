@@ -10,19 +10,12 @@ from ortmodule_exporter.components import (
 )
 
 from .dims import name_dims
-from .grad_management import GRAD_MGMT, ParamSource, pull_parameters
+from .grad_management import ParamSource, pull_parameters
 from .inspector import MemoryHook
+from .options import OPTIONS
 from .recompute import contribute
 
 __all__ = ["COMPONENT", "OPTIONS"]
-
-#: the ``ORTMODULE_*`` variables this component acts on
-OPTIONS = (
-    "ORTMODULE_MEMORY_OPT_LEVEL",
-    "ORTMODULE_MEMORY_OPT_CONFIG",
-    "ORTMODULE_PRINT_MEMORY_STATS",
-    GRAD_MGMT,
-)
 
 #: after the runtime's own passes (BatchNorm 10, PythonOp preparation), before label sparsity
 NAME_DIMS_ORDER = 90

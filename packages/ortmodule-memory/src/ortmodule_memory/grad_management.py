@@ -25,11 +25,13 @@ from ortmodule_exporter.components import StepContext, StepHook
 from ortmodule_exporter.export import ExtraInput
 from ortmodule_exporter.python_op import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 
+from .options import MEM_EFFICIENT_GRAD_MGMT
+
 __all__ = ["GRAD_MGMT", "TRIGGER", "ParamPull", "ParamSource", "pull_parameters"]
 
 logger = logging.getLogger("ortmodule.memory")
 
-GRAD_MGMT = "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT"
+GRAD_MGMT = MEM_EFFICIENT_GRAD_MGMT.name
 TRIGGER = "mem_efficient_pull_weight_trigger"
 FUNC_NAME = "ortmodule_memory.ParamPull"
 

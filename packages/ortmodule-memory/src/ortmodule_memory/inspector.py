@@ -21,6 +21,7 @@ from ortmodule_exporter.components import SessionInfo, StepContext, StepHook
 
 from .memory_stats import format_sample, memory_sample
 from .opportunities import MemoryReport, format_bytes
+from .options import PRINT_MEMORY_STATS
 from .plans import LAYER_BOUNDARY_PROBE
 from .recompute import LEVEL, level_of, probe_report, take_decision
 
@@ -28,7 +29,7 @@ __all__ = ["MemoryHook", "memory_report"]
 
 logger = logging.getLogger("ortmodule.memory")
 
-PRINT_STATS = "ORTMODULE_PRINT_MEMORY_STATS"
+PRINT_STATS = PRINT_MEMORY_STATS.name
 LOG_LEVEL = "ORTMODULE_LOG_LEVEL"
 _INFO = 2  # ortmodule's LogLevel.INFO; the options carry the runtime's IntEnum
 

@@ -31,6 +31,7 @@ from ortmodule_exporter.engine import SessionConfig, TrainingSession
 
 from .engine_output import held_stdout
 from .opportunities import MemoryReport, dims_of_batch, opportunities_from_stat
+from .options import MEMORY_OPT_CONFIG, MEMORY_OPT_LEVEL
 from .plans import (
     DEFAULT_PROBE,
     LAYER_BOUNDARY_PROBE,
@@ -54,8 +55,8 @@ logger = logging.getLogger("ortmodule.memory")
 CONFIG_ENTRY_PLANS = "optimization.memory_optimizer_config"
 CONFIG_ENTRY_PROBE = "optimization.enable_memory_probe_recompute_config"
 
-LEVEL = "ORTMODULE_MEMORY_OPT_LEVEL"
-CONFIG = "ORTMODULE_MEMORY_OPT_CONFIG"
+LEVEL = MEMORY_OPT_LEVEL.name
+CONFIG = MEMORY_OPT_CONFIG.name
 
 _FOLDER: list[str] = []
 _LOCK = threading.Lock()

@@ -7,7 +7,7 @@ import importlib.util
 from ortmodule_exporter.components import Component
 
 from .graph_pass import register_triton_pass
-from .options import OPTION_NAMES
+from .options import OPTIONS
 
 __all__ = ["COMPONENT"]
 
@@ -22,7 +22,7 @@ COMPONENT = Component(
     name="ortmodule-triton",
     version="0.1.0",
     register=register_triton_pass,
-    options=OPTION_NAMES,
+    options=OPTIONS,
     check=_check,
     summary="ONNX subgraphs as generated Triton kernels (CUDA engine; CPU: verification only)",
 )

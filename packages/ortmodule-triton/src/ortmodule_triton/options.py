@@ -1,7 +1,9 @@
-"""The ``ORTMODULE_*`` variables of the Triton component, parsed and validated.
+"""The ``ORTMODULE_*`` variables of the Triton component: declared here, parsed by the runtime.
 
-The runtime hands post-export passes the resolved options (``ORTMODULE_*`` name -> parsed value);
-a variable missing there (the pass used without the runtime) is read from the environment.
+The runtime parses these declarations (``Component(options=OPTIONS)``) and hands post-export
+passes the parsed values (``ORTMODULE_*`` name -> value); :meth:`TritonOptions.resolve` only
+reads them. A variable missing there (the pass used without the runtime) is parsed from the
+environment with the same declaration, and a text value (a pass called by hand) likewise.
 
 >>> TritonOptions.resolve({}, {"ORTMODULE_USE_TRITON": "1"}).use_triton
 True
@@ -15,43 +17,100 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ortmodule_exporter.errors import InvalidOptionError
+from ortmodule_exporter.option import Option, existing_file, int_in, path, switch
+
 from .errors import TritonConfigError
 
-__all__ = ["OPTION_NAMES", "TritonOptions"]
+__all__ = ["OPTIONS", "OPTION_NAMES", "TritonOptions"]
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+DIST = "ortmodule-triton"
 
-OPTION_NAMES = (
+USE_TRITON = switch(
     "ORTMODULE_USE_TRITON",
+    False,
+    DIST,
+    "Run supported ONNX subgraphs with generated Triton kernels.",
+    # Triton fuses the engine's own nodes (flash attention's matcher needs them too)
+    keeps_engine_nodes="ORTMODULE_USE_TRITON",
+)
+TRITON_CONFIG_FILE = Option(
     "ORTMODULE_TRITON_CONFIG_FILE",
-    "ORTMODULE_ENABLE_TUNING",
-    "ORTMODULE_MAX_TUNING_DURATION_MS",
-    "ORTMODULE_TUNING_RESULTS_PATH",
-    "ORTMODULE_USE_FLASH_ATTENTION",
+    "path",
+    None,
+    existing_file,
+    "an existing JSON file (ops, initializer, min_nodes)",
+    DIST,
+    "Which ops Triton may take and how; unset: every supported op.",
+    "triton_config.json",
+)
+TRITON_DEBUG = switch(
     "ORTMODULE_TRITON_DEBUG",
+    False,
+    DIST,
+    "Save the subgraphs and generated Triton code under ./triton_debug.",
+)
+ENABLE_TUNING = switch(
+    "ORTMODULE_ENABLE_TUNING",
+    False,
+    DIST,
+    "Tune ops that have several implementations online on the target device.",
+)
+MAX_TUNING_DURATION_MS = Option(
+    "ORTMODULE_MAX_TUNING_DURATION_MS",
+    "int",
+    None,
+    int_in(1),
+    "a positive integer (milliseconds)",
+    DIST,
+    "Upper bound on online tuning time per op; unset: the engine's default.",
+    "9999",
+)
+TUNING_RESULTS_PATH = Option(
+    "ORTMODULE_TUNING_RESULTS_PATH",
+    "path",
+    None,
+    path,
+    "a path",
+    DIST,
+    "Where tuning results are saved (tuning on) or loaded from (tuning off).",
+    "/tmp/tuning_results",
+)
+USE_FLASH_ATTENTION = switch(
+    "ORTMODULE_USE_FLASH_ATTENTION",
+    False,
+    DIST,
+    "Fuse attention and run Flash Attention's Triton kernel; needs ORTMODULE_USE_TRITON=1.",
+    requires=("ORTMODULE_USE_TRITON", "the kernel is Triton's"),
 )
 
+#: in the order docs/options.md lists them
+OPTIONS = (
+    USE_TRITON,
+    TRITON_CONFIG_FILE,
+    TRITON_DEBUG,
+    ENABLE_TUNING,
+    MAX_TUNING_DURATION_MS,
+    TUNING_RESULTS_PATH,
+    USE_FLASH_ATTENTION,
+)
+OPTION_NAMES = tuple(option.name for option in OPTIONS)
 
-def _switch(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise TritonConfigError(f"{name}={value!r}: expected 0 or 1 (or true/false, yes/no, on/off)")
 
-
-def _positive_int(name: str, value: Any) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        number = 0
-    if isinstance(value, bool) or number < 1:
-        raise TritonConfigError(f"{name}={value!r}: expected a positive integer (milliseconds)")
-    return number
+def _value(option: Option, options: Mapping[str, Any], environ: Mapping[str, str]) -> Any:
+    """The parsed value: the runtime's when given, else the environment's, else the default."""
+    given = options.get(option.name)
+    if given is None:
+        text = environ.get(option.name, "")
+        given = text if text.strip() else None
+    if given is None:
+        return option.default
+    if isinstance(given, str) and option.type != "path":
+        try:
+            return option.convert(given)
+        except InvalidOptionError as err:
+            raise TritonConfigError(str(err)) from None
+    return given
 
 
 @dataclass(frozen=True)
@@ -72,38 +131,22 @@ class TritonOptions:
         :class:`TritonConfigError` naming the variable and what it accepts."""
         options = options or {}
         env = os.environ if environ is None else environ
-
-        def get(name: str) -> Any:
-            if name in options and options[name] is not None:
-                return options[name]
-            text = env.get(name, "")
-            return text if text.strip() else None
-
-        def flag(name: str) -> bool:
-            value = get(name)
-            return False if value is None else _switch(name, value)
-
-        config = get("ORTMODULE_TRITON_CONFIG_FILE")
+        config = _value(TRITON_CONFIG_FILE, options, env)
         config_path = Path(config) if config is not None else None
         if config_path is not None and not config_path.is_file():
             raise TritonConfigError(
                 f"ORTMODULE_TRITON_CONFIG_FILE={str(config)!r}: no such file; give the path of a "
                 "JSON fusion config (see the user guide's Triton section) or unset it"
             )
-        duration = get("ORTMODULE_MAX_TUNING_DURATION_MS")
-        results = get("ORTMODULE_TUNING_RESULTS_PATH")
+        results = _value(TUNING_RESULTS_PATH, options, env)
         found = cls(
-            use_triton=flag("ORTMODULE_USE_TRITON"),
+            use_triton=bool(_value(USE_TRITON, options, env)),
             config_file=config_path,
-            enable_tuning=flag("ORTMODULE_ENABLE_TUNING"),
-            max_tuning_duration_ms=(
-                None
-                if duration is None
-                else _positive_int("ORTMODULE_MAX_TUNING_DURATION_MS", duration)
-            ),
+            enable_tuning=bool(_value(ENABLE_TUNING, options, env)),
+            max_tuning_duration_ms=_value(MAX_TUNING_DURATION_MS, options, env),
             tuning_results_path=Path(results) if results is not None else None,
-            use_flash_attention=flag("ORTMODULE_USE_FLASH_ATTENTION"),
-            debug=flag("ORTMODULE_TRITON_DEBUG"),
+            use_flash_attention=bool(_value(USE_FLASH_ATTENTION, options, env)),
+            debug=bool(_value(TRITON_DEBUG, options, env)),
         )
         if found.use_flash_attention and not found.use_triton:
             raise TritonConfigError(

@@ -10,7 +10,8 @@ from ortmodule_exporter.components import (
     register_untracked_attributes,
 )
 
-from .stage3 import COMPONENT_NAME, OPTION, ZeroStage3Hook
+from .options import OPTIONS
+from .stage3 import COMPONENT_NAME, ZeroStage3Hook
 
 __all__ = ["COMPONENT", "DEEPSPEED_MODULE_ATTRIBUTES"]
 
@@ -47,7 +48,7 @@ COMPONENT = Component(
     name=COMPONENT_NAME,
     version="0.1.0",
     register=_register,
-    options=(OPTION,),
+    options=OPTIONS,
     check=_check,
     summary="DeepSpeed ZeRO stage 3: partitioned parameters gathered for the engine",
 )

@@ -32,7 +32,9 @@ import torch
 
 from ortmodule_exporter.components import StepContext, StepHook, mark_module_hook_handled
 
-OPTION = "ORTMODULE_ENABLE_ZERO_STAGE3"
+from .options import ENABLE_ZERO_STAGE3
+
+OPTION = ENABLE_ZERO_STAGE3.name
 COMPONENT_NAME = "ortmodule-zero"
 
 

@@ -54,9 +54,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # components' public names, imported on first use: one import path per class, and a missing
-    # component fails only the import that needs it, naming the distribution to install
-    value = find_export(name)
+    # components' public names (their "ortmodule.exports" entry points), imported on first use:
+    # one import path per class, and a missing component fails only the import that needs it,
+    # naming the distribution to install
+    value = find_export(name, promised=name in __all__)
     globals()[name] = value
     return value
 

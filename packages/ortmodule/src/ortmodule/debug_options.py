@@ -12,11 +12,16 @@ folder the models go to (the current working directory when unset); both are rea
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ortmodule_exporter.errors import InvalidOptionError
 
 __all__ = ["DebugOptions", "LogLevel"]
+
+#: the fields the runtime checks itself; the others set a component's variable
+_RUNTIME_FIELDS = ("log_level", "save_onnx", "onnx_prefix", "aten_dropout", "exporter")
+#: a declared option's type -> the Python type its DebugOptions field takes
+_KINDS: dict[str, type] = {"int": int, "bool": bool, "str": str, "path": str}
 
 
 class LogLevel(enum.IntEnum):
@@ -67,7 +72,10 @@ class DebugOptions:
     log_level: LogLevel = LogLevel.WARNING
     save_onnx: bool = False
     onnx_prefix: str = ""
-    #: ``ORTMODULE_MEMORY_OPT_LEVEL`` from code (0, 1 or 2); the variable, when set, wins
+    # Fields for components' variables: the component's declaration names the field
+    # (Option.debug_field), checks the value and maps it to its variable; the variable, when set,
+    # wins. They stay here so that ORTModule(model, DebugOptions(...)) keeps one signature.
+    #: ``ORTMODULE_MEMORY_OPT_LEVEL`` from code (0, 1 or 2), declared by ortmodule-memory
     memory_opt_level: int | None = None
     #: ``ORTMODULE_MEMORY_OPT_CONFIG`` from code: the JSON file of recompute plans
     memory_opt_config: str | None = None
@@ -95,18 +103,6 @@ class DebugOptions:
                 "DebugOptions(save_onnx=True, onnx_prefix='my_model'). Set ORTMODULE_SAVE_ONNX_PATH "
                 "to choose the folder (default: the current working directory)."
             )
-        if self.memory_opt_level is not None and (
-            isinstance(self.memory_opt_level, bool) or self.memory_opt_level not in (0, 1, 2)
-        ):
-            raise InvalidOptionError(
-                f"DebugOptions.memory_opt_level={self.memory_opt_level!r} must be 0 (plans from "
-                "memory_opt_config), 1 (layer-wise recompute) or 2 (layer-wise with compromised plans)."
-            )
-        if self.memory_opt_config is not None and not isinstance(self.memory_opt_config, str):
-            raise InvalidOptionError(
-                f"DebugOptions.memory_opt_config={self.memory_opt_config!r} must be the path of a "
-                'JSON file of recompute plans, e.g. "plans.json" holding ["Gelu+:1:-1"].'
-            )
         if self.aten_dropout is not None and not isinstance(self.aten_dropout, bool):
             raise InvalidOptionError(
                 f"DebugOptions.aten_dropout={self.aten_dropout!r} must be True (dropout on "
@@ -125,3 +121,37 @@ class DebugOptions:
                 f"DebugOptions.onnx_prefix={self.onnx_prefix!r} must be a file name prefix without a "
                 "path separator; choose the folder with ORTMODULE_SAVE_ONNX_PATH."
             )
+        self._check_component_fields()
+
+    def _check_component_fields(self) -> None:
+        """A field given for a component's variable is checked by that variable's declaration
+        (the component owns its values); a field no installed component declares is left to
+        :meth:`RuntimeOptions.resolve`, which warns that it has no effect."""
+        given = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in _RUNTIME_FIELDS and getattr(self, f.name) is not None
+        }
+        if not given:
+            return
+        # the declarations load with the components (torch, the exporter): only when needed
+        from ortmodule_exporter.components import declared_options
+
+        for option, _component in declared_options():
+            if option.debug_field not in given:
+                continue
+            value = given[option.debug_field]
+            kind = _KINDS.get(option.type, object)
+            reason = None
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                reason = f"not of type {kind.__name__}"
+            elif option.type != "path":  # a file is looked for when the options are resolved
+                try:
+                    option.parse(str(value))
+                except ValueError as err:
+                    reason = str(err)
+            if reason is not None:
+                raise InvalidOptionError(
+                    f"DebugOptions({option.debug_field}={value!r}) is invalid ({reason}); "
+                    f"accepted: {option.accepted}"
+                )

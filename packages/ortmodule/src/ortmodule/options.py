@@ -5,12 +5,14 @@
 >>> options.onnx_opset_version, options.source("onnx_opset_version"), options.source("cache_dir")
 (15, 'environment', 'default')
 
-Every ``ORTMODULE_*`` variable is declared once in :data:`VARIABLES` (name, type, default,
-accepted values, the package that honours it, a one-line description, an example) and parsed
-here only; ``docs/options.md`` is generated from the same table and a test keeps the two equal.
-Variables for features that live in other packages (memory optimizer, Triton, tuning, ZeRO
-stage 3) are validated here and handed on as fields; :func:`inactive_variables` names those set
-to a value that nothing installed acts on (the runtime logs one WARNING for each).
+The runtime declares its own ``ORTMODULE_*`` variables in :data:`RUNTIME_VARIABLES` (name, type,
+default, accepted values, the package that honours it, a one-line description, an example);
+each installed component declares the variables it acts on in its own package
+(``Component(options=...)``, :mod:`ortmodule_exporter.option`). :func:`variables` is the merge,
+and everything here works from it: parsing, ``DebugOptions`` fields, the warnings, and
+``docs/options.md`` (a test keeps the doc equal to the merge). A component's variable is a field
+of :class:`RuntimeOptions` like the runtime's own. :func:`inactive_variables` names the variables
+set to a value that nothing installed acts on (the runtime logs one WARNING for each).
 """
 
 from __future__ import annotations
@@ -20,30 +22,49 @@ import enum
 import os
 import shlex
 import warnings
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 from ortmodule_exporter.errors import InvalidOptionError
+from ortmodule_exporter.option import (
+    PREFIX,
+    Option,
+    auto_or_count,
+    choice,
+    flag_names,
+    flags,
+    folder,
+    format_value,
+    int_in,
+    lower_choice,
+    switch,
+)
 
+from .bundle import COMPONENT_VARIABLES
 from .debug_options import DebugOptions, LogLevel
 
 __all__ = [
     "PREFIX",
-    "VARIABLES",
+    "RUNTIME_VARIABLES",
     "EnvVar",
     "FallbackPolicy",
     "InvalidOptionError",
     "RuntimeOptions",
     "SkipCheck",
+    "flag_names",
     "format_value",
     "inactive_variables",
     "unknown_variables",
+    "needs_component",
+    "variables",
     "variables_markdown",
 ]
 
-PREFIX = "ORTMODULE_"
+#: the declaration of one variable (kept under its old name)
+EnvVar = Option
+
 # kept equal to ortmodule_exporter.export.MIN_OPSET/MAX_OPSET/DEFAULT_OPSET (a test checks it);
 # not imported so that reading options does not import the exporter's torch/onnx machinery
 MIN_OPSET, MAX_OPSET, DEFAULT_OPSET = 14, 20, 17
@@ -80,84 +101,6 @@ DEFAULT_FALLBACK_POLICY = (
     | FallbackPolicy.FALLBACK_UNSUPPORTED_ONNX_MODEL
 )
 
-_F = TypeVar("_F", bound=enum.IntFlag)
-
-
-def flag_names(value: enum.IntFlag) -> str:
-    """``A|B`` for a combination of flags (``Flag.name`` is None for combinations on Python 3.10)."""
-    return "|".join(m.name for m in type(value) if m.name and m in value and m.value) or "0"
-
-
-# -- parsers: text -> value, raising ValueError with the reason -------------------------------
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def _bool(text: str) -> bool:
-    low = text.lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise ValueError("not a switch")
-
-
-def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError("not an integer") from None
-        if value < lo or (hi is not None and value > hi):
-            raise ValueError("out of range")
-        return value
-
-    return parse
-
-
-def _auto_or_count(text: str) -> str:
-    """``AUTO`` or a thread count >= 0, kept as text (``"AUTO"``, ``"2"``)."""
-    if text.upper() == "AUTO":
-        return "AUTO"
-    return str(_int_in(0)(text))
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text.upper() not in choices:
-            raise ValueError("not one of the choices")
-        return text.upper()
-
-    return parse
-
-
-def _lower_choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text.lower() not in choices:
-            raise ValueError("not one of the choices")
-        return text.lower()
-
-    return parse
-
-
-def _flags(kind: type[_F], alone: _F) -> Callable[[str], _F]:
-    """``A|B|C`` -> a combination of ``kind``; ``alone`` may not be combined with other flags."""
-
-    def parse(text: str) -> _F:
-        names = [part.strip().upper() for part in text.split("|")]
-        result = kind(0)
-        for name in names:
-            member = kind.__members__.get(name)
-            if member is None:
-                raise ValueError(f"{name or '(empty)'!r} is not a {kind.__name__} flag")
-            result |= member
-        if alone in result and result != alone:
-            raise ValueError(f"{alone.name} cannot be combined with other flags")
-        return result
-
-    return parse
-
 
 def _log_level(text: str) -> LogLevel:
     try:
@@ -166,74 +109,18 @@ def _log_level(text: str) -> LogLevel:
         raise ValueError("not a log level") from None
 
 
-def _folder(text: str) -> str:
-    path = os.path.expanduser(text)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{path} exists and is not a folder")
-    return path
-
-
-def _existing_file(text: str) -> str:
-    path = os.path.expanduser(text)
-    if not os.path.isfile(path):
-        raise ValueError(f"no file at {os.path.abspath(path)}")
-    return path
-
-
-def _path(text: str) -> str:
-    return os.path.expanduser(text)
-
-
 # -- the table ----------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class EnvVar:
-    """One ``ORTMODULE_*`` variable: how to parse it and how to document it."""
-
-    name: str
-    type: str
-    default: Any
-    parse: Callable[[str], Any]
-    accepted: str
-    honoured_by: str
-    doc: str
-    example: str
-
-    @property
-    def field(self) -> str:
-        """The :class:`RuntimeOptions` field: the name lower-cased without ``ORTMODULE_``."""
-        return self.name[len(PREFIX) :].lower()
-
-    def convert(self, text: str) -> Any:
-        """Parse ``text``; an :class:`InvalidOptionError` names the variable, value and choices."""
-        try:
-            return self.parse(text.strip())
-        except ValueError as err:
-            raise InvalidOptionError(
-                f"{self.name}={text!r} is invalid ({err}); accepted: {self.accepted}. "
-                f"For example: export {self.name}={shlex.quote(self.example)}, or unset it for the default "
-                f"({format_value(self.default)})."
-            ) from None
-
-
-_SWITCH = "1 or 0 (also true/false, yes/no, on/off)"
 _RUNTIME = "ortmodule"
 _EXPORTER = "ortmodule-exporter"
-_MEMORY = "ortmodule-memory"
-_TRITON = "ortmodule-triton"
+_switch = switch
 
-
-def _switch(name: str, default: bool, honoured_by: str, doc: str) -> EnvVar:
-    return EnvVar(name, "bool", default, _bool, _SWITCH, honoured_by, doc, "0" if default else "1")
-
-
-VARIABLES: tuple[EnvVar, ...] = (
+RUNTIME_VARIABLES: tuple[Option, ...] = (
     EnvVar(
         "ORTMODULE_ONNX_OPSET_VERSION",
         "int",
         DEFAULT_OPSET,
-        _int_in(MIN_OPSET, MAX_OPSET),
+        int_in(MIN_OPSET, MAX_OPSET),
         f"an integer from {MIN_OPSET} to {MAX_OPSET}",
         _EXPORTER,
         "ONNX opset the model is exported with; pin it to stay on a validated opset.",
@@ -243,7 +130,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "ORTMODULE_EXPORTER",
         "str",
         "torchscript",
-        _lower_choice("torchscript", "torch_export"),
+        lower_choice("torchscript", "torch_export"),
         "torchscript or torch_export (any case)",
         _EXPORTER,
         "Which frontend writes the ONNX graph: torchscript, PyTorch's TorchScript exporter "
@@ -255,12 +142,13 @@ VARIABLES: tuple[EnvVar, ...] = (
         "(an export error) or the ATen routes and the kernel choice (an error when set) "
         "(docs/architecture.md, The torch_export frontend).",
         "torch_export",
+        debug_field="exporter",
     ),
     EnvVar(
         "ORTMODULE_FALLBACK_POLICY",
         "FallbackPolicy",
         DEFAULT_FALLBACK_POLICY,
-        _flags(FallbackPolicy, FallbackPolicy.FALLBACK_DISABLE),
+        flags(FallbackPolicy, FallbackPolicy.FALLBACK_DISABLE),
         "FallbackPolicy flag names joined with |; FALLBACK_DISABLE stands alone",
         _RUNTIME,
         "Which failures let training continue in PyTorch; FALLBACK_DISABLE makes every failure an error.",
@@ -286,7 +174,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "ORTMODULE_SAVE_ONNX_PATH",
         "path",
         None,
-        _folder,
+        folder,
         "a folder (created when missing)",
         _EXPORTER,
         "Folder for the models saved by DebugOptions(save_onnx=True); unset: the current working directory.",
@@ -341,17 +229,11 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Log each step's label density (labels not ignore_index) and embedding density "
         "(indices not padding_idx) at WARNING.",
     ),
-    _switch(
-        "ORTMODULE_PRINT_MEMORY_STATS",
-        False,
-        _MEMORY,
-        "Print memory statistics before and after forward and backward of each step.",
-    ),
     EnvVar(
         "ORTMODULE_CACHE_DIR",
         "path",
         None,
-        _folder,
+        folder,
         "a folder (created when missing); unset disables the cache",
         _EXPORTER,
         "Cache exported models here and reuse them in later runs.",
@@ -379,6 +261,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "gradients equal eager's with dropout on; slower (1.2x a GPT step measured). 0 runs the "
         "engine's Dropout, seeded from PyTorch's generator each step: reproducible, other masks "
         "than eager's.",
+        debug_field="aten_dropout",
     ),
     _switch(
         "ORTMODULE_FUSED_ATTENTION",
@@ -395,7 +278,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "ORTMODULE_KERNEL_CHOICE",
         "str",
         "AUTO",
-        _choice("AUTO", "ENGINE", "TORCH"),
+        choice("AUTO", "ENGINE", "TORCH"),
         "AUTO, ENGINE or TORCH (any case)",
         _EXPORTER,
         "Per-operator kernel choice for GELU, ReLU (forward and backward timed apart), "
@@ -418,43 +301,10 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Deep-copy the module before export so export cannot change it; 0 saves the copy's memory.",
     ),
     EnvVar(
-        "ORTMODULE_MEMORY_OPT_LEVEL",
-        "int",
-        0,
-        _int_in(0, 2),
-        "0 (plans in ORTMODULE_MEMORY_OPT_CONFIG), 1 (recompute every transformer layer), "
-        "2 (layers, compromised subgraphs included)",
-        _MEMORY,
-        "Recompute level that trades compute for activation memory.",
-        "1",
-    ),
-    EnvVar(
-        "ORTMODULE_MEMORY_OPT_CONFIG",
-        "path",
-        None,
-        _existing_file,
-        "an existing JSON file of recompute plans",
-        _MEMORY,
-        "Recompute plans applied at ORTMODULE_MEMORY_OPT_LEVEL=0.",
-        "mem_opt.json",
-    ),
-    _switch(
-        "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
-        False,
-        _MEMORY,
-        "Hand each gradient to its parameter as soon as it is computed, freeing it early.",
-    ),
-    _switch(
-        "ORTMODULE_ENABLE_ZERO_STAGE3",
-        False,
-        "ortmodule-zero",
-        "Gather DeepSpeed ZeRO stage 3 partitioned parameters for the engine, release them after.",
-    ),
-    EnvVar(
         "ORTMODULE_TORCH_THREADS_IN_ENGINE",
         "str",
         "AUTO",
-        _auto_or_count,
+        auto_or_count,
         "AUTO (any case) or an integer >= 0",
         _RUNTIME,
         "PyTorch's intra-op threads while the engine runs a graph that holds PyTorch-run nodes "
@@ -475,7 +325,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "ORTMODULE_CONV_ALGO_SEARCH",
         "str",
         "HEURISTIC",
-        _choice("HEURISTIC", "EXHAUSTIVE", "DEFAULT"),
+        choice("HEURISTIC", "EXHAUSTIVE", "DEFAULT"),
         "HEURISTIC, EXHAUSTIVE or DEFAULT (any case)",
         _RUNTIME,
         "cuDNN convolution algorithm search of the CUDA execution provider.",
@@ -485,158 +335,116 @@ VARIABLES: tuple[EnvVar, ...] = (
         "ORTMODULE_SKIPCHECK_POLICY",
         "SkipCheck",
         SkipCheck.SKIP_CHECK_DISABLED,
-        _flags(SkipCheck, SkipCheck.SKIP_CHECK_DISABLED),
+        flags(SkipCheck, SkipCheck.SKIP_CHECK_DISABLED),
         "SkipCheck flag names joined with |; SKIP_CHECK_DISABLED stands alone",
         _RUNTIME,
         "Per-call checks to skip after the first step (device, gradient build, execution agent).",
         "SKIP_CHECK_DEVICE|SKIP_CHECK_BUILD_GRADIENT",
     ),
-    _switch(
-        "ORTMODULE_USE_TRITON",
-        False,
-        _TRITON,
-        "Run supported ONNX subgraphs with generated Triton kernels.",
-    ),
-    EnvVar(
-        "ORTMODULE_TRITON_CONFIG_FILE",
-        "path",
-        None,
-        _existing_file,
-        "an existing JSON file (ops, initializer, min_nodes)",
-        _TRITON,
-        "Which ops Triton may take and how; unset: every supported op.",
-        "triton_config.json",
-    ),
-    _switch(
-        "ORTMODULE_TRITON_DEBUG",
-        False,
-        _TRITON,
-        "Save the subgraphs and generated Triton code under ./triton_debug.",
-    ),
-    _switch(
-        "ORTMODULE_ENABLE_TUNING",
-        False,
-        _TRITON,
-        "Tune ops that have several implementations online on the target device.",
-    ),
-    EnvVar(
-        "ORTMODULE_MAX_TUNING_DURATION_MS",
-        "int",
-        None,
-        _int_in(1),
-        "a positive integer (milliseconds)",
-        _TRITON,
-        "Upper bound on online tuning time per op; unset: the engine's default.",
-        "9999",
-    ),
-    EnvVar(
-        "ORTMODULE_TUNING_RESULTS_PATH",
-        "path",
-        None,
-        _path,
-        "a path",
-        _TRITON,
-        "Where tuning results are saved (tuning on) or loaded from (tuning off).",
-        "/tmp/tuning_results",
-    ),
-    _switch(
-        "ORTMODULE_USE_FLASH_ATTENTION",
-        False,
-        _TRITON,
-        "Fuse attention and run Flash Attention's Triton kernel; needs ORTMODULE_USE_TRITON=1.",
-    ),
 )
 
-# Every variable is parsed and validated here, so a typo fails early; what acts on it depends on
-# what is installed. The runtime and the exporter act on the others themselves.
-#: variables that an installed component acts on: variable -> the distribution that does
-NEEDS_COMPONENT: Mapping[str, str] = MappingProxyType(
-    {
-        **dict.fromkeys(
-            (
-                "ORTMODULE_PRINT_MEMORY_STATS",
-                "ORTMODULE_MEMORY_OPT_LEVEL",
-                "ORTMODULE_MEMORY_OPT_CONFIG",
-                "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT",
-            ),
-            _MEMORY,
-        ),
-        **dict.fromkeys(
-            (
-                "ORTMODULE_USE_TRITON",
-                "ORTMODULE_TRITON_CONFIG_FILE",
-                "ORTMODULE_TRITON_DEBUG",
-                "ORTMODULE_ENABLE_TUNING",
-                "ORTMODULE_MAX_TUNING_DURATION_MS",
-                "ORTMODULE_TUNING_RESULTS_PATH",
-                "ORTMODULE_USE_FLASH_ATTENTION",
-            ),
-            _TRITON,
-        ),
-        "ORTMODULE_ENABLE_ZERO_STAGE3": "ortmodule-zero",
-    }
-)
-#: variables nothing in this build acts on (unless a component declares it): variable -> why
+#: runtime variables nothing in this build acts on: variable -> why
 NO_EFFECT_IN_THIS_BUILD: Mapping[str, str] = MappingProxyType(
     {
         "ORTMODULE_SKIPCHECK_POLICY": "ORTModule runs its per-call checks (device, gradient "
         "build) on every call; skipping them is not built",
     }
 )
-VARIABLES = tuple(
-    replace(var, honoured_by=f"{NEEDS_COMPONENT[var.name]} when installed (else a warning)")
-    if var.name in NEEDS_COMPONENT
-    else replace(var, honoured_by="nothing in this build (a warning says so)")
+RUNTIME_VARIABLES = tuple(
+    replace(var, honoured_by="nothing in this build (a warning says so)")
     if var.name in NO_EFFECT_IN_THIS_BUILD
     else var
-    for var in VARIABLES
+    for var in RUNTIME_VARIABLES
 )
-
-_BY_NAME: Mapping[str, EnvVar] = {var.name: var for var in VARIABLES}
+#: the fields of :class:`RuntimeOptions` that no variable sets
 _DEBUG_FIELDS = ("log_level", "save_onnx", "onnx_prefix")
-#: DebugOptions fields that set an ORTMODULE_* variable's value when given (None: not given);
-#: validated by the variable's own parser, and the environment still wins
-_DEBUG_VARIABLES = {
-    "memory_opt_level": "ORTMODULE_MEMORY_OPT_LEVEL",
-    "memory_opt_config": "ORTMODULE_MEMORY_OPT_CONFIG",
-    "aten_dropout": "ORTMODULE_ATEN_DROPOUT",
-    "exporter": "ORTMODULE_EXPORTER",
-}
 
 DEFAULT, DEBUG_OPTIONS, ENVIRONMENT = "default", "DebugOptions", "environment"
 
 
-def format_value(value: Any) -> str:
-    """How a value is written in docs and reports: switches as 1/0, flags as ``A|B``."""
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, enum.IntFlag):
-        return flag_names(value)
-    if isinstance(value, enum.Enum):
-        return value.name
-    return str(value)
+@dataclass(frozen=True)
+class _Merged:
+    """The runtime's variables and those the installed components declare, in table order."""
+
+    variables: tuple[Option, ...]
+    #: component variable -> the component (distribution) that declares it
+    owners: Mapping[str, str]
+
+    @property
+    def by_name(self) -> dict[str, Option]:
+        return {var.name: var for var in self.variables}
 
 
-def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
-    """``ORTMODULE_*`` names in ``environ`` that no option reads, each with a close known name."""
+def _merged() -> _Merged:
+    # the components' declarations load with them (torch, the exporter), so only when asked for
+    from ortmodule_exporter.components import declared_options
+
+    core = {var.name for var in RUNTIME_VARIABLES}
+    added: list[Option] = []
+    owners: dict[str, str] = {}
+    for option, component in declared_options():
+        if option.name in core or not option.name.startswith(PREFIX):
+            warnings.warn(
+                f"{component} declares {option.name}, which is "
+                + ("the runtime's own" if option.name in core else f"not an {PREFIX}* name")
+                + "; the declaration is ignored",
+                UserWarning,
+                stacklevel=3,
+            )
+            continue
+        added.append(replace(option, honoured_by=f"{component} when installed (else a warning)"))
+        owners[option.name] = component
+    return _Merged(RUNTIME_VARIABLES + tuple(added), MappingProxyType(owners))
+
+
+def variables() -> tuple[Option, ...]:
+    """Every ``ORTMODULE_*`` variable: the runtime's, then each installed component's."""
+    return _merged().variables
+
+
+def needs_component() -> Mapping[str, str]:
+    """Variable -> the component distribution that acts on it: what the installed components
+    declare, and what the bundled ones would (:data:`ortmodule.bundle.COMPONENT_VARIABLES`)."""
+    return MappingProxyType({**COMPONENT_VARIABLES, **_merged().owners})
+
+
+def __getattr__(name: str) -> Any:
+    # module attributes that depend on what is installed: computed when read
+    if name == "VARIABLES":
+        return variables()
+    if name == "NEEDS_COMPONENT":
+        return needs_component()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def unknown_variables(
+    environ: Mapping[str, str], known: Collection[str] | None = None
+) -> list[tuple[str, str | None]]:
+    """``ORTMODULE_*`` names in ``environ`` that no option reads, each with a close known name.
+
+    A variable of a bundled component that is not installed is known (it gets its own warning).
+    """
+    if known is None:
+        known = {var.name for var in variables()} | set(COMPONENT_VARIABLES)
     found = []
     for name in sorted(environ):
-        if name.startswith(PREFIX) and name not in _BY_NAME:
+        if name.startswith(PREFIX) and name not in known:
             # compare without the shared prefix, which would make every name look close
-            tails = [known[len(PREFIX) :] for known in _BY_NAME]
+            tails = [option[len(PREFIX) :] for option in known]
             close = difflib.get_close_matches(name[len(PREFIX) :], tails, n=1)
             found.append((name, PREFIX + close[0] if close else None))
     return found
 
 
-def _warn_unknown(environ: Mapping[str, str]) -> None:
-    for name, close in unknown_variables(environ):
+def _warn_unknown(environ: Mapping[str, str], known: Collection[str]) -> None:
+    for name, close in unknown_variables(environ, known):
         hint = f"; did you mean {close}?" if close else ""
         warnings.warn(
             f"{name} is not an ORTModule option and is ignored{hint}", UserWarning, stacklevel=3
         )
+
+
+_OFF = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -644,7 +452,8 @@ class RuntimeOptions:
     """Every option ORTModule and its components read, with where each value came from.
 
     Build it with :meth:`resolve`; ``source(field)`` says ``"default"``, ``"DebugOptions"`` or
-    ``"environment"``.
+    ``"environment"``. The installed components' variables are fields too
+    (``options.memory_opt_level`` with ortmodule-memory installed), held in ``components``.
     """
 
     log_level: LogLevel
@@ -662,7 +471,6 @@ class RuntimeOptions:
     enable_label_sparse_optimizer: bool
     enable_embedding_sparse_optimizer: bool
     print_input_density: bool
-    print_memory_stats: bool
     cache_dir: str | None
     use_efficient_attention: bool
     aten_sdpa_fallback: bool
@@ -670,21 +478,23 @@ class RuntimeOptions:
     fused_attention: bool
     kernel_choice: str
     deepcopy_before_model_export: bool
-    memory_opt_level: int
-    memory_opt_config: str | None
-    enable_mem_efficient_grad_mgmt: bool
-    enable_zero_stage3: bool
     torch_threads_in_engine: str
     conv_algo_search: str
     skipcheck_policy: SkipCheck
-    use_triton: bool
-    triton_config_file: str | None
-    triton_debug: bool
-    enable_tuning: bool
-    max_tuning_duration_ms: int | None
-    tuning_results_path: str | None
-    use_flash_attention: bool
+    #: ``(field, value)`` of every variable an installed component declares
+    components: tuple[tuple[str, Any], ...] = ()
+    #: ``(what the user set, value as text)`` for what no installed component declares: a
+    #: bundled component's variable, a ``DebugOptions`` field (``"DebugOptions.<field>"``)
+    unclaimed: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def __getattr__(self, name: str) -> Any:
+        # only called for names that are not dataclass fields: a component's variable
+        if not name.startswith("_") and name not in ("components", "unclaimed", "sources"):
+            for known, value in self.components:
+                if known == name:
+                    return value
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def resolve(
@@ -695,35 +505,56 @@ class RuntimeOptions:
         An empty variable counts as unset. Raises :class:`InvalidOptionError` naming the
         variable, its value and the accepted values; warns about unknown ``ORTMODULE_*`` names.
         """
-        values: dict[str, Any] = {var.field: var.default for var in VARIABLES}
+        merged = _merged()
+        by_name = merged.by_name
+        values: dict[str, Any] = {var.field: var.default for var in merged.variables}
         sources = dict.fromkeys(values, DEFAULT)
         base = debug_options if debug_options is not None else DebugOptions()
         for name in _DEBUG_FIELDS:
             values[name] = getattr(base, name)
             sources[name] = DEBUG_OPTIONS if debug_options is not None else DEFAULT
-        for name, variable in _DEBUG_VARIABLES.items():
-            given = getattr(base, name)
-            if given is not None:
-                var = _BY_NAME[variable]
-                try:
-                    values[var.field] = var.parse(str(given))
-                except ValueError as err:
-                    raise InvalidOptionError(
-                        f"DebugOptions({name}={given!r}) is invalid ({err}); accepted: {var.accepted}"
-                    ) from None
-                sources[var.field] = DEBUG_OPTIONS
-        for var in VARIABLES:
+        unclaimed: list[tuple[str, str]] = []
+        claimed = {var.debug_field: var for var in merged.variables if var.debug_field}
+        for f in fields(base):
+            given = getattr(base, f.name)
+            if f.name in _DEBUG_FIELDS or given is None:
+                continue
+            var = claimed.get(f.name)
+            if var is None:  # a field for a component that is not installed
+                unclaimed.append((f"DebugOptions.{f.name}", format_value(given)))
+                continue
+            try:
+                values[var.field] = var.parse(str(given))
+            except ValueError as err:
+                raise InvalidOptionError(
+                    f"DebugOptions({f.name}={given!r}) is invalid ({err}); accepted: {var.accepted}"
+                ) from None
+            sources[var.field] = DEBUG_OPTIONS
+        for var in merged.variables:
             text = environ.get(var.name, "")
             if text.strip():
                 values[var.field] = var.convert(text)
                 sources[var.field] = ENVIRONMENT
-        if values["use_flash_attention"] and not values["use_triton"]:
-            raise InvalidOptionError(
-                "ORTMODULE_USE_FLASH_ATTENTION=1 needs ORTMODULE_USE_TRITON=1 (the kernel is "
-                "Triton's); set both, or unset ORTMODULE_USE_FLASH_ATTENTION."
-            )
-        _warn_unknown(environ)
-        return cls(**values, sources=MappingProxyType(sources))
+        for var in merged.variables:
+            if var.requires is not None and values[var.field]:
+                other, why = var.requires
+                needed = by_name.get(other)
+                if needed is None or not values[needed.field]:
+                    raise InvalidOptionError(
+                        f"{var.name}=1 needs {other}=1 ({why}); set both, or unset {var.name}."
+                    )
+        for name in sorted(COMPONENT_VARIABLES):
+            text = environ.get(name, "").strip()
+            if name not in by_name and text:
+                unclaimed.append((name, text))
+        _warn_unknown(environ, set(by_name) | set(COMPONENT_VARIABLES))
+        core = {f.name for f in fields(cls)}
+        return cls(
+            **{k: v for k, v in values.items() if k in core},
+            components=tuple((k, v) for k, v in values.items() if k not in core),
+            unclaimed=tuple(unclaimed),
+            sources=MappingProxyType(sources),
+        )
 
     @classmethod
     def defaults(cls) -> RuntimeOptions:
@@ -735,15 +566,33 @@ class RuntimeOptions:
         try:
             return self.sources[name]
         except KeyError:
-            known = ", ".join(f.name for f in fields(self) if f.name != "sources")
+            known = ", ".join(sorted(self.sources))
             raise KeyError(f"RuntimeOptions has no field {name!r}; fields: {known}") from None
 
     def settings(self) -> list[tuple[str, str, str]]:
         """``(variable, value as text, source)`` for every ``ORTMODULE_*`` variable, table order."""
         return [
             (var.name, format_value(getattr(self, var.field)), self.source(var.field))
-            for var in VARIABLES
+            for var in variables()
+            if var.field in self.sources
         ]
+
+    def values(self) -> tuple[tuple[str, Any], ...]:
+        """``(variable, parsed value)`` for every variable: what passes and components read."""
+        return tuple(
+            (var.name, getattr(self, var.field)) for var in variables() if var.field in self.sources
+        )
+
+
+def keeps_engine_nodes(options: RuntimeOptions) -> str:
+    """What, among the options set, wants the engine's own nodes in the graph ("" when nothing
+    does): the declarations with ``keeps_engine_nodes`` whose value is on, joined with "and"."""
+    wanted: list[str] = []
+    for var in variables():
+        if var.keeps_engine_nodes and var.field in options.sources:
+            if getattr(options, var.field) and var.keeps_engine_nodes not in wanted:
+                wanted.append(var.keeps_engine_nodes)
+    return " and ".join(wanted)
 
 
 # -- variables that do nothing here ----------------------------------------------------------
@@ -754,7 +603,7 @@ def inactive_variables(
 ) -> list[tuple[str, str]]:
     """``(variable, message)`` for each variable set to a non-default value that nothing acts on.
 
-    ``handled`` holds the variables that installed components honour
+    ``handled`` holds the variables that registered components honour
     (``ortmodule_exporter.components.handled_options()``); ``cuda_engine`` says whether the
     installed engine has the CUDA execution provider.
 
@@ -764,13 +613,16 @@ def inactive_variables(
     >>> inactive_variables(options, handled={"ORTMODULE_USE_TRITON"})
     []
     """
+    merged = _merged()
     found = []
-    for var in VARIABLES:
+    for var in merged.variables:
+        if var.field not in options.sources:
+            continue
         value = getattr(options, var.field)
         if value == var.default or var.name in handled:
             continue
-        if var.name in NEEDS_COMPONENT:
-            package = NEEDS_COMPONENT[var.name]
+        if var.name in merged.owners:
+            package = merged.owners[var.name]
             reason = f"no installed component honours it; install {package} (pip install {package})"
         elif var.name in NO_EFFECT_IN_THIS_BUILD:
             reason = NO_EFFECT_IN_THIS_BUILD[var.name]
@@ -784,6 +636,15 @@ def inactive_variables(
         else:
             continue
         found.append((var.name, f"{var.name}={format_value(value)} has no effect: {reason}."))
+    for name, text in options.unclaimed:
+        if text.lower() in _OFF or name in handled:  # off is every such variable's default
+            continue
+        if name in COMPONENT_VARIABLES:
+            package = COMPONENT_VARIABLES[name]
+            reason = f"no installed component honours it; install {package} (pip install {package})"
+        else:
+            reason = "no installed component declares it; install the component it is for"
+        found.append((name, f"{name}={text} has no effect: {reason}."))
     return found
 
 
@@ -794,13 +655,14 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def variables_markdown(variables: Iterable[EnvVar] = VARIABLES) -> str:
-    """The variables table of ``docs/options.md``, generated from :data:`VARIABLES`."""
+def variables_markdown(variables: Iterable[Option] | None = None) -> str:
+    """The variables table of ``docs/options.md``: the runtime's variables and every installed
+    component's (:func:`variables`)."""
     lines = [
         "| Variable | Type | Default | Accepted values | Honoured by | Description | Example |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for var in variables:
+    for var in _variables_or_merged(variables):
         cells = (
             f"`{var.name}`",
             var.type,
@@ -812,3 +674,7 @@ def variables_markdown(variables: Iterable[EnvVar] = VARIABLES) -> str:
         )
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _variables_or_merged(given: Iterable[Option] | None) -> Iterable[Option]:
+    return variables() if given is None else given

@@ -12,7 +12,7 @@ from ortmodule_exporter.aten.parallel import THREADS_AUTO
 
 from .execution import RunnerConfig
 from .log import engine_severity, exporter_verbose
-from .options import DEFAULT, VARIABLES, InvalidOptionError, RuntimeOptions
+from .options import DEFAULT, InvalidOptionError, RuntimeOptions, keeps_engine_nodes
 
 logger = logging.getLogger("ortmodule")
 
@@ -93,7 +93,7 @@ def export_config(options: RuntimeOptions) -> ExportConfig:
     if options.exporter == "torch_export":
         options = _torch_export_options(options)
     fused_attention, kernel_choice = options.fused_attention, options.kernel_choice.lower()
-    graph_rewriters = _graph_rewriters(options)
+    graph_rewriters = keeps_engine_nodes(options)
     if graph_rewriters:
         # Fused attention and PyTorch kernels become PythonOps, which the engine's memory
         # optimizer cannot recompute (1.19.2 recomputes only its own nodes) and Triton's
@@ -117,16 +117,6 @@ def export_config(options: RuntimeOptions) -> ExportConfig:
     )
 
 
-def _graph_rewriters(options: RuntimeOptions) -> str:
-    """Which options want the engine's own nodes in the graph ("" when none does)."""
-    wanted = []
-    if options.memory_opt_level > 0 or options.memory_opt_config:
-        wanted.append("recompute (ORTMODULE_MEMORY_OPT_LEVEL/CONFIG)")
-    if options.use_triton:  # Triton fuses the engine's own nodes (flash attention needs it too)
-        wanted.append("ORTMODULE_USE_TRITON")
-    return " and ".join(wanted)
-
-
 def component_options(options: RuntimeOptions) -> tuple[tuple[str, object], ...]:
     """Every ``ORTMODULE_*`` variable with its resolved value: what passes and components read."""
-    return tuple((var.name, getattr(options, var.field)) for var in VARIABLES)
+    return options.values()
