@@ -539,3 +539,30 @@ def test_sparse_labels_keep_the_engines_loss_for_label_sparsity(
 def test_cross_entropy_measurement_times_both_kernels() -> None:
     engine_us, torch_us = kernel_choice.measure_cross_entropy(64, 32)
     assert engine_us > 0 and torch_us > 2 * kernel_choice.ATEN_NODE_US
+
+
+def test_a_large_cross_entropy_is_timed_on_a_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ortmodule_exporter.aten.kernel_choice import choice, cross_entropy
+
+    timed: list[tuple[int, int]] = []
+
+    def fake(rows: int, classes: int) -> tuple[float, float]:
+        timed.append((rows, classes))
+        # per row: the engine 10 us, PyTorch 9 us, plus PyTorch's fixed ATen-node cost
+        return 10.0 * rows, 9.0 * rows + 2 * kernel_choice.ATEN_NODE_US
+
+    monkeypatch.setattr(cross_entropy, "measure_cross_entropy", fake)
+    monkeypatch.setattr(choice, "_DECISIONS", {})
+    monkeypatch.setattr(choice, "_SECONDS", {})
+    kernel_choice.configure_kernel_choice("auto")
+    try:
+        route = kernel_choice.cross_entropy_route(1000, 50257)
+    finally:
+        kernel_choice.configure_kernel_choice("engine")
+    # 1024 rows (the size class) x 50257 classes would be 200 MiB of logits, timed 12 times
+    assert timed == [(cross_entropy.CALIBRATION_LOGITS // 50257, 50257)]
+    # scaled to 1024 rows, PyTorch's 1 us a row saved outweighs its fixed cost
+    assert route == "torch"
+    engine_us, torch_us = kernel_choice.decisions()[("cross_entropy(50257)", "Float", 1024)][1:]
+    assert engine_us == pytest.approx(10.0 * 1024)
+    assert torch_us == pytest.approx(9.0 * 1024 + 2 * kernel_choice.ATEN_NODE_US)

@@ -26,7 +26,7 @@ from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
 from .choice import _decide, _size_class
 from .helpers import _all_tensors, _dtype, _ints_const
-from .measuring import _engine_us, _randn, _seeded, _torch_us
+from .measuring import ATEN_NODE_US, _engine_us, _randn, _seeded, _torch_us
 from .registry import CoveredOperator, register_kernel_choice
 from .traced import _traced
 
@@ -107,14 +107,28 @@ def measure_cross_entropy(rows: int, classes: int) -> tuple[float, float]:
     return engine_us, _torch_us(torch_route)
 
 
+#: the most logits a cross-entropy calibration times (16 MiB of float32): both routes cost the
+#: same per row, so a few rows of a 50257-class loss decide for 1024 (10 s of GPT-2 124M's
+#: cold start measured 1024 x 50257)
+CALIBRATION_LOGITS = 1 << 22
+#: the fewest rows it times, so that every thread has rows to work on
+_MIN_TIMED_ROWS = 16
+
+
 def cross_entropy_route(rows: int, classes: int) -> str:
     """``"engine"`` or ``"torch"`` for a float32 mean or sum cross-entropy over ``rows`` x
-    ``classes`` logits and class indices, forward and backward (timed at ``rows``' size
-    class)."""
+    ``classes`` logits and class indices, forward and backward, decided for ``rows``' size
+    class. Timed on at most :data:`CALIBRATION_LOGITS` logits: the per-row times, scaled to the
+    size class (PyTorch's two ATen nodes' fixed cost is not scaled)."""
     size = _size_class(rows)
-    return _decide(
-        f"cross_entropy({classes})", "Float", size, lambda: measure_cross_entropy(size, classes)
-    )
+    timed = min(size, max(_MIN_TIMED_ROWS, CALIBRATION_LOGITS // max(classes, 1)))
+
+    def measure() -> tuple[float, float]:
+        engine_us, torch_us = measure_cross_entropy(timed, classes)
+        scale, fixed = size / timed, 2 * ATEN_NODE_US
+        return engine_us * scale, (torch_us - fixed) * scale + fixed
+
+    return _decide(f"cross_entropy({classes})", "Float", size, measure)
 
 
 def aten_cross_entropy(loss: onnx.NodeProto) -> tuple[onnx.NodeProto, onnx.TensorProto]:
