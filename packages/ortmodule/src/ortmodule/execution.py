@@ -821,62 +821,94 @@ class GraphRunner:
         flat: Sequence[torch.Tensor],
         device: torch.device,
     ) -> CompiledGraph:
+        """One graph, stage by stage: export -> post-export passes -> batch passes (they see
+        this batch) -> gradient build -> session -> bindings of the module's tensors."""
         times = PhaseTimer()
+        _check_param_dtypes(self.module, device)
         cfg = self.config
-        for name, p in (*self.module.named_parameters(), *self.module.named_buffers()):
-            if p.is_floating_point() and p.dtype not in SUPPORTED_PARAM_DTYPES[device.type]:
-                raise UnsupportedDataError(
-                    f"parameter '{name}' has dtype {p.dtype}, which the engine cannot train on {device.type}; "
-                    f"use one of {SUPPORTED_PARAM_DTYPES[device.type]}"
-                )
         # each graph saves under its own version: a re-export keeps the earlier files
         save = cfg.save.next_version(self.module.training) if cfg.save else None
         with times.phase("export"), self._silenced(), contextlib.ExitStack() as around:
             for hook in step_hooks():
                 around.enter_context(hook.exporting(self.step))
-            exported = export(
-                self.module,
-                args,
-                kwargs,
-                training=self.module.training,
-                opset=cfg.opset,
-                config=cfg.export_config,
-                static_shapes=cfg.static_shapes,
-                deepcopy=cfg.deepcopy,
-                # a graph for a guard's new value: the entry (keyed without guard values)
-                # holds the graph whose guard just failed, so the cache is left out
-                cache=None if key.guards else self.cache,
-                save=save,
-                verbose=cfg.exporter_verbose,
-            )
+            exported = self._export(key, args, kwargs, save)
             run_post_export_passes(exported, dict(cfg.pass_options))
-            names = list(exported.input_schema.names)
-            batch = {name: flat[i] for i, name in enumerate(names)}
-            sparsity = SparsityConfig(
-                label=cfg.label_sparsity,
-                print_density=cfg.print_input_density,
-                padding=cfg.padding_elimination,
-            )
-            state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-            padded = apply_padding_elimination(
-                exported, {**state, **batch}, sparsity, training=key.build_gradient
-            )
-            rows = None
-            if padded is None or not padded.applied:
-                # under the export's switches: the loss on the labelled rows takes their
-                # kernel choice
-                config = cfg.export_config or ExportConfig.from_switches(cfg.opset)
-                with config.applied():
-                    rows = apply_label_rows(
-                        exported, {**state, **batch}, sparsity, training=key.build_gradient
-                    )
-            apply_label_sparsity(exported, batch, sparsity, training=key.build_gradient, rows=rows)
+            self._batch_passes(exported, key, flat)
         if exported.from_cache:
             logger.info("export skipped: loaded from the export cache %s", cfg.cache_dir)
         else:
             self.exports += 1
+        with times.phase("graph build"), self._silenced():
+            built = _build_graph(exported, self._graph_config(exported, key, flat, device, save))
+        session, context = self._session(exported, built, key, flat, device, save, times)
+        compiled = self._bind(key, exported, built, session, context, flat, device, times)
+        self.last_times = times
+        log_initialisation_summary(times, logger)
+        return compiled
 
-        index_of = {n: i for i, n in enumerate(names)}
+    def _export(
+        self,
+        key: GraphKey,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        save: SaveOptions | None,
+    ) -> ExportedModel:
+        """Stage 1: the module's ONNX graph (from the export cache when it holds it)."""
+        cfg = self.config
+        return export(
+            self.module,
+            args,
+            kwargs,
+            training=self.module.training,
+            opset=cfg.opset,
+            config=cfg.export_config,
+            static_shapes=cfg.static_shapes,
+            deepcopy=cfg.deepcopy,
+            # a graph for a guard's new value: the entry (keyed without guard values)
+            # holds the graph whose guard just failed, so the cache is left out
+            cache=None if key.guards else self.cache,
+            save=save,
+            verbose=cfg.exporter_verbose,
+        )
+
+    def _batch_passes(
+        self, exported: ExportedModel, key: GraphKey, flat: Sequence[torch.Tensor]
+    ) -> None:
+        """Stage 3: the passes that read this batch's values (label and padding sparsity)."""
+        cfg = self.config
+        names = list(exported.input_schema.names)
+        batch = {name: flat[i] for i, name in enumerate(names)}
+        sparsity = SparsityConfig(
+            label=cfg.label_sparsity,
+            print_density=cfg.print_input_density,
+            padding=cfg.padding_elimination,
+        )
+        state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        padded = apply_padding_elimination(
+            exported, {**state, **batch}, sparsity, training=key.build_gradient
+        )
+        rows = None
+        if padded is None or not padded.applied:
+            # under the export's switches: the loss on the labelled rows takes their
+            # kernel choice
+            config = cfg.export_config or ExportConfig.from_switches(cfg.opset)
+            with config.applied():
+                rows = apply_label_rows(
+                    exported, {**state, **batch}, sparsity, training=key.build_gradient
+                )
+        apply_label_sparsity(exported, batch, sparsity, training=key.build_gradient, rows=rows)
+
+    def _graph_config(
+        self,
+        exported: ExportedModel,
+        key: GraphKey,
+        flat: Sequence[torch.Tensor],
+        device: torch.device,
+        save: SaveOptions | None,
+    ) -> GraphConfig:
+        """Stage 4's settings: what to differentiate, and the engine's build options."""
+        cfg = self.config
+        index_of = {n: i for i, n in enumerate(exported.input_schema.names)}
         params = dict(self.module.named_parameters())
         trainable = tuple(
             n for n in exported.param_names if n in params and params[n].requires_grad
@@ -887,12 +919,11 @@ class GraphRunner:
             if flat[index_of[n]].requires_grad and flat[index_of[n]].is_floating_point()
         )
         # inputs added by post-export passes (e.g. the gradient trigger of ortmodule-memory)
-        extra = dict(exported.extra_inputs)
-        input_grads += tuple(n for n, e in extra.items() if e.requires_grad)
+        input_grads += tuple(n for n, e in exported.extra_inputs.items() if e.requires_grad)
         static = None
         if cfg.static_shapes:
             static = tuple(tuple(flat[index_of[n]].shape) for n in exported.user_input_names)
-        graph_config = GraphConfig(
+        return GraphConfig(
             build_gradient=key.build_gradient,
             params_to_train=trainable,
             inputs_require_grad=input_grads,
@@ -908,13 +939,23 @@ class GraphRunner:
             transformer_options=cfg.transformer_options,
             device_type=device.type,
         )
-        with times.phase("graph build"), self._silenced():
-            built = _build_graph(exported, graph_config)
 
-        hooks = step_hooks()
+    def _session(
+        self,
+        exported: ExportedModel,
+        built: BuiltGraph,
+        key: GraphKey,
+        flat: Sequence[torch.Tensor],
+        device: torch.device,
+        save: SaveOptions | None,
+        times: PhaseTimer,
+    ) -> tuple[TrainingSession | InferenceSession, SessionContext | None]:
+        """Stage 5: the engine session, with what components contribute to it."""
+        cfg = self.config
+        index_of = {n: i for i, n in enumerate(exported.input_schema.names)}
         context = None
         contribution = None
-        if hooks or has_session_contributors():
+        if step_hooks() or has_session_contributors():
             context = SessionContext(
                 model=onnx.load_from_string(built.model_bytes),
                 training=key.build_gradient,
@@ -942,7 +983,23 @@ class GraphRunner:
                 if key.build_gradient
                 else InferenceSession(built, session_config)
             )
+        return session, context
 
+    def _bind(
+        self,
+        key: GraphKey,
+        exported: ExportedModel,
+        built: BuiltGraph,
+        session: TrainingSession | InferenceSession,
+        context: SessionContext | None,
+        flat: Sequence[torch.Tensor],
+        device: torch.device,
+        times: PhaseTimer,
+    ) -> CompiledGraph:
+        """Stage 6: where each feed comes from and each output goes (inputs, the module's
+        parameters and buffers, written inputs and buffers, guards, gradients)."""
+        index_of = {n: i for i, n in enumerate(exported.input_schema.names)}
+        extra = dict(exported.extra_inputs)
         feeds: list[tuple[str, Any]] = []
         for name in built.feed_names:
             if name in index_of:
@@ -976,10 +1033,8 @@ class GraphRunner:
         grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]
         if context is not None:
             info = SessionInfo(context=context, session=session, built=built)
-            for hook in hooks:
+            for hook in step_hooks():
                 hook.on_session(self.step, info)
-        self.last_times = times
-        log_initialisation_summary(times, logger)
         return CompiledGraph(
             key=key,
             built=built,
@@ -996,6 +1051,15 @@ class GraphRunner:
             grad_index=grad_index,
             without_grad=built.non_differentiable_outputs | exported.outputs_without_grad,
         )
+
+
+def _check_param_dtypes(module: torch.nn.Module, device: torch.device) -> None:
+    for name, p in (*module.named_parameters(), *module.named_buffers()):
+        if p.is_floating_point() and p.dtype not in SUPPORTED_PARAM_DTYPES[device.type]:
+            raise UnsupportedDataError(
+                f"parameter '{name}' has dtype {p.dtype}, which the engine cannot train on {device.type}; "
+                f"use one of {SUPPORTED_PARAM_DTYPES[device.type]}"
+            )
 
 
 def _buffer_copies(graph: CompiledGraph) -> list[torch.Tensor]:
