@@ -182,6 +182,11 @@ def _hf(part: dict[str, Any]) -> list[str]:
             )
             + "; the counts above are of the types that ran.",
         ]
+    sums = ", ".join(
+        f"`{f}` {sum(r.get('seconds', 0.0) for r in part['results'][f].values()):.0f} s"
+        for f in fronts
+    )
+    lines += ["", f"Sum of the per-type times (build, eager, engine, compare): {sums}."]
     lines += ["", "Every type (an error's first line where it is not at parity):", ""]
     lines += ["| model type | " + " | ".join(f"`{f}`" for f in fronts) + " |"]
     lines += ["|---|" + "---|" * len(fronts)]
@@ -396,7 +401,9 @@ def _timing(part: dict[str, Any]) -> list[str]:
         "time, everything included except *onnxscript import* (torch_export only, paid once per "
         "process at its first export, done before the first step here). *median step*: of steps "
         "2 onward; *eager median step*: the same model in eager in the same process. The machine "
-        "was shared with other work: read differences under 20 % as noise.",
+        "was shared with other work, which can make any of these several times slower: compare "
+        "the two frontends' rows of one model (run back to back), and read differences under "
+        "a factor of 2 in step times as noise.",
         "",
         *_meta(part),
         "| model | frontend | " + " | ".join(f"{t} ({u})" for _, t, _, u in _TIMING_COLUMNS) + " |",
