@@ -31,7 +31,7 @@ def _step_times(model: torch.nn.Module, name: str, steps: int) -> list[float]:
         args, kwargs = case.make_batch(step)
         start = time.perf_counter()
         loss = case.loss_fn(model(*args, **kwargs), args, kwargs)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss.item()
