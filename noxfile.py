@@ -250,3 +250,14 @@ def dev(session: nox.Session) -> None:
         uv, "pip", "install", "--python", py, "-c", str(CONSTRAINTS), *editable, *groups, "nox"
     )
     session.log(f"ready: source {venv}/bin/activate")
+
+
+@nox.session
+def frontends(session: nox.Session) -> None:
+    """The two exporter frontends side by side: writes docs/frontends.md and docs/frontends.json.
+
+    Arguments go to ``python -m ortmodule_testing.frontends``
+    (``nox -s frontends -- --parts timing``, ``-- --render-only``).
+    """
+    _install(session, *_all_packages_args(), groups=("test",))
+    session.run("python", "-m", "ortmodule_testing.frontends", *session.posargs)

@@ -239,3 +239,21 @@ def test_layer_norm_without_bias() -> None:
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(wrapped.module[1].weight.grad, ref[1].weight.grad)
     torch.testing.assert_close(wrapped.module[0].weight.grad, ref[0].weight.grad)
+
+
+class _Softmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x * 2.0, dim=-1)
+
+
+def test_zero_element_input_runs_in_eval() -> None:
+    """A zero-element input (a batch of none): its shape is part of the input schema, so the
+    export keeps its dims fixed; with them symbolic the output schema held SymInts and the
+    run failed with ``unhashable type: non-nested SymInt`` (OpInfo's empty samples). Training
+    on it still fails, in the engine's gradient graph (a Reshape in Mul's gradient), not here."""
+    x = torch.randn(0, 5)
+    wrapped = ORTModule(_Softmax(), TORCH_EXPORT).eval()
+    with torch.no_grad():
+        got = wrapped(x)
+    want = _Softmax()(x)
+    assert got.shape == want.shape == (0, 5)

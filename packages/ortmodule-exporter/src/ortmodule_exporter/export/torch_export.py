@@ -164,8 +164,16 @@ def _dynamic_shapes(tensors: Sequence[torch.Tensor], static_shapes: bool) -> Any
     if static_shapes:
         return None
     auto = torch.export.Dim.AUTO
-    # one entry per forward parameter: the wrapper's is ``*flat``, a tuple of all the tensors
-    return (tuple({i: auto for i in range(t.dim())} if t.dim() else None for t in tensors),)
+    # One entry per forward parameter: the wrapper's is ``*flat``, a tuple of all the tensors.
+    # A zero-element tensor keeps its dims fixed: its shape is part of the input schema anyway
+    # (ortmodule_pytree: another empty shape is another graph), and with symbolic dims the
+    # empty outputs computed from it carry SymInts into the output schema, which cannot be
+    # hashed when the run rebuilds the outputs ("unhashable type: non-nested SymInt").
+    return (
+        tuple(
+            {i: auto for i in range(t.dim())} if t.dim() and t.numel() else None for t in tensors
+        ),
+    )
 
 
 # -- training translations: where torch_lib lowers for inference only ---------------------------

@@ -1,0 +1,113 @@
+"""``python -m ortmodule_testing.frontends [--parts zoo hf opinfo fuzz timing]``.
+
+Measures the named suites on both frontends, replaces their parts in ``--json`` (the other
+parts stay, so suites can be measured one at a time, also by processes running side by side:
+the file is rewritten under a lock) and renders ``--out`` from the whole file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from . import FRONTENDS, measure
+from .render import render
+
+PARTS = ("zoo", "hf", "opinfo", "fuzz", "timing")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ortmodule_testing.frontends", description=__doc__)
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--frontends", nargs="+", choices=FRONTENDS, default=list(FRONTENDS))
+    p.add_argument("--root", type=Path, default=Path.cwd(), help="the repository's root")
+    p.add_argument("--json", type=Path, default=Path("docs/frontends.json"))
+    p.add_argument("--out", type=Path, default=Path("docs/frontends.md"))
+    p.add_argument("--work", type=Path, default=None, help="scratch files (default: a temp dir)")
+    p.add_argument("--render-only", action="store_true", help="rewrite --out from --json only")
+    p.add_argument("--hf-every", type=int, default=8, help="every k-th type that trains in eager")
+    p.add_argument("--hf-types", nargs="+", default=None, help="these types instead")
+    p.add_argument("--hf-timeout", type=float, default=300.0, help="seconds per model type")
+    p.add_argument(
+        "--hf-collect",
+        action="store_true",
+        help="run nothing: collect the results files an interrupted run left in --work",
+    )
+    p.add_argument("--opinfo-every", type=int, default=1, help="every k-th op (sorted)")
+    p.add_argument("--opinfo-workers", type=int, default=1)
+    p.add_argument(
+        "--opinfo-torchscript",
+        choices=("run", "committed"),
+        default="run",
+        help="run the TorchScript side, or read the committed opinfo_status.json",
+    )
+    p.add_argument("--fuzz-programs", type=int, default=200)
+    p.add_argument("--fuzz-seed", type=int, default=0)
+    p.add_argument("--fuzz-timeout", type=float, default=120.0, help="seconds per program")
+    p.add_argument("--timing-models", nargs="+", default=["gpt", "bert", "cnn"])
+    p.add_argument("--timing-steps", type=int, default=30)
+    return p.parse_args(argv)
+
+
+def _measure(part: str, args: argparse.Namespace, command: str, work: Path) -> dict[str, Any]:
+    root, frontends = args.root, tuple(args.frontends)
+    if part == "zoo":
+        return measure.zoo(root, work, command, frontends)
+    if part == "hf":
+        every = None if args.hf_types else args.hf_every
+        types = args.hf_types or measure.hf_sample(root, args.hf_every)
+        return measure.hf(
+            root, work, command, types, every, args.hf_timeout, frontends, args.hf_collect
+        )
+    if part == "opinfo":
+        ops = measure.opinfo_sample(root, args.opinfo_every)
+        committed = args.opinfo_torchscript == "committed"
+        return measure.opinfo(
+            root, command, ops, args.opinfo_every, args.opinfo_workers, committed, frontends
+        )
+    if part == "fuzz":
+        return measure.fuzz(
+            command, args.fuzz_seed, args.fuzz_programs, args.fuzz_timeout, frontends
+        )
+    return measure.timing(root, command, args.timing_models, args.timing_steps, frontends)
+
+
+def _store(path: Path, part: str, value: dict[str, Any]) -> dict[str, Any]:
+    """Replace ``part`` in the JSON file under a lock; return the whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # the lock lives outside the repository: one name per JSON file
+    lock_path = Path(tempfile.gettempdir()) / ("frontends" + str(path.resolve()).replace("/", "_"))
+    with open(lock_path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        data.setdefault("parts", {})[part] = value
+        data["parts"] = {p: data["parts"][p] for p in PARTS if p in data["parts"]}
+        path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    raw = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m ortmodule_testing.frontends", *raw])
+    if not args.render_only:
+        work = args.work or Path(tempfile.mkdtemp(prefix="frontends-"))
+        work.mkdir(parents=True, exist_ok=True)
+        for part in args.parts:
+            print(f"measuring {part} ...", flush=True)
+            value = _measure(part, args, command, work)
+            _store(args.json, part, value)
+            print(f"{part}: {value['seconds']} s", flush=True)
+    data = json.loads(args.json.read_text())
+    args.out.write_text(render(data))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
