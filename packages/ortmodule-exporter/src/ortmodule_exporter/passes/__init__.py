@@ -13,10 +13,7 @@
 ``output_ranks``        scalar outputs keep rank 0 (45)
 ``engine_graph_fixes``  no-op Casts removed; an input read twice goes through an Identity; a
                         concatenated SequenceConstruct becomes Concat (45)
-``density``             the label-density flag PythonOp (used by ``ortmodule.sparsity``)
-``padding``             padding elimination: token-wise nodes on the kept tokens; labelled
-                        rows: the token-wise nodes only a loss reads on the labelled tokens
-                        (both used by ``ortmodule.sparsity``)
+``density``             moved to :mod:`ortmodule_exporter.sparsity` (the name stays for imports)
 ``built_graph``         :func:`~ortmodule_exporter.passes.built_graph.register_built_graph_pass`
 ``scalar_gradients``    built-graph pass: gradients of 0-d tensors keep rank 0 (10)
 ``nan_gradients``       built-graph pass: masking multiplications and ``ReluGrad`` select like
