@@ -29,6 +29,8 @@ the left-out rows are never read). Like label sparsity it is decided once per ex
 ``padding_elimination``  :func:`~.padding_elimination.apply_padding_elimination`
 ``labelled_rows``        :func:`~.labelled_rows.apply_label_rows`
 ``label_sparsity``       :func:`~.label_sparsity.apply_label_sparsity`
+``batch_passes``         the three as batch passes (:mod:`ortmodule_exporter.passes.batch`),
+                         registered when ``ortmodule_exporter`` is imported
 =======================  ========================================================================
 
 This package's ``__init__`` imports nothing, so the kernel choice can read ``label_density``
