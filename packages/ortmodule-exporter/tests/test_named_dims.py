@@ -9,9 +9,8 @@ import pytest
 import torch
 from conftest import assert_engine_matches_eager
 
-from ortmodule_exporter import export
+from ortmodule_exporter import export, named_dims
 from ortmodule_exporter.engine import GraphConfig, SessionConfig, TrainingSession, build_graph
-from ortmodule_exporter.passes import density
 from ortmodule_exporter.passes.registry import run_post_export_passes
 
 BROADCAST_OPS = ("BroadcastGradientArgs", "ReduceSum")
@@ -64,7 +63,7 @@ def test_without_named_dims_the_engine_reduces_them(monkeypatch: pytest.MonkeyPa
     def fail(_model: onnx.ModelProto) -> onnx.ModelProto:
         raise RuntimeError("no inference")
 
-    monkeypatch.setattr(density, "infer_symbolic_shapes", fail)
+    monkeypatch.setattr(named_dims, "infer_symbolic_shapes", fail)
     torch.manual_seed(0)
     ops, _ = _gradient_ops(_Block(), _ids(2, 5))
     assert ops["BroadcastGradientArgs"] > 0 and ops["ReduceSum"] > 0
@@ -126,14 +125,14 @@ def test_a_float_input_whose_dim_a_weight_fixes_keeps_its_graph() -> None:
 
 def test_inference_that_changes_an_input_dim_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     """A dynamic input dim made fixed would make the engine refuse other sizes."""
-    real = density.infer_symbolic_shapes
+    real = named_dims.infer_symbolic_shapes
 
     def fixing(model: onnx.ModelProto) -> onnx.ModelProto:
         named = real(model)
         named.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
         return named
 
-    monkeypatch.setattr(density, "infer_symbolic_shapes", fixing)
+    monkeypatch.setattr(named_dims, "infer_symbolic_shapes", fixing)
     torch.manual_seed(0)
     ops, built = _gradient_ops(_Block(), _ids(2, 5))
     assert ops["BroadcastGradientArgs"] > 0
@@ -145,14 +144,14 @@ def test_inference_that_changes_an_input_dim_is_not_used(monkeypatch: pytest.Mon
 def test_a_named_graph_the_engine_refuses_is_built_as_exported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real = density.infer_symbolic_shapes
+    real = named_dims.infer_symbolic_shapes
 
     def broken(model: onnx.ModelProto) -> onnx.ModelProto:
         named = real(model)
         named.graph.node.append(onnx.helper.make_node("NoSuchOperator", ["x"], ["unused"]))
         return named
 
-    monkeypatch.setattr(density, "infer_symbolic_shapes", broken)
+    monkeypatch.setattr(named_dims, "infer_symbolic_shapes", broken)
     torch.manual_seed(0)
     ops, _ = _gradient_ops(_Block(), _ids(2, 5))
     assert ops["BroadcastGradientArgs"] > 0

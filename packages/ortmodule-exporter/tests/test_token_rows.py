@@ -10,8 +10,8 @@ from onnx import TensorProto, helper
 
 from ortmodule_exporter.aten.executor import ATEN_DOMAIN
 from ortmodule_exporter.aten.token_rows import PUT_ROWS, TAKE_ROWS, put_rows, take_rows
-from ortmodule_exporter.passes import padding
 from ortmodule_exporter.passes.density import infer_symbolic_shapes
+from ortmodule_exporter.sparsity import padding
 
 
 def _indices(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

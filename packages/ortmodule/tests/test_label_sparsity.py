@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from ortmodule import ORTModule, sparsity
+from ortmodule import ORTModule
 from ortmodule.sparsity import PaddingDecision, SparsityConfig, apply_label_sparsity
 from ortmodule_exporter import export
 from ortmodule_exporter.aten.token_rows import TAKE_ROWS
 from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_exporter.passes.density import ENGINE_FLAG, PRINT_ONLY, density_flags
+from ortmodule_exporter.sparsity import label_sparsity, labelled_rows
 from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
 from ortmodule_testing.zoo import ZOO
 from ortmodule_testing.zoo.registry import ZooCase
@@ -42,7 +43,7 @@ def engine_only(monkeypatch: pytest.MonkeyPatch) -> None:
     def refused(*_args: Any, **_kwargs: Any) -> PaddingDecision:
         return PaddingDecision(False, "refused by the test")
 
-    monkeypatch.setattr(sparsity, "keep_labelled_rows", refused)
+    monkeypatch.setattr(labelled_rows, "keep_labelled_rows", refused)
 
 
 def _trains_like_eager(
@@ -208,7 +209,7 @@ def test_a_failure_leaves_the_exported_graph_untouched(
     def broken(*_args: Any, **_kwargs: Any) -> str:
         raise RuntimeError("simulated flag failure")
 
-    monkeypatch.setattr(sparsity, "insert_density_flag", broken)
+    monkeypatch.setattr(label_sparsity, "insert_density_flag", broken)
     wrapped = _trains_like_eager(2, caplog, logging.WARNING)
     assert "ShrunkenGather" not in _ops(wrapped)
     (line,) = [r.getMessage() for r in caplog.records if "label sparsity skipped" in r.getMessage()]

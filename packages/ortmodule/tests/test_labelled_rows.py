@@ -12,11 +12,10 @@ import torch
 from hf_models import LOSS_ONLY_MODELS, loss_only_case, trains_like_eager
 
 from ortmodule import ORTModule
-from ortmodule_exporter.aten import token_rows
 from ortmodule_exporter.aten.kernel_choice import CROSS_ENTROPY
 from ortmodule_exporter.aten.token_rows import PUT_ROWS, TAKE_ROWS, take_rows
 from ortmodule_exporter.onnx_graph import attribute
-from ortmodule_exporter.passes import padding
+from ortmodule_exporter.sparsity import padding, token_rows
 from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
 from ortmodule_testing.zoo import ZOO
 from ortmodule_testing.zoo.bert import BertConfig, BertEncoder

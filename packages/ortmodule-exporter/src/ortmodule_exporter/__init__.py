@@ -35,7 +35,9 @@ from .export import (
     trace_state,
 )
 from .passes import register_post_export_pass, run_post_export_passes, unregister_post_export_pass
+from .passes.batch import BatchContext, register_batch_pass, run_batch_passes, unregister_batch_pass
 from .passes.built_graph import register_built_graph_pass, unregister_built_graph_pass
+from .sparsity import batch_passes  # noqa: F401 - registers the sparsity batch passes
 from .symbolics.builtin import register_builtin_symbolics
 from .symbolics.mask import register_mask_symbolics
 from .symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
@@ -50,6 +52,7 @@ uneven_split.install()
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchContext",
     "DEFAULT_OPSET",
     "MAX_OPSET",
     "MIN_OPSET",
@@ -71,11 +74,14 @@ __all__ = [
     "export",
     "parameter_signature",
     "trace_state",
+    "register_batch_pass",
     "register_built_graph_pass",
     "register_post_export_pass",
     "register_symbolic",
     "registered_symbolics",
+    "unregister_batch_pass",
     "unregister_built_graph_pass",
+    "run_batch_passes",
     "run_post_export_passes",
     "unregister_post_export_pass",
     "unregister_symbolic",

@@ -19,13 +19,12 @@ import torch
 from torch._C import _from_dlpack
 from torch.utils.dlpack import to_dlpack
 
-from . import onnx_graph
+from . import named_dims, onnx_graph
 from .aten.attention_layout import FLASH, FLASH_BSHD
 from .aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError, aten_operator
 from .aten.kernel_choice import CROSS_ENTROPY, GELU, LAYER_NORM
 from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
 from .aten.stop_gradient import STOP_GRADIENT
-from .aten.token_rows import PUT_ROWS, TAKE_ROWS
 from .aten.topk import TOPK_INDICES
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
@@ -34,8 +33,9 @@ from .errors import EngineBuildError
 from .export.model import ExportedModel, SaveOptions
 from .forked import EngineCrashed, run_forked
 from .onnx_graph import output_dependencies
-from .passes import density
 from .passes.built_graph import run_built_graph_passes
+from .sparsity import density
+from .sparsity.token_rows import PUT_ROWS, TAKE_ROWS
 
 logger = logging.getLogger("ortmodule.engine")
 
@@ -137,10 +137,10 @@ SHAPE_KEEPING_ATEN = frozenset(
         CROSS_ENTROPY,
         FLASH,
         FLASH_BSHD,
-        TAKE_ROWS,  # shapes computed, not guessed (passes/density.py, infer_symbolic_shapes)
+        TAKE_ROWS,  # shapes computed, not guessed (named_dims.py, infer_symbolic_shapes)
         PUT_ROWS,
         STOP_GRADIENT,  # a copy of its input (export/gradient_cuts.py)
-        TOPK_INDICES,  # shapes computed (passes/density.py, infer_symbolic_shapes)
+        TOPK_INDICES,  # shapes computed (named_dims.py, infer_symbolic_shapes)
     }
 )
 
@@ -189,7 +189,7 @@ def _named_dims(model: onnx.ModelProto) -> onnx.ModelProto | None:
         )
         return None
     try:
-        named = density.infer_symbolic_shapes(model)
+        named = named_dims.infer_symbolic_shapes(model)
     except Exception as err:  # noqa: BLE001 - named dims only make the graph faster
         logger.info(
             "symbolic shape inference failed (%s: %s); building the graph as exported",

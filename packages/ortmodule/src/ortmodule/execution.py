@@ -22,6 +22,7 @@ import onnx
 import torch
 
 from ortmodule_exporter import (
+    BatchContext,
     EngineBuildError,
     ExportCache,
     ExportConfig,
@@ -33,6 +34,7 @@ from ortmodule_exporter import (
     SaveOptions,
     export,
     parameter_signature,
+    run_batch_passes,
     run_post_export_passes,
     trace_state,
 )
@@ -56,15 +58,10 @@ from ortmodule_exporter.engine import (
 )
 from ortmodule_exporter.export import bind_arguments, forward_signature
 from ortmodule_exporter.export.shape_guards import ShapeGuard
+from ortmodule_exporter.sparsity.config import SparsityConfig
 from ortmodule_pytree import FlattenMemo, unflatten
 
 from .log import PhaseTimer, log_initialisation_summary
-from .sparsity import (
-    SparsityConfig,
-    apply_label_rows,
-    apply_label_sparsity,
-    apply_padding_elimination,
-)
 
 logger = logging.getLogger("ortmodule")
 
@@ -874,29 +871,22 @@ class GraphRunner:
     def _batch_passes(
         self, exported: ExportedModel, key: GraphKey, flat: Sequence[torch.Tensor]
     ) -> None:
-        """Stage 3: the passes that read this batch's values (label and padding sparsity)."""
+        """Stage 3: the passes that read this batch's values (``run_batch_passes``: padding
+        elimination, labelled rows and label sparsity are registered there)."""
         cfg = self.config
         names = list(exported.input_schema.names)
         batch = {name: flat[i] for i, name in enumerate(names)}
-        sparsity = SparsityConfig(
-            label=cfg.label_sparsity,
-            print_density=cfg.print_input_density,
-            padding=cfg.padding_elimination,
-        )
         state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        padded = apply_padding_elimination(
-            exported, {**state, **batch}, sparsity, training=key.build_gradient
+        context = BatchContext(
+            training=key.build_gradient,
+            sparsity=SparsityConfig(
+                label=cfg.label_sparsity,
+                print_density=cfg.print_input_density,
+                padding=cfg.padding_elimination,
+            ),
+            export_config=cfg.export_config or ExportConfig.from_switches(cfg.opset),
         )
-        rows = None
-        if padded is None or not padded.applied:
-            # under the export's switches: the loss on the labelled rows takes their
-            # kernel choice
-            config = cfg.export_config or ExportConfig.from_switches(cfg.opset)
-            with config.applied():
-                rows = apply_label_rows(
-                    exported, {**state, **batch}, sparsity, training=key.build_gradient
-                )
-        apply_label_sparsity(exported, batch, sparsity, training=key.build_gradient, rows=rows)
+        run_batch_passes(exported, {**state, **batch}, context)
 
     def _graph_config(
         self,

@@ -13,7 +13,7 @@
 ``parallel``          PyTorch-run attention and GELU nodes in pieces across the engine's threads
 ``output_pool``       reused buffers for PyTorch-run nodes' large outputs (no page faults per step)
 ``attention_layout``  CPU flash attention on token-major tensors (no Transposes around it)
-``token_rows``        padding elimination's row moves: (batch, seq, ...) <-> kept tokens' rows
+``token_rows``        moved to :mod:`ortmodule_exporter.sparsity` (the name stays for imports)
 ``overloads``         which overload a routed operator calls, from its traced inputs
 ``empty_tensors``     operators on zero-element tensors run in PyTorch (an untrainable check)
 ``gradient_gaps``     ONNX nodes whose engine gradient fails for some inputs (an untrainable check)

@@ -1,5 +1,6 @@
 """Graph passes: edits of the exported ONNX model before the engine builds its gradient graph
-(post-export passes), and of the graph the engine built (built-graph passes).
+(post-export passes, then batch passes, which read the exporting batch), and of the graph the
+engine built (built-graph passes).
 
 ======================  =========================================================================
 ``ordered``             :class:`OrderedPasses`, the named ordered registry both kinds of pass use
@@ -13,10 +14,10 @@
 ``output_ranks``        scalar outputs keep rank 0 (45)
 ``engine_graph_fixes``  no-op Casts removed; an input read twice goes through an Identity; a
                         concatenated SequenceConstruct becomes Concat (45)
-``density``             the label-density flag PythonOp (used by ``ortmodule.sparsity``)
-``padding``             padding elimination: token-wise nodes on the kept tokens; labelled
-                        rows: the token-wise nodes only a loss reads on the labelled tokens
-                        (both used by ``ortmodule.sparsity``)
+``density``             moved to :mod:`ortmodule_exporter.sparsity` (the name stays for imports)
+``batch``               :func:`~ortmodule_exporter.passes.batch.register_batch_pass`: passes that
+                        read the batch that caused the export (the sparsity decisions,
+                        :mod:`ortmodule_exporter.sparsity.batch_passes`)
 ``built_graph``         :func:`~ortmodule_exporter.passes.built_graph.register_built_graph_pass`
 ``scalar_gradients``    built-graph pass: gradients of 0-d tensors keep rank 0 (10)
 ``nan_gradients``       built-graph pass: masking multiplications and ``ReluGrad`` select like

@@ -11,10 +11,10 @@ a ``(real tokens, features)`` tensor:
   of a sequence without a single real token (keys that are all masked average over every row,
   so nothing there may change);
 * a tensor of shape ``(batch, seq, ...)`` entering a token-wise node is gathered into kept
-  rows (:data:`~ortmodule_exporter.aten.token_rows.TAKE_ROWS`); one leaving the token-wise
+  rows (:data:`~ortmodule_exporter.sparsity.token_rows.TAKE_ROWS`); one leaving the token-wise
   region for anything else (the heads' ``Reshape`` before attention) is put back into
   ``(batch, seq, ...)`` with zero rows for the tokens left out
-  (:data:`~ortmodule_exporter.aten.token_rows.PUT_ROWS`); each move is the other's gradient;
+  (:data:`~ortmodule_exporter.sparsity.token_rows.PUT_ROWS`); each move is the other's gradient;
 * a ``Shape`` of a region tensor becomes the padded shape (the mask's dims, then the rows');
 * a ``SoftmaxCrossEntropyLoss`` reading ``reshape(logits, (-1, vocab))`` reads the kept rows of
   the logits and of its labels instead; only rows whose label is ignored are left out, so the
@@ -66,10 +66,11 @@ from ..aten import executor as aten_executor
 from ..aten.attention_layout import FLASH, FLASH_BSHD
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.kernel_choice import GELU, LAYER_NORM, aten_cross_entropy, cross_entropy_route
-from ..aten.token_rows import PUT_ROWS, TAKE_ROWS
 from ..engine_binding import import_onnxruntime
+from ..named_dims import infer_symbolic_shapes
 from ..onnx_graph import attribute, constant_values, producers_and_consumers
-from .density import _cone, infer_symbolic_shapes
+from .density import _cone
+from .token_rows import PUT_ROWS, TAKE_ROWS
 
 __all__ = [
     "LABELLED",
