@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["demo"]:
-        from .demo import add_arguments
+        from .demo.config import add_arguments
 
         add_arguments(demo)
     args = parser.parse_args(argv)
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         from .doctor import run_doctor
 
         return run_doctor()
-    from .demo import run_demo
+    from .demo.cli import run_demo
 
     return run_demo(args)
 
