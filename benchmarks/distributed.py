@@ -224,7 +224,11 @@ def main() -> None:
             try:
                 ranks = measure(stack, mode, args)
             except RuntimeError as err:
-                print(f"| {stack} | {mode} | failed: {str(err).splitlines()[-1][:200]} |")
+                lines = str(err).splitlines()
+                # the exception's own line, not the last frame of its traceback
+                why = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])
+                print(f"| {stack} | {mode} | failed: {why.strip()[:300]} |", flush=True)
+                print(str(err), file=sys.stderr)
                 continue
             first = max(r["first"] for r in ranks)
             median = max(statistics.median(r["steps"]) for r in ranks) if args.measured else 0
