@@ -4,6 +4,7 @@ Fallback is disabled (conftest), so every step ran in the engine."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -257,3 +258,14 @@ def test_zero_element_input_runs_in_eval() -> None:
         got = wrapped(x)
     want = _Softmax()(x)
     assert got.shape == want.shape == (0, 5)
+
+
+def test_the_experimental_frontend_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ortmodule_exporter.export import exporter
+
+    monkeypatch.setattr(exporter, "_WARNED_EXPERIMENTAL", [])
+    with pytest.warns(UserWarning, match="torch_export is experimental and gives wrong results"):
+        exporter._warn_experimental_frontend()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exporter._warn_experimental_frontend()  # once per process

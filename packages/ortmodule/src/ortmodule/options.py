@@ -134,7 +134,8 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "torchscript or torch_export (any case)",
         _EXPORTER,
         "Which frontend writes the ONNX graph: torchscript, PyTorch's TorchScript exporter "
-        "(torch.onnx.export dynamo=False); torch_export (experimental; needs onnxscript), "
+        "(torch.onnx.export dynamo=False); torch_export (experimental, with known wrong "
+        "results on some programs, docs/frontends.md; warns once; needs onnxscript), "
         "torch.export (non-strict, every input dim dynamic) lowered by the dynamo ONNX "
         "translator, at opset 18 or ORTMODULE_ONNX_OPSET_VERSION if higher: a branch on a "
         "tensor's value is an export error instead of a guard, in-place writes are "

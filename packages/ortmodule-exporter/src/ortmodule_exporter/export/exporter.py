@@ -520,6 +520,24 @@ def _torchscript_trace(
     return flat, model
 
 
+_WARNED_EXPERIMENTAL: list[bool] = []
+
+
+def _warn_experimental_frontend() -> None:
+    """Once per process: the torch_export frontend has known wrong results (docs/frontends.md:
+    fuzzer programs and an OpInfo gradient that train equal to eager with torchscript)."""
+    if _WARNED_EXPERIMENTAL:
+        return
+    _WARNED_EXPERIMENTAL.append(True)
+    warnings.warn(
+        "ORTModule: ORTMODULE_EXPORTER=torch_export is experimental and gives wrong results on "
+        "some programs that the default exporter trains like eager (docs/frontends.md); check "
+        "its losses and gradients against eager, or unset ORTMODULE_EXPORTER",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
 def _torch_export(
     module: torch.nn.Module,
     target: torch.nn.Module,
@@ -530,6 +548,7 @@ def _torch_export(
     static_shapes: bool,
 ) -> tuple[TorchExportFlat, onnx.ModelProto]:
     """The torch_export frontend (``torch_export.export_program``), in the module's mode."""
+    _warn_experimental_frontend()
     flat = TorchExportFlat(target, input_schema, _WRAPPED)
     was_training = target.training
     if was_training != training:
