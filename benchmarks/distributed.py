@@ -24,6 +24,7 @@ import importlib
 import json
 import os
 import resource
+import signal
 import socket
 import statistics
 import subprocess
@@ -158,6 +159,16 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+def _died(returncode: int) -> str:
+    """How a rank ended, for the table: a Python exception's own line is in its stderr; a
+    signal (no traceback) is named here, as an ``Error`` line the table picks up."""
+    if returncode >= 0:
+        return f"a rank exited with code {returncode}"
+    name = signal.Signals(-returncode).name
+    why = " (the kernel's OOM killer sends it: out of memory?)" if name == "SIGKILL" else ""
+    return f"a rank was killed by {name}{why}\nError: a rank was killed by {name}{why}"
+
+
 def measure(stack: str, mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One run of ``stack`` in ``mode``: each rank's result."""
     port = _port()
@@ -183,7 +194,7 @@ def measure(stack: str, mode: str, args: argparse.Namespace) -> list[dict[str, A
         for p in procs:
             _, err = p.communicate()
             if p.returncode:
-                raise RuntimeError(f"{stack} {mode}: a rank failed:\n{err[-4000:]}")
+                raise RuntimeError(f"{stack} {mode}: {_died(p.returncode)}:\n{err[-4000:]}")
         return [json.loads(Path(o).read_text()) for o in outs]
 
 
