@@ -8,6 +8,7 @@ outputs are the flattened outputs, named ``output.<path>``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
@@ -588,44 +589,51 @@ def _output_schema(
     read as a Python number, ``.tolist()``) raises under fake tensors, and so does anything
     else they do not support: then the real forward decides.
     """
-    schema = _fake_output_schema(module, input_schema, tensors, training)
-    if schema is not None:
-        return schema
-    flat = _FlatModule(module, input_schema)
-    was_training = module.training
     try:
-        with _preserved_state(module), torch.no_grad():
-            module.train(training)
-            flat(*(t.detach() for t in tensors))
-    finally:
-        module.train(was_training)
-    if flat.output_schema is None:  # pragma: no cover - forward raised instead
-        raise ExportError(f"{module_path(module)} returned no output")
-    return flat.output_schema
+        flat = _forward_once(module, input_schema, tensors, training, fake=True)
+    except Exception as err:  # noqa: BLE001 - any failure: the real forward decides
+        logger.debug("output structure: the fake forward failed (%s); running it for real", err)
+    else:
+        # values read or written: only a real forward is sure to agree
+        if not (flat.guards or flat.written_buffers or flat.written_inputs):
+            return _schema_of(module, flat)
+    return _schema_of(module, _forward_once(module, input_schema, tensors, training, fake=False))
 
 
-def _fake_output_schema(
-    module: torch.nn.Module, input_schema: Schema, tensors: Sequence[torch.Tensor], training: bool
-) -> Schema | None:
-    """:func:`_output_schema` from a forward on fake tensors, or None where it does not run."""
+def _forward_once(
+    module: torch.nn.Module,
+    input_schema: Schema,
+    tensors: Sequence[torch.Tensor],
+    training: bool,
+    fake: bool,
+) -> _FlatModule:
+    """One no_grad forward of ``module`` in ``training`` mode, on fake copies of ``tensors``
+    (the parameters and buffers stay real: the mode wraps them per operation) or on the
+    tensors; buffers, RNG streams and the module's mode are left as they were."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     flat = _FlatModule(module, input_schema)
     was_training = module.training
     try:
-        with _preserved_state(module), torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_preserved_state(module))
+            stack.enter_context(torch.no_grad())
             module.train(training)
-            # the parameters and buffers stay real: the mode wraps them as fake per operation
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                flat(*(mode.from_tensor(t.detach()) for t in tensors))
-    except Exception as err:  # noqa: BLE001 - any failure: the real forward decides
-        logger.debug("output structure: the fake forward failed (%s); running it for real", err)
-        return None
+            inputs = [t.detach() for t in tensors]
+            if fake:
+                stack.enter_context(warnings.catch_warnings())
+                warnings.simplefilter("ignore")
+                mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                inputs = [mode.from_tensor(t) for t in inputs]
+            flat(*inputs)
     finally:
         module.train(was_training)
-    if flat.guards or flat.written_buffers or flat.written_inputs:
-        return None  # values read or written: only a real forward is sure to agree
+    return flat
+
+
+def _schema_of(module: torch.nn.Module, flat: _FlatModule) -> Schema:
+    if flat.output_schema is None:  # pragma: no cover - forward raised instead
+        raise ExportError(f"{module_path(module)} returned no output")
     return flat.output_schema
 
 
