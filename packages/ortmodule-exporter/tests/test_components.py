@@ -18,6 +18,7 @@ from ortmodule_exporter.components import (
     SessionContribution,
     StepHook,
 )
+from ortmodule_exporter.ordered import OrderedRegistry
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(components, "_COMPONENTS", {})
     monkeypatch.setattr(components, "_FAILURES", {})
     monkeypatch.setattr(components, "_DISCOVERED", [False])
-    monkeypatch.setattr(components, "_CONTRIBUTORS", {})
+    monkeypatch.setattr(components, "_CONTRIBUTORS", OrderedRegistry(components._check_contributor))
 
 
 def _install_fake_distribution(root: Path, body: str, entry: str) -> None:

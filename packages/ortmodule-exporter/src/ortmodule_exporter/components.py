@@ -60,6 +60,7 @@ import onnx
 import torch
 
 from .option import Option
+from .ordered import OrderedRegistry
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -326,7 +327,13 @@ class SessionContribution:
 
 SessionContributor = Callable[[SessionContext], SessionContribution | None]
 
-_CONTRIBUTORS: dict[str, tuple[int, SessionContributor]] = {}
+
+def _check_contributor(name: str, fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"register_session_contributor({name!r}, ...): fn must be callable")
+
+
+_CONTRIBUTORS: OrderedRegistry[SessionContributor] = OrderedRegistry(_check_contributor)
 
 
 def register_session_contributor(name: str, fn: SessionContributor, order: int = 100) -> None:
@@ -338,15 +345,11 @@ def register_session_contributor(name: str, fn: SessionContributor, order: int =
     ... )
     >>> unregister_session_contributor("probe")
     """
-    if not callable(fn):
-        raise TypeError(f"register_session_contributor({name!r}, ...): fn must be callable")
-    with _LOCK:
-        _CONTRIBUTORS[name] = (order, fn)
+    _CONTRIBUTORS.register(name, fn, order)
 
 
 def unregister_session_contributor(name: str) -> None:
-    with _LOCK:
-        _CONTRIBUTORS.pop(name, None)
+    _CONTRIBUTORS.unregister(name)
 
 
 def has_session_contributors() -> bool:
@@ -356,13 +359,11 @@ def has_session_contributors() -> bool:
 
 def session_contribution(context: SessionContext) -> SessionContribution:
     """Every contributor's settings merged; two contributors setting one key differently is an error."""
-    with _LOCK:
-        ordered = sorted(_CONTRIBUTORS.items(), key=lambda item: (item[1][0], item[0]))
     entries: dict[str, str] = {}
     owner: dict[str, str] = {}
     efficient = False
-    for name, (_order, fn) in ordered:
-        got = fn(context)
+    for entry in _CONTRIBUTORS.in_order():
+        name, got = entry.name, entry.fn(context)
         if got is None:
             continue
         if not isinstance(got, SessionContribution):
@@ -441,8 +442,15 @@ class StepHook:
         return None
 
 
-_HOOKS: dict[str, tuple[int, StepHook]] = {}
-_HOOK_TUPLE: list[tuple[StepHook, ...]] = [()]
+def _check_hook(name: str, hook: Any) -> None:
+    if not isinstance(hook, StepHook):
+        raise TypeError(
+            f"register_step_hook({name!r}, ...): the hook must subclass "
+            f"ortmodule_exporter.components.StepHook, got {type(hook).__name__}"
+        )
+
+
+_HOOKS: OrderedRegistry[StepHook] = OrderedRegistry(_check_hook)
 
 
 def register_step_hook(name: str, hook: StepHook, order: int = 100) -> None:
@@ -455,29 +463,16 @@ def register_step_hook(name: str, hook: StepHook, order: int = 100) -> None:
     >>> register_step_hook("count", Count())
     >>> unregister_step_hook("count")
     """
-    if not isinstance(hook, StepHook):
-        raise TypeError(
-            f"register_step_hook({name!r}, ...): the hook must subclass "
-            f"ortmodule_exporter.components.StepHook, got {type(hook).__name__}"
-        )
-    with _LOCK:
-        _HOOKS[name] = (order, hook)
-        _HOOK_TUPLE[0] = tuple(h for _, (_o, h) in sorted(_HOOKS.items(), key=_hook_key))
+    _HOOKS.register(name, hook, order)
 
 
 def unregister_step_hook(name: str) -> None:
-    with _LOCK:
-        _HOOKS.pop(name, None)
-        _HOOK_TUPLE[0] = tuple(h for _, (_o, h) in sorted(_HOOKS.items(), key=_hook_key))
-
-
-def _hook_key(item: tuple[str, tuple[int, StepHook]]) -> tuple[int, str]:
-    return item[1][0], item[0]
+    _HOOKS.unregister(name)
 
 
 def step_hooks() -> tuple[StepHook, ...]:
     """The registered hooks in order; an empty tuple costs the hot path nothing."""
-    return _HOOK_TUPLE[0]
+    return _HOOKS.fns()
 
 
 _PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward")
@@ -508,7 +503,7 @@ def step_phases(ctx: StepContext, previous: StepPhases | None = None) -> StepPha
     >>> for hook in phases.pre_forward:
     ...     hook.pre_forward(ctx)
     """
-    hooks = _HOOK_TUPLE[0]
+    hooks = _HOOKS.fns()
     if previous is not None and previous.hooks is hooks and previous.ctx is ctx:
         return previous
     applying = [h for h in hooks if h.applies_to(ctx)]

@@ -3,7 +3,6 @@
 engine built (built-graph passes).
 
 ======================  =========================================================================
-``ordered``             :class:`OrderedPasses`, the named ordered registry both kinds of pass use
 ``registry``            :func:`register_post_export_pass`, :func:`run_post_export_passes`
 ``batchnorm``           BatchNorm running statistics as graph outputs (order 10); an eval-mode
                         BatchNormalization in a training graph as elementwise ops (11)

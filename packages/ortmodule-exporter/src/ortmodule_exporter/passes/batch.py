@@ -26,8 +26,8 @@ import torch
 
 from ..export.config import ExportConfig
 from ..export.model import ExportedModel
+from ..ordered import OrderedRegistry, Registered
 from ..sparsity.config import SparsityConfig
-from .ordered import OrderedPasses, Pass
 
 __all__ = [
     "BatchContext",
@@ -55,9 +55,9 @@ class BatchContext:
 
 BatchPassFn = Callable[[ExportedModel, Mapping[str, torch.Tensor], BatchContext], Any]
 
-BatchPass = Pass[BatchPassFn]
+BatchPass = Registered[BatchPassFn]
 
-_PASSES: OrderedPasses[BatchPassFn] = OrderedPasses()
+_PASSES: OrderedRegistry[BatchPassFn] = OrderedRegistry()
 
 
 def register_batch_pass(name: str, fn: BatchPassFn, order: int = 100) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import onnx
 
-from .ordered import OrderedPasses, Pass
+from ..ordered import OrderedRegistry, Registered
 
 __all__ = [
     "BuiltGraphPass",
@@ -33,9 +33,9 @@ __all__ = [
 BuiltPassFn = Callable[[onnx.ModelProto, Any], bool]
 
 
-BuiltGraphPass = Pass[BuiltPassFn]
+BuiltGraphPass = Registered[BuiltPassFn]
 
-_PASSES: OrderedPasses[BuiltPassFn] = OrderedPasses()
+_PASSES: OrderedRegistry[BuiltPassFn] = OrderedRegistry()
 
 
 def register_built_graph_pass(name: str, fn: BuiltPassFn, order: int = 100) -> None:

@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..export.model import ExportedModel
-from .ordered import OrderedPasses, Pass
+from ..ordered import OrderedRegistry, Registered
 
 PassFn = Callable[[ExportedModel, Mapping[str, Any]], None]
-PostExportPass = Pass[PassFn]
+PostExportPass = Registered[PassFn]
 
-_PASSES: OrderedPasses[PassFn] = OrderedPasses()
+_PASSES: OrderedRegistry[PassFn] = OrderedRegistry()
 
 
 def register_post_export_pass(name: str, fn: PassFn, order: int = 100) -> None:
