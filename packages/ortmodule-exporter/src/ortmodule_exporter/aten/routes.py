@@ -29,14 +29,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.onnx import symbolic_helper as sh
 
-from ..symbolics.registry import register_symbolic, registered_symbolics, unregister_symbolic
+from ..active_export import active_export_config
+from ..symbolics.registry import (
+    LayerSymbolic,
+    SymbolicEntry,
+    over_below,
+    register_symbolic,
+    register_symbolic_layer,
+    torch_symbolic,
+)
 from . import executor as aten_executor
 from .engine_gradients import engine_has_gradient
 from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
@@ -48,7 +56,6 @@ __all__ = [
     "TRACED_TYPES",
     "aten_routes",
     "configure_aten_routes",
-    "export_settings",
     "operator_export_type",
     "register_aten_route",
     "register_untrainable_check",
@@ -72,41 +79,21 @@ class _Routes:
     dropout: bool = False
 
 
+#: the process defaults, which an export without a config uses (``ExportConfig.from_switches``)
 _ROUTES = _Routes()
 
 
 def aten_routes() -> _Routes:
-    return _ROUTES
-
-
-#: op -> the symbolic our registry held before ours (ortmodule_exporter.symbolics.builtin), which ours
-#: hands every case it does not route to ATen
-_PREVIOUS: dict[str, Any] = {}
-_OURS: set[Any] = set()
-
-
-def _install(op: str, fn: Any, opset: int) -> None:
-    current = registered_symbolics().get(op)
-    if current is not None and current.fn not in _OURS:
-        _PREVIOUS[op] = current
-    _OURS.add(fn)
-    register_symbolic(op, fn, opset)
-
-
-def _uninstall(op: str) -> None:
-    current = registered_symbolics().get(op)
-    if current is None or current.fn not in _OURS:
-        return
-    previous = _PREVIOUS.get(op)
-    if previous is not None:
-        register_symbolic(op, previous.fn, previous.opset)
-    else:
-        unregister_symbolic(op)
-
-
-def _previous(op: str, default: Any) -> Any:
-    entry = _PREVIOUS.get(op)
-    return default if entry is None else entry.fn
+    """The routes of the export running in this context, else the process defaults."""
+    active = active_export_config()
+    if active is None:
+        return _ROUTES
+    return _Routes(
+        sdpa_fallback=bool(active.aten_sdpa_fallback),
+        efficient_attention=bool(active.efficient_attention),
+        embedding=bool(active.aten_embedding),
+        dropout=bool(active.aten_dropout),
+    )
 
 
 def configure_aten_routes(
@@ -115,34 +102,44 @@ def configure_aten_routes(
     embedding: bool = False,
     dropout: bool = False,
 ) -> None:
-    """Install the ATen symbolics; ``sdpa_fallback``/``efficient_attention`` route attention,
-    ``embedding`` routes embeddings with ``padding_idx``/``scale_grad_by_freq`` (by default
+    """Set the process defaults of the routes (an export given an ``ExportConfig`` uses its own):
+    ``sdpa_fallback``/``efficient_attention`` route attention, ``embedding`` routes embeddings
+    with ``padding_idx``/``scale_grad_by_freq`` (by default
     :mod:`ortmodule_exporter.symbolics.embedding` exports those as ONNX, which the engine trains
     exactly), ``dropout`` routes training-mode dropout to PyTorch's kernel (eager's masks).
 
-    Each symbolic here hands the cases it does not route to the symbolic registered before it.
-    They only apply to ORTModule's exports (see :mod:`ortmodule_exporter.symbolics.registry`).
+    Each routing symbolic hands the cases it does not route to the symbolic below it in the
+    export's table (:func:`ortmodule_exporter.symbolics.registry.symbolic_table`).
     """
     _ROUTES.sdpa_fallback = bool(sdpa_fallback)
     _ROUTES.efficient_attention = bool(efficient_attention)
     _ROUTES.embedding = bool(embedding)
     _ROUTES.dropout = bool(dropout)
-    _install("aten::einsum", _einsum, 12)
+
+
+def _whole(op: str) -> Callable[[SymbolicEntry | None], Any]:
+    """A route that takes every call of ``op`` (nothing is handed to the entry below)."""
+
+    def make(below: SymbolicEntry | None) -> Any:
+        return _route(op)
+
+    return make
+
+
+def _routes_layer(config: Any) -> Iterator[LayerSymbolic]:
+    """The symbolics the routes put on an export's table for ``config``."""
+    yield LayerSymbolic("aten::einsum", over_below(_einsum, torch_symbolic(12, "einsum")), 12)
     for op in DEFAULT_ROUTES:
-        register_aten_route(op)
-    if embedding:
-        _install("aten::embedding", _embedding, 9)
-    else:
-        _uninstall("aten::embedding")
-    if sdpa_fallback or efficient_attention:
-        _install("aten::scaled_dot_product_attention", _sdpa, 14)
-    else:
-        _uninstall("aten::scaled_dot_product_attention")
-    for op in _DROPOUT_OPS:
-        if dropout:
-            _install(op, _dropout, 12)
-        else:
-            _uninstall(op)
+        yield LayerSymbolic(op, _whole(op), 9)
+    if config.aten_embedding:
+        embedding = over_below(_embedding, torch_symbolic(9, "embedding"))
+        yield LayerSymbolic("aten::embedding", embedding, 9)
+    if config.aten_sdpa_fallback or config.efficient_attention:
+        sdpa = over_below(_sdpa, torch_symbolic(14, "scaled_dot_product_attention"))
+        yield LayerSymbolic("aten::scaled_dot_product_attention", sdpa, 14)
+    if config.aten_dropout:
+        for op in _DROPOUT_OPS:
+            yield LayerSymbolic(op, over_below(_dropout, torch_symbolic(12, "dropout")), 12)
 
 
 def operator_export_type() -> torch.onnx.OperatorExportTypes:
@@ -151,16 +148,6 @@ def operator_export_type() -> torch.onnx.OperatorExportTypes:
     if aten_executor.installed():
         return torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK
     return torch.onnx.OperatorExportTypes.ONNX
-
-
-def export_settings() -> str:
-    """The switches that change what the export writes, for export-cache keys."""
-    r = _ROUTES
-    return (
-        f"aten_fallback={int(aten_executor.installed())},sdpa={int(r.sdpa_fallback)},"
-        f"attention={int(r.efficient_attention)},embedding={int(r.embedding)},"
-        f"dropout={int(r.dropout)}"
-    )
 
 
 # -- helpers for symbolics -----------------------------------------------------------------------
@@ -233,11 +220,14 @@ def _aten(
 
 
 def _embedding(
-    g: Any, weight: Any, indices: Any, padding_idx: Any, scale_grad_by_freq: Any, sparse: Any
+    default: Any,
+    g: Any,
+    weight: Any,
+    indices: Any,
+    padding_idx: Any,
+    scale_grad_by_freq: Any,
+    sparse: Any,
 ) -> Any:
-    from torch.onnx._internal.torchscript_exporter import symbolic_opset9
-
-    default = _previous("aten::embedding", symbolic_opset9.embedding)
     padding = sh._maybe_get_const(padding_idx, "i")
     by_freq = sh._maybe_get_const(scale_grad_by_freq, "b")
     if (
@@ -275,7 +265,7 @@ def embedding_node(
 _DROPOUT_OPS = ("aten::dropout", "aten::dropout_")
 
 
-def _dropout(g: Any, x: Any, p: Any, train: Any) -> Any:
+def _dropout(default: Any, g: Any, x: Any, p: Any, train: Any) -> Any:
     """Training-mode dropout as PyTorch's ``native_dropout``: the engine calls PyTorch, which
     draws the mask from its own generator exactly as eager's ``dropout`` does (same draws, same
     generator state after), and the gradient is ``native_dropout_backward`` of that mask.
@@ -284,9 +274,6 @@ def _dropout(g: Any, x: Any, p: Any, train: Any) -> Any:
     would draw, shifting every later draw of the step: p = 0 returns the input, p = 1 and
     anything not constant keep the ONNX export.
     """
-    from torch.onnx._internal.torchscript_exporter import symbolic_opset12
-
-    default = _previous(g.original_node.kind(), symbolic_opset12.dropout)
     rate = sh._maybe_get_const(p, "f")
     training = sh._maybe_get_const(train, "b")
     if not isinstance(training, (bool, int)) or not isinstance(rate, float):
@@ -714,15 +701,13 @@ def einsum_needs_aten(dtypes: Sequence[str | None], device: Any) -> bool:
     return on_cpu and any(d not in ("Float", None) for d in dtypes)
 
 
-def _einsum(g: Any, equation: Any, tensor_list: Any, *rest: Any) -> Any:
-    from torch.onnx._internal.torchscript_exporter import symbolic_opset12
-
+def _einsum(default: Any, g: Any, equation: Any, tensor_list: Any, *rest: Any) -> Any:
     eq = sh._maybe_get_const(equation, "s")
     tensors = sh._unpack_list(tensor_list)
     dtypes = [t.type().scalarType() for t in tensors]
     device = _device(tensors[0]) if tensors else None
     if not isinstance(eq, str) or not einsum_needs_aten(dtypes, device):
-        return _previous("aten::einsum", symbolic_opset12.einsum)(g, equation, tensor_list, *rest)
+        return default(g, equation, tensor_list, *rest)
     out = _aten(g, EINSUM, tensors, overload=eq)
     rank = _einsum_rank(eq, [traced_sizes(t) for t in tensors])
     return _typed(out, tensors[0], [None] * rank if rank is not None else None)
@@ -741,11 +726,16 @@ def _run_einsum(equation: str, inputs: list[torch.Tensor | None]) -> list[torch.
 
 register_aten_function(EINSUM, AtenFunction(_run_einsum, lambda _eq, _i, _is_input: True))
 
+#: above our own symbolics and the PythonOp export, below the kernel choice (which wraps what
+#: the routes leave to ONNX)
+register_symbolic_layer("aten_routes", _routes_layer, order=20)
+
 
 # -- scaled dot product attention -------------------------------------------------------------------
 
 
 def _sdpa(
+    default_symbolic: Any,
     g: Any,
     query: Any,
     key: Any,
@@ -756,13 +746,10 @@ def _sdpa(
     scale: Any = None,
     enable_gqa: Any = None,
 ) -> Any:
-    from torch.onnx._internal.torchscript_exporter import symbolic_opset14
-
     def default() -> Any:
-        fn = _previous(
-            "aten::scaled_dot_product_attention", symbolic_opset14.scaled_dot_product_attention
+        return default_symbolic(
+            g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         )
-        return fn(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     dropout = 0.0 if dropout_p is None else sh._maybe_get_const(dropout_p, "f")
     causal = False if is_causal is None else sh._maybe_get_const(is_causal, "b")

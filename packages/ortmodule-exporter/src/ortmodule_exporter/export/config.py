@@ -1,9 +1,14 @@
 """ExportConfig: every setting that changes what an export writes, in one frozen object.
 
-The runtime builds one from its options and passes it to :func:`ortmodule_exporter.export`;
-the export applies it for its own duration only (:meth:`ExportConfig.applied`) and hashes it
-into the export-cache key (:meth:`ExportConfig.fingerprint`), so a changed option, a newly
-registered symbolic or a new Function exporter can never return a graph exported without it.
+The runtime builds one from its options and passes it to :func:`ortmodule_exporter.export`.
+The export is a function of it: the symbolic table is computed from it
+(:func:`~ortmodule_exporter.symbolics.registry.symbolic_table`), and the routes, the PythonOp
+export and the kernel choice read their switches from it through the context the export runs
+in (:meth:`ExportConfig.applied`, :mod:`ortmodule_exporter.active_export`), so nothing is
+installed into a module and two exports in two threads never see each other's settings. It is
+hashed into the export-cache key (:meth:`ExportConfig.fingerprint`), so a changed option, a
+newly registered symbolic or a new Function exporter can never return a graph exported without
+it.
 
 >>> config = ExportConfig(opset=17, custom_autograd=True, aten_sdpa_fallback=True)
 >>> len(config.fingerprint())
@@ -16,16 +21,16 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from .. import python_op
+from ..active_export import export_config_active
 from ..aten import executor as aten_executor
 from ..aten import kernel_choice
 from ..aten import routes as aten_routes
-from ..symbolics.registry import registered_symbolics
+from ..symbolics.registry import symbolic_table
 
 __all__ = ["DEFAULT_OPSET", "FRONTENDS", "ExportConfig", "callable_source"]
 
@@ -33,10 +38,6 @@ DEFAULT_OPSET = 17
 
 #: the export frontends (``ORTMODULE_EXPORTER``); the first is the default
 FRONTENDS = ("torchscript", "torch_export")
-
-# One export at a time applies its switches: two threads exporting with different configs must
-# not see each other's (symbolics.registry's lock already serialises the export itself).
-_APPLY_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,15 @@ class ExportConfig:
             raise ValueError(
                 f"ExportConfig.frontend={self.frontend!r} is not one of {', '.join(FRONTENDS)}"
             )
+        if self.kernel_choice not in kernel_choice.MODES:
+            raise ValueError(
+                f"ExportConfig.kernel_choice={self.kernel_choice!r} is not one of "
+                f"{', '.join(kernel_choice.MODES)}"
+            )
+        if self.kernel_choice_threads < 0:
+            raise ValueError(
+                f"ExportConfig.kernel_choice_threads={self.kernel_choice_threads} must be >= 0"
+            )
 
     @classmethod
     def from_switches(cls, opset: int = DEFAULT_OPSET) -> ExportConfig:
@@ -93,42 +103,26 @@ class ExportConfig:
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
-        """Install this config's symbolics and switches for one export; restore them after."""
-        with _APPLY_LOCK:
-            before = ExportConfig.from_switches(self.opset)
-            self._install(python_op, aten_routes)
-            try:
-                yield
-            finally:
-                before._install(python_op, aten_routes)
-
-    def _install(self, python_op: Any, aten_routes: Any) -> None:
-        python_op.enable_custom_autograd(self.custom_autograd, self.allow_autograd_checkpoint)
-        aten_routes.configure_aten_routes(
-            sdpa_fallback=self.aten_sdpa_fallback,
-            efficient_attention=self.efficient_attention,
-            embedding=self.aten_embedding,
-            dropout=self.aten_dropout,
-        )
-        kernel_choice.configure_kernel_choice(self.kernel_choice, self.kernel_choice_threads)
+        """Make this config the one in force in this context (thread, task) for one export."""
+        with export_config_active(self):
+            yield
 
     def fingerprint(self) -> str:
-        """A SHA-256 of this config and of everything registered that the export consults
-        while it is applied: symbolics (by name, opset and source), Function exporters and
-        whether the ATen executor is installed (ATen fallback on or off)."""
+        """A SHA-256 of this config and of everything registered that the export consults:
+        its symbolic table (by name, opset and source), Function exporters and whether the
+        ATen executor is installed (ATen fallback on or off)."""
         h = hashlib.sha256()
         for item in dataclasses.fields(self):
             h.update(f"{item.name}={getattr(self, item.name)!r}\n".encode())
         h.update(f"aten_executor={aten_executor.installed()}\n".encode())
-        with self.applied():
-            symbolics = registered_symbolics()
-            for op in sorted(symbolics):
-                entry = symbolics[op]
-                h.update(f"symbolic {op} {entry.opset}\n".encode())
-                h.update(callable_source(entry.fn).encode())
-            for name, handler in sorted(python_op.python_op_exporters().items()):
-                h.update(f"function exporter {name}\n".encode())
-                h.update(callable_source(handler).encode())
+        symbolics = symbolic_table(self)
+        for op in sorted(symbolics):
+            entry = symbolics[op]
+            h.update(f"symbolic {op} {entry.opset}\n".encode())
+            h.update(callable_source(entry.fn).encode())
+        for name, handler in sorted(python_op.python_op_exporters().items()):
+            h.update(f"function exporter {name}\n".encode())
+            h.update(callable_source(handler).encode())
         return h.hexdigest()
 
 

@@ -30,7 +30,7 @@ from ..aten import empty_tensors, kernel_choice
 from ..aten import routes as aten_routes
 from ..errors import ExportError, UnsupportedOutputError
 from ..op_location import locate_operator
-from ..symbolics.registry import symbolics_applied
+from ..symbolics.registry import symbolic_table, symbolics_applied
 from ..symbolics.traced_state import tracing_state_of
 from .bool_scalars import bool_scalars_as_numbers
 from .cache import ExportCache
@@ -391,7 +391,7 @@ def _export(
         )
     else:
         flat, model = _torchscript_trace(
-            module, target, input_schema, tensors, training, opset, static_shapes, verbose
+            module, target, input_schema, tensors, training, config, static_shapes, verbose
         )
     assert flat.output_schema is not None
     exported = _finish(
@@ -429,11 +429,13 @@ def _torchscript_trace(
     input_schema: Schema,
     tensors: Sequence[torch.Tensor],
     training: bool,
-    opset: int,
+    config: ExportConfig,
     static_shapes: bool,
     verbose: bool,
 ) -> tuple[_FlatModule, onnx.ModelProto]:
-    """The TorchScript frontend: ``torch.onnx.export(dynamo=False)`` of the flat wrapper."""
+    """The TorchScript frontend: ``torch.onnx.export(dynamo=False)`` of the flat wrapper, with
+    the symbolic table of ``config``."""
+    opset = config.opset
     flat = _FlatModule(target, input_schema)
     buf = io.BytesIO()
     names = list(input_schema.names)
@@ -451,7 +453,7 @@ def _torchscript_trace(
     try:
         with (
             _preserved_state(target),
-            symbolics_applied(opset),
+            symbolics_applied(symbolic_table(config), opset),
             cutting_gradients(),
             tracing_state_of(flat),
             aten_routes.untrainable_ops_routed(),
@@ -480,7 +482,7 @@ def _torchscript_trace(
                 verbose=verbose,
                 dynamo=False,
                 # the tracer crashes on Functions with non-tensor outputs unless inlining is off
-                autograd_inlining=not python_op.custom_autograd_enabled(),
+                autograd_inlining=not config.custom_autograd,
                 # ops without a symbolic become ATen nodes the engine runs through PyTorch
                 operator_export_type=aten_routes.operator_export_type(),
             )

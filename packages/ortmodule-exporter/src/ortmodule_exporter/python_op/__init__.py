@@ -36,7 +36,6 @@ from .symbolic import (
     allow_autograd_checkpoint,
     custom_autograd_enabled,
     enable_custom_autograd,
-    export_settings,
     exporting_copy_of,
 )
 
@@ -53,7 +52,6 @@ __all__ = [
     "check_model",
     "custom_autograd_enabled",
     "enable_custom_autograd",
-    "export_settings",
     "exporting_copy_of",
     "model_is_runnable",
     "python_op_exporters",

@@ -45,8 +45,9 @@ from typing import Any
 import onnx
 import torch
 
+from ..active_export import active_export_config
 from ..errors import ExportError
-from ..symbolics.registry import register_symbolic, unregister_symbolic
+from ..symbolics.registry import LayerSymbolic, register_symbolic_layer
 from .registry import _SPECIAL, PYTHON_OP_DOMAIN, REGISTRY, _register_with_engine, qualified_name
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -76,6 +77,7 @@ class _Switches:
     allow_checkpoint: bool = False
 
 
+#: the process defaults, which an export without a config uses (``ExportConfig.from_switches``)
 _SWITCHES = _Switches()
 
 
@@ -83,25 +85,34 @@ def enable_custom_autograd(enabled: bool = True, allow_checkpoint: bool = False)
     """Export ``torch.autograd.Function`` calls as PythonOp (``enabled``) or inline their forward.
 
     ``allow_checkpoint`` lets ``torch.utils.checkpoint`` regions through as PythonOp (they then
-    run in PyTorch); without it they are refused at export with an explanation.
+    run in PyTorch); without it they are refused at export with an explanation. These are the
+    process defaults: an export given an ``ExportConfig`` (ORTModule's always are) uses its own
+    ``custom_autograd`` and ``allow_autograd_checkpoint`` instead.
 
     >>> enable_custom_autograd(False)   # inline every Function's forward into the ONNX graph
     >>> enable_custom_autograd(True)
     """
     _SWITCHES.enabled = bool(enabled)
     _SWITCHES.allow_checkpoint = bool(allow_checkpoint)
-    if enabled:
-        register_symbolic(_SYMBOLIC, _python_op_symbolic, 1)
-    else:
-        unregister_symbolic(_SYMBOLIC)
 
 
 def custom_autograd_enabled() -> bool:
-    return _SWITCHES.enabled
+    """Whether the export running in this context (else the process default) makes PythonOps."""
+    active = active_export_config()
+    return _SWITCHES.enabled if active is None else bool(active.custom_autograd)
 
 
 def allow_autograd_checkpoint() -> bool:
-    return _SWITCHES.allow_checkpoint
+    active = active_export_config()
+    return _SWITCHES.allow_checkpoint if active is None else bool(active.allow_autograd_checkpoint)
+
+
+def _python_op_layer(config: Any) -> Iterator[LayerSymbolic]:
+    if config.custom_autograd:
+        yield LayerSymbolic(_SYMBOLIC, lambda below: _python_op_symbolic, 1)
+
+
+register_symbolic_layer("python_op", _python_op_layer, order=10)
 
 
 # -- the module copy that export traces --------------------------------------------------------
@@ -265,7 +276,7 @@ def _python_op_symbolic(g: Any, *args: Any, **_kwargs: Any) -> Any:
         result = special(g, node, *args)
         if result is not None:
             return result
-    if qual in CHECKPOINT_FUNCTIONS and not _SWITCHES.allow_checkpoint:
+    if qual in CHECKPOINT_FUNCTIONS and not allow_autograd_checkpoint():
         raise CheckpointExportError(_checkpoint_message(qual), op=qual)
 
     entry = REGISTRY.register(cls)
@@ -357,8 +368,3 @@ def _python_op_symbolic(g: Any, *args: Any, **_kwargs: Any) -> Any:
         value.setType(out_type.with_sizes(unknown) if unknown is not None else out_type)
         results.append(value)
     return results[0] if len(results) == 1 else tuple(results)
-
-
-def export_settings() -> str:
-    """The switches that change what the export writes, for export-cache keys."""
-    return f"custom_autograd={int(_SWITCHES.enabled)},checkpoint={int(_SWITCHES.allow_checkpoint)}"

@@ -1,6 +1,7 @@
 """The kernel choice's mode and the PyTorch thread count its measurements use.
 
-Both are set by :func:`~ortmodule_exporter.aten.kernel_choice.configure_kernel_choice` and read
+An export's ``ExportConfig`` carries both; outside an export, the process defaults set by
+:func:`~ortmodule_exporter.aten.kernel_choice.configure_kernel_choice` apply. Both are read
 through :func:`current_mode` and :func:`current_torch_threads` (this module is their one owner).
 
 >>> from ortmodule_exporter.aten.kernel_choice import current_mode
@@ -9,6 +10,8 @@ True
 """
 
 from __future__ import annotations
+
+from ...active_export import active_export_config
 
 __all__ = ["MODES", "current_mode", "current_torch_threads"]
 
@@ -21,13 +24,17 @@ _TORCH_THREADS = [0]
 
 
 def current_mode() -> str:
-    """The mode :func:`configure_kernel_choice` set last (``engine`` until it is called)."""
-    return _MODE[0]
+    """The mode of the export running in this context, else the process default that
+    :func:`configure_kernel_choice` set last (``engine`` until it is called)."""
+    active = active_export_config()
+    return _MODE[0] if active is None else str(active.kernel_choice)
 
 
 def current_torch_threads() -> int:
-    """The PyTorch thread count the measurement uses (0: PyTorch's current count)."""
-    return _TORCH_THREADS[0]
+    """The PyTorch thread count the measurement uses (0: PyTorch's current count): the running
+    export's, else the process default."""
+    active = active_export_config()
+    return _TORCH_THREADS[0] if active is None else int(active.kernel_choice_threads)
 
 
 def _set_mode(mode: str, torch_threads: int | None) -> None:
