@@ -21,6 +21,7 @@ from ortmodule_exporter import export, run_post_export_passes
 from ortmodule_exporter.aten import executor as aten_executor
 from ortmodule_exporter.aten import gradients as custom_gradients
 from ortmodule_exporter.aten import routes as aten_routes
+from ortmodule_exporter.aten import untrainable
 from ortmodule_exporter.aten.executor import UnsupportedAtenOperatorError
 from ortmodule_exporter.callback_errors import user_errors
 from ortmodule_exporter.engine import (
@@ -129,7 +130,7 @@ def test_grouped_mm_trains_through_a_python_op() -> None:
     run = assert_engine_matches_eager(GroupedExperts(), (_x(7, 8), expert))
     assert "_grouped_mm" in _aten_ops(run.built.exported.model)
     assert not any(
-        a.name == aten_routes.TRACED_TYPES
+        a.name == untrainable.TRACED_TYPES
         for n in run.built.exported.model.graph.node
         for a in n.attribute
     )
@@ -150,7 +151,7 @@ def test_an_aten_node_without_gradient_is_named_in_the_build_error(
     # without the traced types, _grouped_mm's node stays an untyped ATen node the engine can
     # neither type nor differentiate (in Mixtral: "gradient builder has not been registered:
     # ATen"): the error names the PyTorch operator, its overload and the module
-    monkeypatch.setattr(aten_routes, "_record_traced_types", lambda *args: None)
+    monkeypatch.setattr(untrainable, "_record_traced_types", lambda *args: None)
     with pytest.raises(EngineBuildError) as info:
         run_engine(Experts(), (_x(7, 8), torch.tensor([2, 0, 1, 0, 2, 2, 0])))
     message = str(info.value)

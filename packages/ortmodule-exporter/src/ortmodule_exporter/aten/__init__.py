@@ -5,7 +5,11 @@
 ``gradients``         gradients of ATen nodes (``register_aten_gradient``, or a generic
                       vector-Jacobian product)
 ``engine_gradients``  which ONNX operators the engine can differentiate (asked once per type)
-``routes``            which operators the export sends to ATen, and the symbolics that do it
+``routes``            the switches and symbolic layer that send operators to ATen (embedding,
+                      dropout, einsum, attention, the default routes, ``register_aten_route``)
+``untrainable``       operators whose ONNX form the engine cannot train, routed to ATen while
+                      the export runs (``register_untrainable_check``)
+``symbolic_helpers``  reading traced values and writing ATen nodes, for the symbolics
 ``aten_op``           :class:`~ortmodule_exporter.aten.aten_op.AtenOp`: an operator without a
                       gradient definition, run as a PythonOp
 ``kernel_choice``     per operator and size, the engine's kernel or PyTorch's, by timing both

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .routes import register_untrainable_check, traced_sizes
+from .symbolic_helpers import traced_sizes
+from .untrainable import register_untrainable_check
 
 __all__ = ["SAFE_ON_EMPTY", "example_inputs", "install", "is_zero_element", "zero_element_reasons"]
 

@@ -1,6 +1,6 @@
 """ONNX nodes whose gradient the engine builds wrong or not at all, though it has a builder.
 
-:func:`~ortmodule_exporter.aten.routes.untrainable_nodes` routes op types the engine has no
+:func:`~ortmodule_exporter.aten.untrainable.untrainable_nodes` routes op types the engine has no
 gradient builder for. These have one that fails for some of their inputs or attributes, so
 the operator that emitted them runs in PyTorch (an ATen node) in training exports:
 
@@ -25,12 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .routes import (
-    maybe_float,
-    register_untrainable_check,
-    traced_constant,
-    traced_requires_grad,
-)
+from .symbolic_helpers import maybe_float, traced_constant, traced_requires_grad
+from .untrainable import register_untrainable_check
 
 __all__ = ["gradient_gap_reasons", "install"]
 

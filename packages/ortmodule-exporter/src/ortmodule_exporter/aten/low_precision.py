@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .routes import register_untrainable_check
+from .untrainable import register_untrainable_check
 
 __all__ = ["CPU_KERNELS", "LOW_PRECISION", "install", "low_precision_reasons"]
 

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .empty_tensors import known_sizes
-from .routes import register_untrainable_check, traced_constant
+from .symbolic_helpers import traced_constant
+from .untrainable import register_untrainable_check
 
 __all__ = ["install", "uneven_split_reasons"]
 

@@ -28,6 +28,7 @@ from ortmodule_pytree import Schema, flatten, unflatten
 from .. import onnx_graph, python_op
 from ..aten import empty_tensors, kernel_choice
 from ..aten import routes as aten_routes
+from ..aten.untrainable import untrainable_ops_routed
 from ..errors import ExportError, UnsupportedOutputError
 from ..op_location import locate_operator
 from ..symbolics.registry import symbolic_table, symbolics_applied
@@ -456,7 +457,7 @@ def _torchscript_trace(
             symbolics_applied(symbolic_table(config), opset),
             cutting_gradients(),
             tracing_state_of(flat),
-            aten_routes.untrainable_ops_routed(),
+            untrainable_ops_routed(),
             empty_tensors.example_inputs(tensors),
             kernel_choice.recording_traced_sizes(),
             # after the size recorder: it sees the calls as traced (numbers for bools)

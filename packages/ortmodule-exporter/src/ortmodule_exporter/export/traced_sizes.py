@@ -31,7 +31,7 @@ from typing import Any
 import onnx
 import torch
 
-from ..aten.routes import traced_sizes
+from ..aten.symbolic_helpers import traced_sizes
 from ..symbolics.registry import register_symbolic
 
 __all__ = ["SIZE_OF", "remove_size_barriers", "sizes_kept_dynamic"]

@@ -20,7 +20,8 @@ from ..aten import executor as aten_executor
 from ..aten.aten_op import AtenOp
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.gradients import has_gradient
-from ..aten.routes import EINSUM, TRACED_TYPES
+from ..aten.routes import EINSUM
+from ..aten.untrainable import TRACED_TYPES
 from ..onnx_graph import FLOAT_TYPES, attribute, value_shapes
 from ..python_op import runner as python_op_runner
 from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ...label_density import label_density
-from ..routes import traced_sizes
+from ..symbolic_helpers import traced_sizes
 from .modes import current_mode
 
 _TRACE = threading.local()
