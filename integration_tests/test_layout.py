@@ -35,12 +35,14 @@ DEV_ONLY = ("ortmodule_testing", "benchmarks")
 NO_FUNCTION_LEVEL_IMPORTS = ("ortmodule_exporter",)
 # Modules that import nothing of ours but each other: the engine's binding, the component
 # protocol (components, and option: how a component declares its variables), the ordered
-# registry every plug-in kind uses, the export configuration in force and the exceptions.
+# registry every plug-in kind uses, the export configuration in force, the shim around
+# PyTorch's private TorchScript exporter and the exceptions.
 LEAVES = (
     "ortmodule_exporter.engine_binding",
     "ortmodule_exporter.components",
     "ortmodule_exporter.ordered",
     "ortmodule_exporter.active_export",
+    "ortmodule_exporter.torchscript_onnx",
     "ortmodule_exporter.option",
     "ortmodule_exporter.errors",
 )

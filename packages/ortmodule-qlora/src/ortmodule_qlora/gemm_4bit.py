@@ -28,10 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
 from ortmodule_exporter.errors import ExportError
 from ortmodule_exporter.symbolics.traced_state import traced_tensor
+from ortmodule_exporter.torchscript_onnx import symbolic_helper as sh
 
 from .matmul_bnb4 import matmul_bnb4
 from .quant_state import UnsupportedQuantState, operand_layout

@@ -36,6 +36,7 @@ import torch
 from .. import dlpack_bridge as bridge
 from ..callback_errors import remember
 from ..engine_binding import _C
+from ..torchscript_onnx import type_utils
 from . import parallel
 
 __all__ = [
@@ -194,9 +195,8 @@ def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenO
 
 
 def _scalar_type(code: int) -> torch.dtype:
-    from torch.onnx._internal.torchscript_exporter import _type_utils
 
-    return _type_utils.JitScalarType(int(code)).dtype()
+    return type_utils.JitScalarType(int(code)).dtype()
 
 
 def _read(arg: _Arg, value: Any, as_bool: bool) -> Any:

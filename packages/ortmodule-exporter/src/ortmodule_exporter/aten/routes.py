@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
 from ..active_export import active_export_config
 from ..symbolics.registry import (
@@ -44,6 +43,8 @@ from ..symbolics.registry import (
     register_symbolic_layer,
     torch_symbolic,
 )
+from ..torchscript_onnx import symbolic_helper as sh
+from ..torchscript_onnx import type_utils
 from . import executor as aten_executor
 from .executor import AtenFunction, register_aten_function
 from .symbolic_helpers import (
@@ -377,10 +378,8 @@ def _sdpa(
             mask = g.op("Where", mask, zero, neg_inf)
             dtype = query.type().scalarType()
             if dtype != "Float":
-                from torch.onnx._internal.torchscript_exporter import _type_utils
-
                 mask = g.op(
-                    "Cast", mask, to_i=_type_utils.JitScalarType._from_name(dtype).onnx_type()
+                    "Cast", mask, to_i=type_utils.JitScalarType._from_name(dtype).onnx_type()
                 )
     else:
         mask = none_value(g)

@@ -16,9 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
 from ..symbolics.registry import register_symbolic
+from ..torchscript_onnx import symbolic_helper as sh
+from ..torchscript_onnx import symbolic_opset11
 from .executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from .gradients import register_stop_gradient_edges
 
@@ -52,7 +53,6 @@ def _all_tensors(_overload: str, _index: int, _is_input: bool) -> bool:
 
 
 def _topk(g: Any, self: Any, k: Any, dim: Any, largest: Any, sorted: Any, out: Any = None) -> Any:
-    from torch.onnx._internal.torchscript_exporter import symbolic_opset11
 
     constants = [sh._maybe_get_const(v, "i") for v in (dim, largest, sorted)]
     rank = sh._get_tensor_rank(self)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..torchscript_onnx import GLOBALS, export_utils, jit_utils, type_utils
 from . import executor as aten_executor
 from .engine_gradients import engine_has_gradient
 from .executor import ATEN_DOMAIN
@@ -135,7 +136,6 @@ def register_untrainable_check(check: Any) -> None:
 
 def _untrainable_reasons(node: Any, inputs: list[Any], emitted: list[Any]) -> list[str]:
     """Why the ONNX nodes ``emitted`` for ``node`` must not reach the engine ([]: they may)."""
-    from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 
     bad = untrainable_nodes(inputs, emitted)
     for check in _CHECKS:
@@ -163,12 +163,11 @@ TRACED_TYPES = "_ortmodule_traced_types"
 
 def _traced_type(value: Any) -> str:
     """``"elem:rank"`` of a traced value ("" when its dtype or rank is unknown)."""
-    from torch.onnx._internal.torchscript_exporter import _type_utils
 
     if value.type().kind() != "TensorType":  # a list (dsplit) or a scalar: no tensor type
         return ""
-    undefined = _type_utils.JitScalarType.UNDEFINED
-    scalar = _type_utils.JitScalarType.from_value(value, undefined)
+    undefined = type_utils.JitScalarType.UNDEFINED
+    scalar = type_utils.JitScalarType.from_value(value, undefined)
     rank = traced_rank(value)
     if scalar == undefined or rank is None:
         return ""
@@ -274,7 +273,6 @@ def _route_untrainable(original: Any) -> Any:
             overload = traced_overload(node)
             if not _runnable_by_executor(name, overload, node) or any(i is None for i in inputs):
                 return result
-        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 
         # nodes inside If/Loop bodies go with their owner; the rest are destroyed users first
         nested = {_key(inner) for n in new_nodes[mark:] for inner in _inner_nodes(n)}
@@ -282,8 +280,6 @@ def _route_untrainable(original: Any) -> Any:
             if _key(created) not in nested:
                 created.destroy()
         del new_nodes[mark:]
-        from torch.onnx._internal.torchscript_exporter import jit_utils
-        from torch.onnx._internal.torchscript_exporter import utils as export_utils
 
         g = jit_utils.GraphContext(
             graph=graph,
@@ -305,7 +301,6 @@ def _route_untrainable(original: Any) -> Any:
 @contextlib.contextmanager
 def untrainable_ops_routed() -> Iterator[None]:
     """For one export: operators whose ONNX form the engine cannot train become ATen nodes."""
-    from torch.onnx._internal.torchscript_exporter import utils as export_utils
 
     original = export_utils._run_symbolic_function
     export_utils._run_symbolic_function = _route_untrainable(original)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ..torchscript_onnx import export_utils
+
 __all__ = ["before_lowering"]
 
 Hook = Callable[[torch._C.Graph], None]
@@ -46,13 +48,7 @@ def _wrap(optimize_graph: Any) -> Any:
 
 def _install(purpose: str) -> None:
     with _INSTALL_LOCK:
-        try:
-            from torch.onnx._internal.torchscript_exporter import utils
-        except ImportError as err:  # pragma: no cover - a torch without the TorchScript exporter
-            raise RuntimeError(
-                f"ORTModule cannot {purpose} with this torch: "
-                "torch.onnx._internal.torchscript_exporter.utils is missing"
-            ) from err
+        utils = export_utils
         current = getattr(utils, "_optimize_graph", None)
         if current is None:  # pragma: no cover
             raise RuntimeError(

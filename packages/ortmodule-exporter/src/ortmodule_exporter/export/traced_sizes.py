@@ -33,6 +33,8 @@ import torch
 
 from ..aten.symbolic_helpers import traced_sizes
 from ..symbolics.registry import register_symbolic
+from ..torchscript_onnx import symbolic_helper as sh
+from ..torchscript_onnx import symbolic_opset9
 
 __all__ = ["SIZE_OF", "remove_size_barriers", "sizes_kept_dynamic"]
 
@@ -76,8 +78,6 @@ def _may_follow_inputs(value: Any, dim: int | None) -> bool:
 
 
 def _size(g: Any, self: Any, dim: Any = None) -> Any:
-    from torch.onnx import symbolic_helper as sh
-    from torch.onnx import symbolic_opset9
 
     index = None if dim is None or sh._is_none(dim) else sh._maybe_get_const(dim, "i")
     if index is not None and not isinstance(index, int):

@@ -48,6 +48,7 @@ import torch
 from ..active_export import active_export_config
 from ..errors import ExportError
 from ..symbolics.registry import LayerSymbolic, register_symbolic_layer
+from ..torchscript_onnx import GLOBALS, type_utils
 from .registry import _SPECIAL, PYTHON_OP_DOMAIN, REGISTRY, _register_with_engine, qualified_name
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -238,17 +239,15 @@ def _holds_tensor(value: Any) -> bool:
 
 
 def _onnx_type(value_type: Any) -> int | None:
-    from torch.onnx._internal.torchscript_exporter import _type_utils
 
     name = value_type.scalarType() if hasattr(value_type, "scalarType") else None
     if name is None:
         return None
-    onnx_type: Any = _type_utils.JitScalarType._from_name(name).onnx_type()
+    onnx_type: Any = type_utils.JitScalarType._from_name(name).onnx_type()
     return int(onnx_type)
 
 
 def _training_mode() -> bool:
-    from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
 
     # the export keeps each submodule's own mode (TrainingMode.PRESERVE); export_training says
     # whether the module as a whole trains

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
 from ..aten.routes import aten_routes, native_dropout_node
+from ..torchscript_onnx import symbolic_helper as sh
 from .helpers import (
     _TORCH_TYPE,
     Value,

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.onnx import symbolic_helper as sh
-
+from ..torchscript_onnx import symbolic_helper as sh
+from ..torchscript_onnx import symbolic_opset11
 from .helpers import _FLOAT_TYPES, _TORCH_TYPE, Value, _cast, _const, _scalar_type
 
 
 def _pytorch_clamp() -> Any:
-    from torch.onnx._internal.torchscript_exporter import symbolic_opset11
 
     return symbolic_opset11.clamp
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.onnx import symbolic_helper as sh
-
+from ..torchscript_onnx import symbolic_helper as sh
+from ..torchscript_onnx import symbolic_opset9
 from .helpers import (
     _INT64_MAX,
     Value,
@@ -25,7 +25,6 @@ from .helpers import (
 
 
 def _default_convolution() -> Any:
-    from torch.onnx import symbolic_opset9
 
     return symbolic_opset9._convolution
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
+from ..torchscript_onnx import symbolic_helper as sh
 from .helpers import Value, _const, _unsqueeze
 
 _INT64 = 7
@@ -37,11 +37,11 @@ def _dtype(dtype: Value, op: str) -> torch.dtype:
         return torch.get_default_dtype()
     if not isinstance(code, int):
         raise ValueError(f"{op}: the dtype must be a constant")
-    return sh._type_utils.JitScalarType(code).dtype()
+    return sh.type_utils.JitScalarType(code).dtype()
 
 
 def _onnx_type(dtype: torch.dtype) -> Any:
-    return sh._type_utils.JitScalarType.from_dtype(dtype).onnx_type()
+    return sh.type_utils.JitScalarType.from_dtype(dtype).onnx_type()
 
 
 def _evenly_spaced(g: Any, start: Value, end: Value, steps: Value, work: torch.dtype) -> Value:

@@ -6,8 +6,8 @@ import string
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
+from ..torchscript_onnx import symbolic_helper as sh
 from .helpers import (
     _FLOAT_TYPES,
     Value,

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
+from ..torchscript_onnx import symbolic_helper as sh
 from .helpers import (
     _TORCH_TYPE,
     Value,

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
+from ..torchscript_onnx import symbolic_helper as sh
+from ..torchscript_onnx import symbolic_opset9
 from .helpers import Value, _concat, _ints, _shape
 
 # -- expand ----------------------------------------------------------------------------------
@@ -33,8 +34,6 @@ def expand(g: Any, x: Value, size: Value, implicit: Value = None) -> Value:
         n = (sh._get_tensor_sizes(sizes) or [None])[0]
     rank = sh._get_tensor_rank(x)
     if n is None or rank is None:  # not seen in practice: PyTorch's own export then
-        from torch.onnx import symbolic_opset9  # the exporter's module (a name torch resolves)
-
         return symbolic_opset9.expand(g, x, size, implicit)
     own = _shape(g, x)
     if n > rank:  # new leading dims: the input counts as size 1 there

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
+
+from ..torchscript_onnx import symbolic_helper as sh
 
 Value = Any  # torch._C.Value; the exporter's graph values are untyped in Python
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
+from ..torchscript_onnx import symbolic_helper as sh
+from ..torchscript_onnx import symbolic_opset9
 from .registry import register_symbolic
 
 Value = Any  # torch._C.Value
@@ -67,8 +68,6 @@ def where(
 ) -> Value:
     """``torch.where`` whose differentiable branches are expanded to the output's shape."""
     if x is None or sh._is_none(x):
-        from torch.onnx import symbolic_opset9
-
         return symbolic_opset9.where(g, condition, x, y, _outputs)
     if not sh._is_bool(condition):
         condition = g.op("Cast", condition, to_i=_ONNX_BOOL)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.onnx import symbolic_helper as sh
-
+from ..torchscript_onnx import symbolic_helper as sh
 from .helpers import Value, _squeeze, _unsqueeze
 
 # -- matmul ----------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
 from ..aten import executor as aten_executor
+from ..torchscript_onnx import symbolic_helper as sh
 from .helpers import (
     _FLOAT_TYPES,
     _TORCH_TYPE,

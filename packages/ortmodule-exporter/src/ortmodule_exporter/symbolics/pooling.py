@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
+from ..torchscript_onnx import symbolic_helper as sh
 from .helpers import (
     _TORCH_TYPE,
     Value,

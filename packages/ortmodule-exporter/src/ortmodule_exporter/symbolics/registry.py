@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from ..ordered import OrderedRegistry
+from ..torchscript_onnx import symbolic_opset
 
 SymbolicFn = Callable[..., Any]
 
@@ -164,10 +164,7 @@ def torch_symbolic(opset: int, name: str) -> Callable[[], SymbolicFn]:
     """PyTorch's own symbolic ``name`` of ``symbolic_opset<opset>``, looked up when first needed."""
 
     def fallback() -> SymbolicFn:
-        module = importlib.import_module(
-            f"torch.onnx._internal.torchscript_exporter.symbolic_opset{opset}"
-        )
-        fn: SymbolicFn = getattr(module, name)
+        fn: SymbolicFn = getattr(symbolic_opset(opset), name)
         return fn
 
     return fallback

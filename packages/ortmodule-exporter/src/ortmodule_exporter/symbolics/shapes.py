@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
-from torch.onnx import symbolic_opset13  # the exporter's module (exports use opset 14+)
 
+from ..torchscript_onnx import symbolic_helper as sh
+from ..torchscript_onnx import symbolic_opset13
 from .helpers import Value, _concat, _const, _const_ints, _ints, _rank, _shape
 
 # -- shapes ----------------------------------------------------------------------------------

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.onnx import symbolic_helper as sh
-
+from ..torchscript_onnx import symbolic_helper as sh
 from .helpers import _SCALAR_TYPE_CODE, Value, _cast, _const_ints, _device_type, _scalar_type
 
 # -- softmax ---------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
+
+from ..torchscript_onnx import symbolic_helper as sh
 
 __all__ = ["traced_tensor", "tracing_state_of"]
 

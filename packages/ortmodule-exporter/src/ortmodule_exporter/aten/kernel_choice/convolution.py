@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
+from ...torchscript_onnx import symbolic_helper as sh
+from ...torchscript_onnx import symbolic_opset9
 from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
 from .choice import _decide
@@ -247,7 +248,6 @@ def _convolution_symbolic(default: Callable[..., Any], g: Any, *args: Any) -> An
 
 
 def _default_convolution() -> Callable[..., Any]:
-    from torch.onnx import symbolic_opset9
 
     fn: Callable[..., Any] = symbolic_opset9._convolution
     return fn

@@ -17,11 +17,11 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 import torch
-from torch.onnx import symbolic_helper as sh
 
 from ...label_density import DENSITY_THRESHOLD
 from ...onnx_graph import attribute
 from ...symbolics import losses
+from ...torchscript_onnx import symbolic_helper as sh
 from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
 from .choice import _decide, _size_class

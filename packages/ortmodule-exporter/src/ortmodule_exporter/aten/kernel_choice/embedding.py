@@ -13,9 +13,9 @@ import math
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
 from ...symbolics import embedding as embedding_symbolic
+from ...torchscript_onnx import symbolic_helper as sh
 from ..routes import embedding_node
 from .choice import _decide, _size_class
 from .helpers import _dtype, _ints_const

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper as sh
 
+from ...torchscript_onnx import symbolic_helper as sh
 from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
 from .choice import _decide, _size_class
