@@ -580,6 +580,38 @@ def _labelled_indices(b: _Builder, labels: list[tuple[str, int]]) -> tuple[str, 
     return _kept_rows(b, keep)
 
 
+Loss = tuple[onnx.NodeProto, str, int]
+
+
+@dataclass
+class _Plan:
+    """What the analysis of one graph on one batch decided, which the rewrite follows."""
+
+    labels_only: bool
+    #: the attention mask input (padding elimination) and the masks the attention nodes read
+    source: str
+    masks: list[str]
+    #: the (batch, seq) of the tokens
+    grid: tuple[int, int]
+    mask_value: np.ndarray
+    #: every value of the forward on the batch (the losses' cone for labelled rows)
+    values: dict[str, Any]
+    types: dict[str, onnx.TensorProto.DataType]
+    region: _Region
+    losses: list[Loss]
+    absorbed: set[str]
+    #: id(node) -> the sequence position it picks (``x[:, i]``)
+    picks: dict[int, int]
+    #: ids of the Shape nodes that read a region tensor: given the padded shape back
+    shapes: set[int]
+    labelled: np.ndarray
+    density: float
+    #: the graph's nodes: the id()s above are of these objects, which must stay alive until
+    #: the rewrite is done (protobuf hands out a new wrapper for a node nobody holds, and a
+    #: freed wrapper's id can come back as another node's)
+    nodes: list[onnx.NodeProto]
+
+
 def _eliminate(
     model: onnx.ModelProto,
     feeds: Mapping[str, Any],
@@ -589,32 +621,48 @@ def _eliminate(
 ) -> PaddingDecision:
     """Padding elimination, or with ``labels_only`` the rows of the labelled tokens: no
     attention mask is needed, and no region tensor may reach anything but the region and the
-    losses (attention reads every token)."""
+    losses (attention reads every token). Analyse, rewrite, then check that the rewritten graph
+    computes the same outputs on this batch."""
+    plan = _analyse(model, feeds, user_inputs, threshold, labels_only)
+    gathers, scatters = _rewrite(model.graph, plan)
+    names = [o.name for o in model.graph.output]
+    after = evaluate_graph(model, feeds, outputs=names, types=plan.types)
+    for name in names:
+        if not np.allclose(after[name], plan.values[name], rtol=1e-4, atol=1e-5, equal_nan=True):
+            raise _Refused(
+                f"the rewritten graph's output {name} differs from the original's on this batch"
+            )
+    return PaddingDecision(
+        True,
+        (
+            "the token-wise nodes only a loss reads run on the labelled tokens"
+            if labels_only
+            else "token-wise nodes run on the kept tokens only"
+        ),
+        mask_input=plan.source,
+        density=plan.density,
+        token_wise_nodes=len(plan.region.nodes),
+        gathers=gathers,
+        scatters=scatters,
+        losses=[n.name for n, _, _ in plan.losses],
+    )
+
+
+def _analyse(
+    model: onnx.ModelProto,
+    feeds: Mapping[str, Any],
+    user_inputs: set[str] | frozenset[str],
+    threshold: float,
+    labels_only: bool,
+) -> _Plan:
+    """The region, the losses and the kept tokens on this batch, or :class:`_Refused`."""
     graph = model.graph
     calls = sorted({attribute(n, "func_name", "?") for n in graph.node if n.op_type == "PythonOp"})
     if calls:
         # the checks run the forward graph; the user's Python code must not run outside a step
         raise _Refused(f"the graph calls Python code (PythonOp {', '.join(calls)})")
     producer, consumers = producers_and_consumers(graph)
-    masks: list[str] = []
-    source = ""
-    if labels_only:
-        if not _loss_grids(graph, producer):
-            raise _Refused("no cross-entropy loss reads reshape(logits, (-1, classes))")
-    else:
-        attention = [
-            n
-            for n in graph.node
-            if n.domain == ATEN_DOMAIN and attribute(n, "operator", "") in _ATTENTION
-        ]
-        if not attention:
-            raise _Refused(
-                "no fused attention node (ORTMODULE_FUSED_ATTENTION) reads a padding mask"
-            )
-        masks = [n.input[5] if len(n.input) > 5 else "" for n in attention]
-        if "" in masks:
-            raise _Refused("an attention node has no mask, so padding tokens are attended to")
-        source = _mask_source(graph, masks, user_inputs)
+    masks, source = _attention_masks(graph, producer, user_inputs, labels_only)
     # labelled rows reads the tensors near the losses only: holding every activation of the
     # forward (the padding elimination's view) cost the benchmark masked LM 130 MiB of peak
     # memory at graph build
@@ -628,46 +676,10 @@ def _eliminate(
         for name, value in values.items()
         if isinstance(value, np.ndarray)
     }
-    if labels_only:
-        grid_of = {tuple(values[name].shape[:2]) for name in _loss_grids(graph, producer)}
-        if len(grid_of) != 1:
-            raise _Refused(f"the losses' logits have (batch, seq) dims {sorted(grid_of)}")
-        ((rows_grid, cols_grid),) = grid_of
-        grid = (int(rows_grid), int(cols_grid))
-        mask_value = np.ones(grid, dtype=np.int64)
-    else:
-        mask_value = values[source]
-        if mask_value.ndim != 2:
-            raise _Refused(f"the attention mask input {source} has rank {mask_value.ndim}, not 2")
-        grid = (int(mask_value.shape[0]), int(mask_value.shape[1]))
-    # every initializer as an array: once, not in each round of the pruning below
-    constants = constant_values(graph)
-
-    outputs = {o.name for o in graph.output}
-    region = _region(graph, values, constants, grid)
-    first_leak = ""
-    while True:
-        losses, absorbed = _losses(graph, region, values, grid, producer, consumers)
-        picks = {} if labels_only else _picks(graph, region, values, constants)
-        scatter, shapes = _exits(region, absorbed, picks, consumers, outputs)
-        leak = _leak(scatter, region, consumers, values, grid, outputs, not labels_only)
-        if leak is None and labels_only and scatter:
-            # the rows of the unlabelled tokens exist nowhere to put back
-            name = sorted(scatter)[0]
-            leak = name, f"{name} is read outside the loss's token-wise nodes"
-        if leak is None:
-            break
-        origin, why = leak
-        first_leak = first_leak or why
-        # the node writing it computes on the padded tokens instead, as exported
-        region.nodes = [n for n in region.nodes if origin not in n.output]
-        region.flat = {o for n in region.nodes for o in n.output if o}
-        if not region.nodes:
-            skipped = "the unlabelled tokens" if labels_only else "the padding"
-            raise _Refused(f"no token-wise node can skip {skipped}: {first_leak}")
-
-    if labels_only and not losses:
-        raise _Refused(f"no token-wise node feeds only a loss: {first_leak}")
+    grid, mask_value = _grid(graph, producer, values, source, labels_only)
+    region, losses, absorbed, picks, shapes = _pruned_region(
+        graph, values, grid, producer, consumers, labels_only
+    )
     dropped = mask_value == 0
     labelled = np.zeros(grid, dtype=bool)
     for node, _, ignore in losses:
@@ -692,10 +704,116 @@ def _eliminate(
             model, {**feeds, source: probe_mask}, outputs=masks, types=types
         )
         _check_masked(probe_values, masks, probe_mask == 0)
+    return _Plan(
+        labels_only,
+        source,
+        masks,
+        grid,
+        mask_value,
+        values,
+        types,
+        region,
+        losses,
+        absorbed,
+        picks,
+        shapes,
+        labelled,
+        density,
+        list(graph.node),
+    )
+
+
+def _attention_masks(
+    graph: onnx.GraphProto,
+    producer: Mapping[str, onnx.NodeProto],
+    user_inputs: set[str] | frozenset[str],
+    labels_only: bool,
+) -> tuple[list[str], str]:
+    """The masks the fused attention nodes read and the input they come from (padding
+    elimination), or nothing once a loss reads reshaped logits (labelled rows)."""
+    if labels_only:
+        if not _loss_grids(graph, producer):
+            raise _Refused("no cross-entropy loss reads reshape(logits, (-1, classes))")
+        return [], ""
+    attention = [
+        n
+        for n in graph.node
+        if n.domain == ATEN_DOMAIN and attribute(n, "operator", "") in _ATTENTION
+    ]
+    if not attention:
+        raise _Refused("no fused attention node (ORTMODULE_FUSED_ATTENTION) reads a padding mask")
+    masks = [n.input[5] if len(n.input) > 5 else "" for n in attention]
+    if "" in masks:
+        raise _Refused("an attention node has no mask, so padding tokens are attended to")
+    return masks, _mask_source(graph, masks, user_inputs)
+
+
+def _grid(
+    graph: onnx.GraphProto,
+    producer: Mapping[str, onnx.NodeProto],
+    values: Mapping[str, Any],
+    source: str,
+    labels_only: bool,
+) -> tuple[tuple[int, int], np.ndarray]:
+    """The (batch, seq) of the tokens, and the mask of the kept ones (all ones for labels)."""
+    if labels_only:
+        grid_of = {tuple(values[name].shape[:2]) for name in _loss_grids(graph, producer)}
+        if len(grid_of) != 1:
+            raise _Refused(f"the losses' logits have (batch, seq) dims {sorted(grid_of)}")
+        ((rows_grid, cols_grid),) = grid_of
+        grid = (int(rows_grid), int(cols_grid))
+        return grid, np.ones(grid, dtype=np.int64)
+    mask_value = values[source]
+    if mask_value.ndim != 2:
+        raise _Refused(f"the attention mask input {source} has rank {mask_value.ndim}, not 2")
+    return (int(mask_value.shape[0]), int(mask_value.shape[1])), mask_value
+
+
+def _pruned_region(
+    graph: onnx.GraphProto,
+    values: Mapping[str, Any],
+    grid: tuple[int, int],
+    producer: Mapping[str, onnx.NodeProto],
+    consumers: Mapping[str, list[onnx.NodeProto]],
+    labels_only: bool,
+) -> tuple[_Region, list[Loss], set[str], dict[int, int], set[int]]:
+    """The token-wise region, pruned until none of its tensors leaks where the padded tokens
+    are read: the node writing a leaking tensor computes on the padded tokens, as exported."""
+    # every initializer as an array: once, not in each round of the pruning below
+    constants = constant_values(graph)
+    outputs = {o.name for o in graph.output}
+    region = _region(graph, values, constants, grid)
+    first_leak = ""
+    while True:
+        losses, absorbed = _losses(graph, region, values, grid, producer, consumers)
+        picks = {} if labels_only else _picks(graph, region, values, constants)
+        scatter, shapes = _exits(region, absorbed, picks, consumers, outputs)
+        leak = _leak(scatter, region, consumers, values, grid, outputs, not labels_only)
+        if leak is None and labels_only and scatter:
+            # the rows of the unlabelled tokens exist nowhere to put back
+            name = sorted(scatter)[0]
+            leak = name, f"{name} is read outside the loss's token-wise nodes"
+        if leak is None:
+            break
+        origin, why = leak
+        first_leak = first_leak or why
+        region.nodes = [n for n in region.nodes if origin not in n.output]
+        region.flat = {o for n in region.nodes for o in n.output if o}
+        if not region.nodes:
+            skipped = "the unlabelled tokens" if labels_only else "the padding"
+            raise _Refused(f"no token-wise node can skip {skipped}: {first_leak}")
+    if labels_only and not losses:
+        raise _Refused(f"no token-wise node feeds only a loss: {first_leak}")
+    return region, losses, absorbed, picks, shapes
+
+
+def _rewrite(graph: onnx.GraphProto, plan: _Plan) -> tuple[int, int]:
+    """Token-wise nodes on the kept rows: their token inputs gathered, their outputs read
+    elsewhere scattered back; the losses on the kept rows. Returns (gathers, scatters)."""
+    labels_only, values, region, grid = plan.labels_only, plan.values, plan.region, plan.grid
+    losses, picks, shapes, absorbed = plan.losses, plan.picks, plan.shapes, plan.absorbed
     region_nodes = {id(n) for n in region.nodes}
     loss_nodes = {id(node) for node, _, _ in losses}
-
-    # -- rewrite ---------------------------------------------------------------------------------
     b = _Builder(_LABEL_PREFIX if labels_only else _PREFIX)
     label_sets = [(n.input[1], ig) for n, _, ig in losses]
     if labels_only:
@@ -719,7 +837,7 @@ def _eliminate(
         inverse = b.one("Reshape", [inverse, mask_shape], "inverse")
     else:
         rows, inverse, mask_shape = _indices(
-            b, source, mask_value.dtype, label_sets, set(picks.values())
+            b, plan.source, plan.mask_value.dtype, label_sets, set(picks.values())
         )
     gathered: dict[str, str] = {}
     scattered: dict[str, str] = {}
@@ -728,7 +846,7 @@ def _eliminate(
     grid_dims: list[str | int] = [
         d.dim_param or d.dim_value
         for vi in graph.input
-        if vi.name == source
+        if vi.name == plan.source
         for d in vi.type.tensor_type.shape.dim
     ] or [f"{_LABEL_PREFIX}_batch", f"{_LABEL_PREFIX}_seq"]
 
@@ -806,7 +924,7 @@ def _eliminate(
         new_nodes.append(node)
     if labels_only:
         new_nodes = [
-            _routed_loss(node, values, int(labelled.sum()), b, infos)
+            _routed_loss(node, values, int(plan.labelled.sum()), b, infos)
             if id(node) in loss_nodes
             else node
             for node in new_nodes
@@ -826,29 +944,7 @@ def _eliminate(
                 del dims[0]
                 dims[0].Clear()
                 dims[0].dim_param = LABELLED if labels_only else TOKENS
-
-    # -- the rewrite computes the same outputs on this batch -------------------------------------
-    names = [o.name for o in graph.output]
-    after = evaluate_graph(model, feeds, outputs=names, types=types)
-    for name in names:
-        if not np.allclose(after[name], values[name], rtol=1e-4, atol=1e-5, equal_nan=True):
-            raise _Refused(
-                f"the rewritten graph's output {name} differs from the original's on this batch"
-            )
-    return PaddingDecision(
-        True,
-        (
-            "the token-wise nodes only a loss reads run on the labelled tokens"
-            if labels_only
-            else "token-wise nodes run on the kept tokens only"
-        ),
-        mask_input=source,
-        density=density,
-        token_wise_nodes=len(region.nodes),
-        gathers=len(gathered),
-        scatters=len(scattered),
-        losses=[n.name for n, _, _ in losses],
-    )
+    return len(gathered), len(scattered)
 
 
 def _routed_loss(
