@@ -15,22 +15,17 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ortmodule_testing import op_workers
+
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "opinfo_status.json"
 WORKER = HERE / "opinfo_sweep.py"
-#: an op taking longer than this is stopped and reported
-OP_TIMEOUT_S = 120.0
 UPDATE = os.environ.get("ORTMODULE_OPINFO_UPDATE") == "1"
 
 pytest.importorskip("expecttest", reason="OpInfo needs expecttest (the ortmodule test extra)")
@@ -43,85 +38,6 @@ def _expected() -> dict[str, dict[str, str]]:
 EXPECTED = _expected()
 
 
-class _Worker:
-    """One ``opinfo_sweep.py --serve`` process; ``run`` returns None when the process died."""
-
-    def __init__(self) -> None:
-        env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            cwd=HERE,
-        )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        ready = self.lines.get(timeout=300)
-        self.ops: list[str] = json.loads(ready)["ready"] if ready else []
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def run(self, op: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(op + "\n")
-        self.proc.stdin.flush()
-        try:
-            line = self.lines.get(timeout=OP_TIMEOUT_S)
-        except queue.Empty:
-            self.proc.kill()
-            return {"status": "fail", "error": f"timed out after {OP_TIMEOUT_S:.0f} s"}
-        if line is None:
-            code = self.proc.wait()
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            return {"status": "fail", "error": f"the process died ({how})", "died": True}
-        return dict(json.loads(line))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self) -> None:
-        if self.alive():
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
-
-
-def _sweep(ops: list[str], workers: int) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Run ``ops`` over ``workers`` processes; also returns the op list the workers know."""
-    todo: queue.Queue[str] = queue.Queue()
-    for op in ops:
-        todo.put(op)
-    results: dict[str, dict[str, Any]] = {}
-    known: list[str] = []
-
-    def loop() -> None:
-        worker = _Worker()
-        known[:] = worker.ops
-        while True:
-            try:
-                op = todo.get_nowait()
-            except queue.Empty:
-                break
-            if not worker.alive():
-                worker = _Worker()
-            results[op] = worker.run(op)
-        worker.close()
-
-    threads = [threading.Thread(target=loop) for _ in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results, known
-
-
 @pytest.fixture(scope="session")
 def sweep(request: pytest.FixtureRequest) -> Iterator[dict[str, dict[str, Any]]]:
     """Results of the ops selected in this pytest session (all of them, or what ``-k`` kept)."""
@@ -130,7 +46,7 @@ def sweep(request: pytest.FixtureRequest) -> Iterator[dict[str, dict[str, Any]]]
         for item in request.session.items
         if item.originalname == "test_opinfo_op" and hasattr(item, "callspec")
     ]
-    results, known = _sweep(selected, workers=max(1, min(2, os.cpu_count() or 1)))
+    results, known = op_workers.sweep(WORKER, selected, workers=max(1, min(2, os.cpu_count() or 1)))
     results["__known__"] = {"ops": known}
     yield results
     if UPDATE:

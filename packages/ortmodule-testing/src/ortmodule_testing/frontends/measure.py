@@ -12,16 +12,15 @@ import datetime
 import json
 import os
 import platform
-import queue
 import subprocess
 import sys
-import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..op_workers import sweep
 from . import FRONTENDS
 
 __all__ = [
@@ -243,77 +242,6 @@ def opinfo_sample(root: Path, every: int) -> list[str]:
     return sorted(ops)[::every]
 
 
-class _OpWorker:
-    """One ``opinfo_sweep.py --serve`` process (as in test_opinfo.py)."""
-
-    def __init__(self, root: Path, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str((root / OPINFO_WORKER).resolve()), "--serve"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, env={**env, "OMP_NUM_THREADS": "1"}, cwd=(root / OPINFO_WORKER).parent,
-        )  # fmt: skip
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        if self.lines.get(timeout=600) is None:
-            raise RuntimeError("the OpInfo worker did not start")
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def run(self, op: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(op + "\n")
-        self.proc.stdin.flush()
-        try:
-            line = self.lines.get(timeout=OPINFO_OP_TIMEOUT_S)
-        except queue.Empty:
-            self.proc.kill()
-            self.proc.wait()
-            return {"status": "fail", "error": f"timed out after {OPINFO_OP_TIMEOUT_S:.0f} s"}
-        if line is None:
-            code = self.proc.wait()
-            return {"status": "fail", "error": f"the process died (exit code {code})"}
-        return dict(json.loads(line))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self) -> None:
-        if self.alive():
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
-
-
-def _sweep(root: Path, ops: list[str], env: dict[str, str], workers: int) -> dict[str, Any]:
-    todo: queue.Queue[str] = queue.Queue()
-    for op in ops:
-        todo.put(op)
-    results: dict[str, Any] = {}
-
-    def loop() -> None:
-        worker = _OpWorker(root, env)
-        while True:
-            try:
-                op = todo.get_nowait()
-            except queue.Empty:
-                break
-            if not worker.alive():
-                worker = _OpWorker(root, env)
-            results[op] = worker.run(op)
-        worker.close()
-
-    threads = [threading.Thread(target=loop) for _ in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
-
-
 def _git_commit(root: Path, path: Path) -> str:
     out = subprocess.run(
         ["git", "log", "-1", "--format=%h %cs", "--", str(path)],
@@ -353,7 +281,7 @@ def opinfo(
                 }
         else:
             start = time.monotonic()
-            raw = _sweep(root, ops, _env(frontend), workers)
+            raw, _ = sweep(root / OPINFO_WORKER, ops, workers, _env(frontend), OPINFO_OP_TIMEOUT_S)
             part["seconds"][frontend] = round(time.monotonic() - start, 1)
             for op in ops:
                 result = raw.get(op, {"status": "fail", "error": "not run (no worker)"})
