@@ -374,7 +374,7 @@ def test_batchnorm_buffer_updates_follow_eager_arithmetic(aliased: bool) -> None
     """The engine's running variance (population variance folded in) becomes eager's (the
     unbiased one), bitwise what ``kept + (engine - kept) * n / (n - 1)`` gives, whether the
     engine wrote into the module's buffers (its feeds) or handed back copies."""
-    from ortmodule.execution import BufferUpdate, _apply_buffer_updates, _kept_variances
+    from ortmodule.compiled_graph import BufferUpdate, apply_buffer_updates, kept_variances
 
     torch.manual_seed(0)
     layers = [torch.nn.BatchNorm2d(c) for c in (3, 5)]
@@ -399,13 +399,13 @@ def test_batchnorm_buffer_updates_follow_eager_arithmetic(aliased: bool) -> None
             BufferUpdate(base, bn, "running_mean"),
             BufferUpdate(base + 1, bn, "running_var", base + 2, m),
         ]
-    kept_before = _kept_variances(updates)
+    kept_before = kept_variances(updates)
     if aliased:  # as the CPU engine does: its BatchNorm updates its feeds in place
         for bn, base in zip(layers, (0, 3), strict=True):
             bn.running_mean.copy_(outputs[base])
             bn.running_var.copy_(outputs[base + 1])
             outputs[base], outputs[base + 1] = bn.running_mean, bn.running_var
-    _apply_buffer_updates(updates, outputs, kept_before)
+    apply_buffer_updates(updates, outputs, kept_before)
     for bn, (mean, var) in zip(layers, expected, strict=True):
         assert torch.equal(bn.running_mean, mean)
         assert torch.equal(bn.running_var, var)

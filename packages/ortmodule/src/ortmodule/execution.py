@@ -2,7 +2,7 @@
 
 ``GraphRunner`` owns the graph transition manager for one wrapped module. Each call flattens the
 inputs, asks the manager for the graph of the current key (building it when the key is new), and
-runs it: in training through :class:`_EngineFunction`, a ``torch.autograd.Function`` whose
+runs it: in training through :class:`EngineFunction`, a ``torch.autograd.Function`` whose
 forward runs the engine's forward half and whose backward runs the backward half, handing every
 gradient back to autograd so ``param.grad`` accumulates exactly as in eager.
 """
@@ -15,7 +15,7 @@ import inspect
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import onnx
@@ -57,15 +57,22 @@ from ortmodule_exporter.engine import (
     build_graph,
 )
 from ortmodule_exporter.export import bind_arguments, forward_signature
-from ortmodule_exporter.export.shape_guards import ShapeGuard
 from ortmodule_exporter.sparsity.config import SparsityConfig
 from ortmodule_pytree import FlattenMemo, unflatten
 
+from .compiled_graph import (
+    BufferUpdate,
+    CompiledGraph,
+    apply_buffer_updates,
+    buffer_copies,
+    kept_variances,
+    restore_buffers,
+)
+from .engine_function import engine_apply, runs_torch
 from .log import PhaseTimer, log_initialisation_summary
 
 logger = logging.getLogger("ortmodule")
 
-_FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # dtypes the engine trains with CPU kernels; others are refused before the engine sees them
 SUPPORTED_PARAM_DTYPES = {
     "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
@@ -86,289 +93,12 @@ class UnsupportedDataError(TypeError):
     """An input or parameter has a type or dtype the engine cannot take."""
 
 
-@dataclass(frozen=True)
-class BufferUpdate:
-    """A graph output that holds a module buffer's new value."""
-
-    index: int
-    owner: torch.nn.Module
-    attr: str
-    #: for a running variance: the output holding elements per channel, else -1
-    count_index: int = -1
-    #: the weight of the old value in the engine's update (ONNX BatchNorm momentum)
-    momentum: float = 0.0
-
-
-def _kept_variances(updates: list[BufferUpdate]) -> list[torch.Tensor]:
-    """Before the engine runs: momentum * the old running variance, for each variance update.
-
-    The engine's training BatchNorm overwrites the running buffers in place (they are its
-    feeds), so the part of the old value the update keeps is taken first, in one call.
-    """
-    of_variances = [u for u in updates if u.count_index >= 0]
-    if not of_variances:
-        return []
-    with torch.no_grad():
-        return list(
-            torch._foreach_mul(
-                [getattr(u.owner, u.attr) for u in of_variances], [u.momentum for u in of_variances]
-            )
-        )
-
-
-def _apply_buffer_updates(
-    updates: list[BufferUpdate], outputs: Sequence[torch.Tensor], kept: list[torch.Tensor]
-) -> None:
-    """Leave the module's buffers as eager BatchNorm would have left them.
-
-    The engine folds the population variance into a running variance, PyTorch the unbiased
-    one: new = kept + (engine - kept) * n/(n-1), with kept = momentum * old
-    (:func:`_kept_variances`) and n elements per channel. The buffers are updated in place, a
-    few batched calls for all layers (the same arithmetic, in the same order, per element).
-    """
-    kept_iter = iter(kept)
-    variances: list[torch.Tensor] = []
-    keeps: list[torch.Tensor] = []
-    factors: list[float] = []
-    tracked: list[torch.Tensor] = []
-    with torch.no_grad():
-        for u in updates:
-            value = outputs[u.index]
-            buffer = getattr(u.owner, u.attr)
-            if value.data_ptr() != buffer.data_ptr():  # the engine gave a copy, not the feed
-                buffer.copy_(value)
-            if u.count_index >= 0:
-                keep = next(kept_iter)
-                n = int(outputs[u.count_index])
-                if n > 1:
-                    variances.append(buffer)
-                    keeps.append(keep)
-                    factors.append(n / (n - 1))
-            elif u.attr == "running_mean":
-                count = getattr(u.owner, "num_batches_tracked", None)
-                if count is not None:
-                    tracked.append(count)
-        if variances:
-            torch._foreach_sub_(variances, keeps)
-            torch._foreach_mul_(variances, factors)
-            torch._foreach_add_(variances, keeps)
-        if tracked:
-            torch._foreach_add_(tracked, 1)
-
-
-@dataclass
-class CompiledGraph:
-    """A built graph, its session, and how to feed it from the module and the user's inputs."""
-
-    key: GraphKey
-    built: BuiltGraph
-    session: TrainingSession | InferenceSession
-    #: for each feed: ("input", index into flat user tensors), ("extra", (input, device)) or
-    #: ("param", (owner module, attr, its _parameters or _buffers dict holding attr, or None))
-    feeds: list[tuple[str, Any]]
-    #: for each forward output: index into the user's flat outputs, or the buffer it updates
-    output_count: int
-    buffer_updates: list[BufferUpdate]
-    times: PhaseTimer
-    #: for each feed position: index into the backward outputs, or -1 for no gradient
-    grad_index: list[int] = field(default_factory=list)
-    #: forward outputs handed back without a gradient: the engine's non-differentiable outputs
-    #: and those eager computes without one (``ExportedModel.outputs_without_grad``)
-    without_grad: frozenset[int] = frozenset()
-    #: (forward output index, flat user input index): an input the forward writes in place
-    input_writes: list[tuple[int, int]] = field(default_factory=list)
-    #: (forward output index, guard): a tensor -> Python conversion the trace baked in
-    guards: list[tuple[int, Guard]] = field(default_factory=list)
-    #: conversions of sizes, checked from the inputs' shapes before the graph runs
-    shape_guards: list[ShapeGuard] = field(default_factory=list)
-    #: graph input name -> index into the flat user tensors, for the shape guards
-    shape_inputs: dict[str, int] = field(default_factory=dict)
-    _shapes_checked: tuple[Any, ...] | None = None
-    #: forward outputs handed back as copies: views of a buffer the engine reuses in backward
-    #: (see :func:`_viewed_outputs`)
-    copied_outputs: frozenset[int] = frozenset()
-    _reached: dict[frozenset[int], frozenset[str]] = field(default_factory=dict)
-    _returned: dict[frozenset[int], list[int]] = field(default_factory=dict)
-    _backward_feeds: tuple[tuple[int, torch.dtype, torch.device], ...] | None = None
-
-    def backward_feeds(
-        self, outputs: Sequence[torch.Tensor] = ()
-    ) -> tuple[tuple[int, torch.dtype, torch.device], ...]:
-        """The forward outputs whose gradients the backward half takes, in its feed order,
-        with their dtype and device (fixed by the graph; taken from the first call's
-        ``outputs``): every output but the engine's non-differentiable and non-float ones."""
-        found = self._backward_feeds
-        if found is None:
-            non_diff = self.built.non_differentiable_outputs
-            found = tuple(
-                (i, out.dtype, out.device)
-                for i, out in enumerate(outputs)
-                if i not in non_diff and out.dtype in _FLOAT_TYPES
-            )
-            self._backward_feeds = found
-        return found
-
-    def returned_grads(self, used: frozenset[int]) -> list[int]:
-        """Per feed, the backward output handed to autograd, or -1 for None (memoised).
-
-        Like eager, an input that reaches no output with a gradient gets None, not zeros.
-        """
-        found = self._returned.get(used)
-        if found is None:
-            reached = self.reached_by(used)
-            found = [
-                j if j >= 0 and name in reached else -1
-                for j, name in zip(self.grad_index, self.built.feed_names, strict=True)
-            ]
-            self._returned[used] = found
-        return found
-
-    def failed_guard(self, outputs: Sequence[torch.Tensor]) -> int | None:
-        """The position (in :attr:`guards`) of the first guard whose value changed, if any."""
-        for position, (index, guard) in enumerate(self.guards):
-            if not guard.holds(outputs[index]):
-                return position
-        return None
-
-    def fits_shapes(self, flat: Sequence[torch.Tensor]) -> bool:
-        return self.failed_shape_guard(flat) is None
-
-    def failed_shape_guard(
-        self, flat: Sequence[torch.Tensor]
-    ) -> tuple[ShapeGuard, torch.Tensor] | None:
-        """The first shape guard that does not hold for these inputs and its value now, if
-        any (checked once per new set of input shapes)."""
-        shapes = tuple(flat[i].shape for i in self.shape_inputs.values())
-        if shapes == self._shapes_checked:
-            return None
-        inputs = self.shape_inputs
-        for guard in self.shape_guards:
-            now = guard.value(lambda name: flat[inputs[name]].shape)
-            if not guard.guard.holds(now):
-                return guard, now
-        self._shapes_checked = shapes
-        return None
-
-    def guards_hold_for(self, other: CompiledGraph, outputs: Sequence[torch.Tensor]) -> bool:
-        """Whether ``other``'s outputs (a run of ``other``) give this graph's guard values at
-        the same places: then this graph's trace took the same path up to its guards."""
-        if [g.source for _, g in self.guards] != [g.source for _, g in other.guards]:
-            return False
-        return all(
-            mine.holds(outputs[index])
-            for (_, mine), (index, _) in zip(self.guards, other.guards, strict=True)
-        )
-
-    def reached_by(self, outputs: frozenset[int]) -> frozenset[str]:
-        """Graph inputs that any of ``outputs`` depends on (memoised per set of outputs)."""
-        found = self._reached.get(outputs)
-        if found is None:
-            deps = self.built.output_dependencies
-            found = frozenset().union(*(deps[i] for i in outputs if i < len(deps)))
-            self._reached[outputs] = found
-        return found
-
-
 def _owner(module: torch.nn.Module, qualified: str) -> tuple[torch.nn.Module, str]:
     *path, attr = qualified.split(".")
     owner = module
     for part in path:
         owner = getattr(owner, part)
     return owner, attr
-
-
-#: node types whose kernels are PyTorch code: ATen nodes and PythonOps (custom Functions)
-_TORCH_RUN_OPS = frozenset({"ATen", "PythonOp"})
-
-
-def _runs_torch(model: onnx.ModelProto) -> bool:
-    """Whether the engine calls back into PyTorch while it runs ``model``."""
-    return any(node.op_type in _TORCH_RUN_OPS for node in model.graph.node)
-
-
-class _EngineFunction(torch.autograd.Function):
-    """Forward half and backward half of the engine's gradient graph as one autograd node."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, graph: CompiledGraph, phases: StepPhases, *feeds: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        session = graph.session
-        assert isinstance(session, TrainingSession)
-        outputs, state = session.forward(feeds)
-        if graph.copied_outputs:
-            copied = graph.copied_outputs
-            outputs = [o.clone() if i in copied else o for i, o in enumerate(outputs)]
-        ctx.graph = graph
-        ctx.phases = phases
-        ctx.state = state
-        # the shapes of the outputs that take a gradient, for zeros where autograd has none
-        ctx.shapes = [outputs[i].shape for i, _, _ in graph.backward_feeds(outputs)]
-        ctx.set_materialize_grads(False)
-        without_grad = graph.without_grad
-        # one call with every such output: each call replaces the set the previous one marked
-        marked = [
-            out
-            for i, out in enumerate(outputs)
-            if i in without_grad or out.dtype not in _FLOAT_TYPES
-        ]
-        if marked:
-            ctx.mark_non_differentiable(*marked)
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():
-            # autograd runs a backward with grad mode on only for create_graph=True. The
-            # engine's gradients come back as plain tensors, without a graph of their own:
-            # handed back, a penalty on them would get no gradient ("does not require grad"),
-            # or none silently when added to a loss that has one.
-            raise RuntimeError(_HIGHER_ORDER_MESSAGE)
-        graph: CompiledGraph = ctx.graph
-        state = ctx.state
-        if state is None:
-            raise RuntimeError(
-                "ORTModule: backward ran twice through the same forward; the engine keeps one "
-                "forward state per call. Run forward again instead of retain_graph=True."
-            )
-        ctx.state = None
-        feeds = []
-        used = frozenset(i for i, g in enumerate(grad_outputs) if g is not None)
-        for (i, dtype, device), shape in zip(graph.backward_feeds(), ctx.shapes, strict=True):
-            grad = grad_outputs[i]
-            feeds.append(
-                grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device)
-            )
-        assert isinstance(graph.session, TrainingSession)
-        phases: StepPhases = ctx.phases
-        for hook in phases.pre_backward:
-            hook.pre_backward(phases.ctx)
-        grads = graph.session.backward(feeds, state)
-        for hook in phases.post_backward:
-            hook.post_backward(phases.ctx)
-        return (None, None, *[grads[j] if j >= 0 else None for j in graph.returned_grads(used)])
-
-
-_HIGHER_ORDER_MESSAGE = (
-    "ORTModule: higher-order gradients (create_graph=True in torch.autograd.grad or "
-    ".backward) do not go through the engine: the gradients it computes cannot be "
-    "differentiated again. Compute the term that needs them (a gradient penalty, a Hessian-"
-    "vector product) with the wrapped module in eager, e.g. model.module(x), and use the "
-    "ORTModule for the rest of the loss; or call backward without create_graph=True."
-)
-
-
-# ``Function.apply`` in Python binds nothing for us (no ``setup_context``) and, outside functorch
-# transforms, only unwraps dead functorch wrappers (one C call per tensor) before the C++ apply.
-# Our feeds are the user's inputs and the parameters, never such wrappers: call the C++ apply
-# directly (about 3 µs a step) and keep the Python path wherever a functorch transform is active.
-_C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EngineFunction)
-
-
-def _engine_apply(graph: CompiledGraph, phases: StepPhases, feeds: list[torch.Tensor]) -> Any:
-    if torch._C._are_functorch_transforms_active():
-        return _EngineFunction.apply(graph, phases, *feeds)
-    return _C_APPLY(graph, phases, *feeds)
 
 
 @dataclass(frozen=True)
@@ -570,7 +300,7 @@ class GraphRunner:
                 graph, outputs, kept, args, kwargs, flat, device, phases, training_graph
             )
         if graph.buffer_updates:
-            _apply_buffer_updates(graph.buffer_updates, outputs, kept)
+            apply_buffer_updates(graph.buffer_updates, outputs, kept)
         if graph.input_writes:
             with torch.no_grad():
                 for index, position in graph.input_writes:
@@ -590,9 +320,9 @@ class GraphRunner:
         training_graph: bool,
     ) -> tuple[Any, list[torch.Tensor]]:
         feeds = self._gather(graph, flat)
-        kept = _kept_variances(graph.buffer_updates) if graph.buffer_updates else []
+        kept = kept_variances(graph.buffer_updates) if graph.buffer_updates else []
         if training_graph:
-            return _engine_apply(graph, phases, feeds), kept
+            return engine_apply(graph, phases, feeds), kept
         assert isinstance(graph.session, InferenceSession)
         return graph.session.forward(feeds), kept
 
@@ -614,12 +344,12 @@ class GraphRunner:
         A run whose guard failed is dropped before anything reaches the user: its outputs, its
         autograd node, and the buffers the engine wrote in place (put back from a copy).
         """
-        saved = _buffer_copies(graph)
+        saved = buffer_copies(graph)
         for _ in range(GUARDED_GRAPHS_PER_KEY + 1):
             failed = graph.failed_guard(outputs)
             if failed is None:
                 return graph, outputs, kept
-            _restore_buffers(graph, saved)
+            restore_buffers(graph, saved)
             index, guard = graph.guards[failed]
 
             def fits(other: CompiledGraph, ran: CompiledGraph = graph, out: Any = outputs) -> bool:
@@ -635,7 +365,7 @@ class GraphRunner:
                 flat,
                 device,
             )
-            saved = _buffer_copies(graph)
+            saved = buffer_copies(graph)
             outputs, kept = self._run(graph, flat, phases, training_graph)
         raise GuardError(  # pragma: no cover - each pass above builds or finds a new graph
             f"ORTModule: no graph of {type(self.module).__qualname__} holds for this input"
@@ -664,7 +394,7 @@ class GraphRunner:
         for other in reversed(others):
             if other is graph or not other.fits_shapes(flat):
                 continue
-            saved = _buffer_copies(other)
+            saved = buffer_copies(other)
             try:
                 outputs, kept = self._run(other, flat, phases, training_graph)
             except RuntimeError:
@@ -673,7 +403,7 @@ class GraphRunner:
                 self.transitions.switch(other.key, other, change)
                 self._last = None
                 return other, outputs, kept
-            _restore_buffers(other, saved)  # a dropped run: put back what it wrote in place
+            restore_buffers(other, saved)  # a dropped run: put back what it wrote in place
         graph = self._graph_for_guards(
             graph,
             graph.guards[0][1],
@@ -961,7 +691,7 @@ class GraphRunner:
             deterministic=torch.are_deterministic_algorithms_enabled(),
             log_severity=cfg.engine_log_severity,
             conv_algo_search=cfg.conv_algo_search,
-            torch_threads=cfg.torch_threads_in_engine if _runs_torch(exported.model) else 0,
+            torch_threads=cfg.torch_threads_in_engine if runs_torch(exported.model) else 0,
             external_allocator=_torch_allocator(device),
             optimized_model_path=save.file_path("execution", exported.training) if save else None,
             memory_efficient_order=bool(contribution and contribution.memory_efficient_order),
@@ -1050,19 +780,6 @@ def _check_param_dtypes(module: torch.nn.Module, device: torch.device) -> None:
                 f"parameter '{name}' has dtype {p.dtype}, which the engine cannot train on {device.type}; "
                 f"use one of {SUPPORTED_PARAM_DTYPES[device.type]}"
             )
-
-
-def _buffer_copies(graph: CompiledGraph) -> list[torch.Tensor]:
-    """Copies of the buffers ``graph``'s run updates (the engine writes some in place), so a
-    run dropped for a failed guard can put them back."""
-    return [getattr(u.owner, u.attr).clone() for u in graph.buffer_updates]
-
-
-def _restore_buffers(graph: CompiledGraph, saved: list[torch.Tensor]) -> None:
-    """Put back the buffers of :func:`_buffer_copies` after a dropped run of ``graph``."""
-    with torch.no_grad():
-        for u, value in zip(graph.buffer_updates, saved, strict=True):
-            getattr(u.owner, u.attr).copy_(value)
 
 
 #: engine kernels whose output may share its input's buffer: views, and CPU kernels that may
