@@ -54,6 +54,16 @@ def train(deepspeed: Any, base: torch.nn.Module, stage: int, dtype: str, wrap: b
     from ortmodule import FP16_Optimizer, FusedAdam, ORTModule
 
     model = copy.deepcopy(base)
+    # whether each export traced a copy (stage 3 must trace the gathered module in place)
+    copied: list[bool] = []
+    exporter = importlib.import_module("ortmodule_exporter.export.exporter")
+    copy_for_export = exporter.copy_for_export
+
+    def recording_copy(module: torch.nn.Module, enabled: bool = True) -> torch.nn.Module:
+        target = copy_for_export(module, enabled)
+        copied.append(target is not module)
+        return target
+
     if wrap:
         model = ORTModule(model)
     optimizer = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -73,7 +83,11 @@ def train(deepspeed: Any, base: torch.nn.Module, stage: int, dtype: str, wrap: b
     losses = []
     for _ in range(STEPS):
         x = torch.randn(4, 8, generator=gen)
-        out = engine(x.to(DTYPES[dtype]))
+        exporter.copy_for_export = recording_copy
+        try:
+            out = engine(x.to(DTYPES[dtype]))
+        finally:
+            exporter.copy_for_export = copy_for_export
         loss = out.float().pow(2).mean()
         engine.backward(loss)
         if stage == 3:
@@ -92,6 +106,7 @@ def train(deepspeed: Any, base: torch.nn.Module, stage: int, dtype: str, wrap: b
         "losses": losses,
         "released": released,
         "exports": exports,
+        "copied": copied,
         "dtype": str(values_dtype),
     }
 
@@ -164,6 +179,7 @@ def main() -> None:
             "losses": [plain["losses"], ours["losses"]],
             "released": ours["released"],
             "exports": ours["exports"],
+            "copied": ours["copied"],
             "learned": ours["losses"][-1] < ours["losses"][0],
         }
     with open(out, "w") as f:

@@ -8,7 +8,10 @@ hook does their job at the granularity ORTModule has, the whole wrapped module:
 * ``pre_forward``: every partitioned parameter is gathered with DeepSpeed's own coalesced
   all-gather (``param.all_gather``), before the runtime reads shapes (graph key, export) or hands
   the tensors to the engine;
-* ``exporting``: DeepSpeed's submodule hooks are suspended while the module is copied and traced;
+* ``exporting``: DeepSpeed's submodule hooks are suspended while the module is traced, and it is
+  traced in place, not deep-copied (``traced_in_place``): its parameters are gathered to full
+  size then, and a copy held the whole model a second time on every rank (measured: +1.1x the
+  parameters' bytes at the peak, still resident after the export);
 * after the backward (a callback queued on autograd's engine in ``post_backward``, so it runs once
   every gradient has been accumulated and handed to DeepSpeed's reduce hooks), or right after the
   forward when no backward will follow (eval, ``no_grad``), the parameters gathered here are
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from ortmodule_exporter.components import StepContext, StepHook, mark_module_hook_handled
+from ortmodule_exporter.export import traced_in_place
 
 from .options import ENABLE_ZERO_STAGE3
 
@@ -156,9 +160,21 @@ class ZeroStage3Hook(StepHook):
         return _exporting(ctx.module)
 
 
+#: why a stage-3 module is traced in place (the exporter logs it)
+IN_PLACE_REASON = (
+    "its DeepSpeed ZeRO stage 3 parameters are gathered for the step; a deep copy would hold "
+    "the whole model a second time"
+)
+
+
 @contextlib.contextmanager
 def _exporting(module: torch.nn.Module) -> Iterator[None]:
-    with _suspended_deepspeed_hooks(module), _torch_linear():
+    in_place = (
+        traced_in_place(IN_PLACE_REASON)
+        if any(hasattr(p, "ds_status") for p in module.parameters())
+        else contextlib.nullcontext()
+    )
+    with _suspended_deepspeed_hooks(module), _torch_linear(), in_place:
         yield
 
 
@@ -191,10 +207,11 @@ def _torch_linear() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _suspended_deepspeed_hooks(module: torch.nn.Module) -> Iterator[None]:
-    """DeepSpeed's hooks off every submodule while the export copies and traces the module.
+    """DeepSpeed's hooks off every submodule while the export traces the module.
 
-    In the copy the parameters are plain tensors without ZeRO state, which those hooks would try
-    to fetch; dictionaries are restored in their original order afterwards.
+    The export gathered the parameters already; those hooks would fetch and release them again
+    inside the trace (and, on a copy, fetch plain tensors without ZeRO state). Dictionaries are
+    restored in their original order afterwards.
     """
     saved: list[tuple[dict[int, Any], dict[int, Any]]] = []
     for sub in module.modules():

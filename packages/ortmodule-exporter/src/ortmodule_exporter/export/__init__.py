@@ -25,6 +25,7 @@ from .exporter import (
     copy_for_export,
     export,
     module_path,
+    traced_in_place,
 )
 from .guards import Guard, GuardError
 from .model import SAVED_STAGES, ExportedModel, ExtraInput, SaveOptions
@@ -60,4 +61,5 @@ __all__ = [
     "module_path",
     "parameter_signature",
     "trace_state",
+    "traced_in_place",
 ]

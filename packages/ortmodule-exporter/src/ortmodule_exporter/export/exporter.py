@@ -9,6 +9,7 @@ outputs are the flattened outputs, named ``output.<path>``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import io
 import logging
@@ -220,10 +221,39 @@ def _preserved_state(module: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+#: why the export traces the module itself instead of a deep copy (set by a component around
+#: the export, see :func:`traced_in_place`); None: copy as configured
+_IN_PLACE_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "ortmodule_export_in_place", default=None
+)
+
+
+@contextmanager
+def traced_in_place(reason: str) -> Iterator[None]:
+    """Exports inside this context trace the module itself, not a deep copy of it.
+
+    For a component whose parameters are a temporary full-size view the copy would only
+    duplicate: DeepSpeed ZeRO stage 3 gathers every partitioned parameter for the export, so a
+    copy held the whole model a second time (+1x the parameters per rank during the export,
+    and the freed copy stayed resident in the allocator afterwards). The in-place path keeps
+    the user's buffers and RNG streams as they were (:func:`_preserved_state`).
+    """
+    token = _IN_PLACE_REASON.set(reason)
+    try:
+        yield
+    finally:
+        _IN_PLACE_REASON.reset(token)
+
+
 def copy_for_export(module: torch.nn.Module, enabled: bool = True) -> torch.nn.Module:
     """A deep copy to trace, so export cannot touch the user's weights; skipped with a warning
-    when the copy would not fit in the memory available on the module's device."""
+    when the copy would not fit in the memory available on the module's device, and skipped
+    inside :func:`traced_in_place` (a component said why)."""
     if not enabled:
+        return module
+    reason = _IN_PLACE_REASON.get()
+    if reason is not None:
+        logger.info("exporting %s without a deep copy: %s", module_path(module), reason)
         return module
     params = list(module.parameters())
     device = params[0].device if params else torch.device("cpu")
