@@ -269,3 +269,41 @@ def test_the_experimental_frontend_warns_once(monkeypatch: pytest.MonkeyPatch) -
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exporter._warn_experimental_frontend()  # once per process
+
+
+class _SizeLoop(nn.Module):
+    """A Python loop over a dim (torch.export unrolls it and fixes the dim) and a branch on
+    another (a range constraint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor([0.7]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.stack([x.select(2, i) * self.p * (i + 1) for i in range(x.shape[2])], dim=2)
+        if x.shape[0] > 3:
+            y = y * -2.0
+        return y
+
+
+def _same_each_step(model: nn.Module, shapes: list[tuple[int, ...]]) -> ORTModule:
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model), TORCH_EXPORT)
+    for step, shape in enumerate(shapes):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(step))
+        weights = torch.randn(ref(x).shape, generator=torch.Generator().manual_seed(99))
+        want, got = ref(x), wrapped(x)
+        torch.testing.assert_close(got, want, msg=f"step {step}, input {shape}")
+        (want * weights).sum().backward()
+        (got * weights).sum().backward()
+        for (name, p), q in zip(ref.named_parameters(), wrapped.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, msg=f"step {step}: grad of {name}")
+    return wrapped
+
+
+def test_sizes_torch_export_assumed_are_guarded() -> None:
+    """torch.export fixes a dim a Python loop runs over and bounds one a branch compares;
+    the graph holds both assumptions without checking them. Fed another loop length, it
+    returned the traced loop's outputs (the fuzzer's seed 3): now a new graph is exported."""
+    wrapped = _same_each_step(_SizeLoop(), [(4, 3, 2), (4, 5, 2), (4, 3, 4), (2, 3, 4), (5, 2, 4)])
+    # (4, 5, 2) reuses the first graph; the loop's length and the branch each build one
+    assert wrapped._runner.transitions.builds == 3, wrapped._runner.transitions.history

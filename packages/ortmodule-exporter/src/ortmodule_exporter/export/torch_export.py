@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx.inliner
 import onnx.shape_inference
@@ -39,7 +40,9 @@ from ortmodule_pytree import Schema, flatten, unflatten
 from .. import onnx_graph
 from ..errors import ExportError
 from .calls import call_bound, writable_buffers
+from .guards import Guard
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX
+from .shape_guards import Dim, ShapeGuard, _Step
 
 logger = logging.getLogger("ortmodule.exporter")
 
@@ -77,6 +80,8 @@ class TorchExportFlat(torch.nn.Module):
         # values to keep for constant outputs) and refuses data-dependent Python (no guards)
         self.traced_outputs: tuple[torch.Tensor, ...] = ()
         self.guards: list[Any] = []
+        #: what torch.export assumed of the input sizes (:func:`size_guards`), set after export
+        self.shape_guards: list[ShapeGuard] = []
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         arguments = unflatten(list(flat), self._input_schema)
@@ -530,8 +535,100 @@ def export_program(
             module_path=where,
         ) from err
     assert onnx_program is not None
+    if not static_shapes:
+        flat.shape_guards = size_guards(program, names, tensors)
     model = onnx_program.model_proto
     return _as_training_graph(model, program, names, where, canonical_state_names(flat))
+
+
+def size_guards(
+    program: torch.export.ExportedProgram, names: Sequence[str], tensors: Sequence[torch.Tensor]
+) -> list[ShapeGuard]:
+    """What torch.export assumed of the input sizes, checked before each run.
+
+    ``Dim.AUTO`` asks for every dim to stay symbolic, but torch.export fixes a dim whose size
+    the forward uses as a Python int (``range(x.shape[3])``: a loop unrolled that many times,
+    and size 0/1 dims), bounds one a branch compared (``if x.shape[0] > 3``, a range
+    constraint) and makes equal the dims it found equal (one symbol). The ONNX graph holds
+    these assumptions without checking them: fed other sizes, it runs and returns the traced
+    loop's outputs, silently wrong. This guard's value is, in order, every fixed dim's size,
+    then 1 for each bound and equality that holds (0 where not): on another value the runtime
+    exports a graph for the new sizes, as for the TorchScript frontend's size guards. A dim
+    given by an expression of other dims (``2 * s0``) is checked as a fixed size.
+    """
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    user = [nodes[n] for n in program.graph_signature.user_inputs if n in nodes]
+    if len(user) != len(names):
+        return []
+    int64 = onnx.TensorProto.INT64
+    steps: list[_Step] = []
+    parts: list[str] = []
+    traced: list[int] = []
+    said: list[str] = []
+    shapes: dict[str, tuple[Dim, ...]] = {}
+    first: dict[Any, str] = {}
+
+    def constant(value: int) -> str:
+        out = f"size_guard/const{len(steps)}"
+        steps.append(_Step("Constant", (), out, (("value", np.array(value, np.int64)),)))
+        return out
+
+    def size(name: str, axis: int) -> str:
+        out = f"size_guard/{name}/{axis}"
+        if not any(s.output == out for s in steps):
+            shape = f"size_guard/{name}/shape"
+            if name not in shapes:
+                shapes[name] = tuple(
+                    Dim(name, a) for a in range(len(tensors[names.index(name)].shape))
+                )
+                steps.append(_Step("Shape", (name,), shape, ()))
+            steps.append(_Step("Gather", (shape, constant(axis)), out, (("axis", 0),)))
+        return out
+
+    def holds(op: str, a: str, b: str, text: str) -> None:
+        out = f"size_guard/check{len(steps)}"
+        steps.append(_Step(op, (a, b), out, ()))
+        steps.append(_Step("Cast", (out,), out + "/int", (("to", int64),)))
+        parts.append(out + "/int")
+        traced.append(1)
+        said.append(text)
+
+    for name, node, tensor in zip(names, user, tensors, strict=True):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        for axis, dim in enumerate(value.shape):
+            where = f"{name}.shape[{axis}]"
+            expr = dim.node.expr if isinstance(dim, torch.SymInt) else None
+            if expr is None or not getattr(expr, "is_Symbol", False):
+                # fixed by torch.export, or an expression of other dims: this size only
+                parts.append(size(name, axis))
+                traced.append(int(tensor.shape[axis]))
+                said.append(f"{where} == {int(tensor.shape[axis])}")
+                continue
+            if expr in first:
+                holds("Equal", size(name, axis), first[expr], f"{where} == {first[expr]}")
+                continue
+            first[expr] = size(name, axis)
+            bounds = program.range_constraints.get(expr)
+            lower = int(bounds.lower) if bounds is not None else 0
+            upper = bounds.upper if bounds is not None else None
+            # 0 and 1 are what Dim.AUTO leaves out by itself (both fixed when traced): a
+            # bound above 2 is one the forward's code set
+            if lower > 2:
+                holds("Greater", first[expr], constant(lower - 1), f"{where} >= {lower}")
+            # (``int_oo``, torch's unbounded size, says it is finite: only an Integer is)
+            if upper is not None and getattr(upper, "is_Integer", False):
+                holds("Less", first[expr], constant(int(upper) + 1), f"{where} <= {int(upper)}")
+    if not parts:
+        return []
+    steps.append(_Step("Concat", tuple(parts), "size_guard/value", (("axis", 0),)))
+    guard = Guard(
+        "int",
+        torch.tensor(traced, dtype=torch.int64),
+        "torch.export's assumptions on the input sizes: " + ", ".join(said),
+    )
+    return [ShapeGuard(guard, tuple(steps), "size_guard/value", tuple(shapes.items()))]
 
 
 def _data_dependent(err: BaseException) -> bool:
