@@ -307,3 +307,36 @@ def test_sizes_torch_export_assumed_are_guarded() -> None:
     wrapped = _same_each_step(_SizeLoop(), [(4, 3, 2), (4, 5, 2), (4, 3, 4), (2, 3, 4), (5, 2, 4)])
     # (4, 5, 2) reuses the first graph; the loop's length and the branch each build one
     assert wrapped._runner.transitions.builds == 3, wrapped._runner.transitions.history
+
+
+class _VectorMatmul(nn.Module):
+    def __init__(self, left: bool) -> None:
+        super().__init__()
+        self.left = left
+        self.v = nn.Parameter(torch.tensor([0.5, -1.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(self.v, x) if self.left else torch.matmul(x, self.v)
+
+
+@pytest.mark.parametrize(("left", "shape"), [(True, (3, 4, 2, 5)), (False, (3, 4, 5, 2))])
+def test_matmul_with_a_vector(left: bool, shape: tuple[int, ...]) -> None:
+    """The engine's MatMul gradient mishandles a 1-D operand: ``matmul(v, x)`` gave ``v`` a
+    gradient of the wrong sign (the fuzzer's seed 37); with ``x`` needing a gradient, or ``v``
+    on the right, it failed. The vector is made a one-row / one-column matrix."""
+    model = _VectorMatmul(left)
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model), TORCH_EXPORT)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, got = ref(x_ref), wrapped(x_ours)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(wrapped.module.v.grad, ref.v.grad)
+    torch.testing.assert_close(x_ours.grad, x_ref.grad)
+    # the fuzzer's program: a parameter vector, an input without gradient
+    ref.v.grad = wrapped.module.v.grad = None
+    (ref(x) * weights).sum().backward()
+    (wrapped(x) * weights).sum().backward()
+    torch.testing.assert_close(wrapped.module.v.grad, ref.v.grad)

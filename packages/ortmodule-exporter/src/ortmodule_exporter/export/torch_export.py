@@ -436,6 +436,85 @@ def _max_pool_values_gathered(model: onnx.ModelProto) -> None:
     graph.node.extend(new_nodes)
 
 
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    ranks = {
+        vi.name: len(vi.type.tensor_type.shape.dim)
+        for vi in (*graph.input, *graph.value_info, *graph.output)
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")
+    }
+    ranks.update({init.name: len(init.dims) for init in graph.initializer})
+    return ranks
+
+
+def _matmul_vectors_as_matrices(model: onnx.ModelProto) -> None:
+    """A 1-D operand of ``MatMul`` made a matrix of one row (left) or one column (right),
+    the product's extra dim squeezed out again.
+
+    The engine's MatMul gradient (1.19.2) mishandles a 1-D operand: for ``matmul(v, x)`` with
+    ``x`` of rank 3 or more it multiplies the (..., n) output gradient by ``x``'s transpose
+    as if both were matrices and sums, so ``v``'s gradient came back several units off, with
+    the wrong sign (the fuzzer's seed 37); with ``x`` needing a gradient too, or a 1-D right
+    operand, its FusedMatMul fails to broadcast. The TorchScript frontend does the same for a
+    1-D left operand (``symbolics.matmul``); torch_lib writes ``MatMul`` as it is.
+    """
+    graph = model.graph
+
+    def is_matmul(node: onnx.NodeProto) -> bool:
+        return node.op_type == "MatMul" and node.domain in ("", "ai.onnx")
+
+    matmuls = [n for n in graph.node if is_matmul(n)]
+    if not matmuls:
+        return
+    ranks = _ranks(model)
+    if any(i not in ranks for n in matmuls for i in n.input):
+        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        left, right = (ranks.get(i) for i in node.input[:2]) if is_matmul(node) else (0, 0)
+        if left is None or right is None:
+            raise ExportError(
+                f"the torch_export graph's MatMul {node.name} has an operand of unknown rank: "
+                "the engine's gradient is wrong for a 1-D one; use ORTMODULE_EXPORTER=torchscript"
+            )
+        if left != 1 and right != 1:
+            new_nodes.append(node)
+            continue
+        tag = f"{node.name or 'MatMul'}_{index}"
+        inputs, squeezed = list(node.input), []
+        for slot, axis in ((0, 0), (1, -1)):
+            if (left, right)[slot] != 1:
+                continue
+            axes, out = f"{tag}_axes{slot}", f"{tag}_matrix{slot}"
+            new_nodes += [
+                h.make_node(
+                    "Constant",
+                    [],
+                    [axes],
+                    value=h.make_tensor(axes, onnx.TensorProto.INT64, [1], [axis]),
+                ),
+                h.make_node("Unsqueeze", [inputs[slot], axes], [out]),
+            ]
+            inputs[slot] = out
+            # the product's row (left) / column (right) dim: -2 / -1 of the matrix product
+            squeezed.append(-2 if slot == 0 else -1)
+        product = f"{tag}_product"
+        axes = f"{tag}_squeeze_axes"
+        new_nodes += [
+            h.make_node("MatMul", inputs, [product], name=node.name),
+            h.make_node(
+                "Constant",
+                [],
+                [axes],
+                value=h.make_tensor(axes, onnx.TensorProto.INT64, [len(squeezed)], squeezed),
+            ),
+            h.make_node("Squeeze", [product, axes], [node.output[0]]),
+        ]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
 def _cast_like_as_cast(model: onnx.ModelProto) -> None:
     """``CastLike(x, like)`` -> ``Cast(x, to=like's type)``: the engine (1.19.2) has no gradient
     for CastLike; torch_lib writes one for nearly every Python scalar it combines with a tensor."""
@@ -667,6 +746,7 @@ def _as_training_graph(
         model = onnx.inliner.inline_local_functions(model)
         del model.functions[:]
     _cast_like_as_cast(model)
+    _matmul_vectors_as_matrices(model)
     _outputs_for_gradients(model)
     _layer_norm_bias(model)
     _max_pool_values_gathered(model)
