@@ -340,3 +340,33 @@ def test_matmul_with_a_vector(left: bool, shape: tuple[int, ...]) -> None:
     (ref(x) * weights).sum().backward()
     (wrapped(x) * weights).sum().backward()
     torch.testing.assert_close(wrapped.module.v.grad, ref.v.grad)
+
+
+class _AddAt(nn.Module):
+    """``index_add``, ``index_put(accumulate=True)``, ``scatter_add``: torch_lib writes a
+    ScatterND / ScatterElements with ``reduction="add"``."""
+
+    def forward(self, x: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        index = torch.tensor([0, 2, 0])
+        return (
+            torch.index_add(x, 0, index, src, alpha=-1.5),
+            torch.index_put(x, (index,), src, accumulate=True),
+            torch.scatter_add(x, 0, index[:, None].expand(3, 2), src),
+        )
+
+
+def test_scatter_adding_keeps_the_input_gradient() -> None:
+    """The engine's scatter gradient ignores the reduction: the input's gradient was zeroed
+    where the updates were added (OpInfo's ``index_add``)."""
+    x, src = torch.randn(4, 2), torch.randn(3, 2)
+    mine = [x.clone().requires_grad_(), src.clone().requires_grad_()]
+    eager = [x.clone().requires_grad_(), src.clone().requires_grad_()]
+    wrapped = ORTModule(_AddAt(), TORCH_EXPORT)
+    got, want = wrapped(*mine), _AddAt()(*eager)
+    weights = [torch.randn(4, 2, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    sum(((g * w).sum() for g, w in zip(got, weights, strict=True)), torch.tensor(0.0)).backward()
+    sum(((e * w).sum() for e, w in zip(want, weights, strict=True)), torch.tensor(0.0)).backward()
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e)
+    torch.testing.assert_close(mine[0].grad, eager[0].grad, msg="grad of the input")
+    torch.testing.assert_close(mine[1].grad, eager[1].grad, msg="grad of the source")

@@ -515,6 +515,62 @@ def _matmul_vectors_as_matrices(model: onnx.ModelProto) -> None:
     graph.node.extend(new_nodes)
 
 
+def _scatter_add_onto_zeros(model: onnx.ModelProto) -> None:
+    """``ScatterND``/``ScatterElements(data, indices, updates, reduction="add")`` ->
+    ``data + Scatter(zeros, indices, updates, reduction="add")``.
+
+    The engine's gradient of a scatter (1.19.2) ignores its reduction: it gives ``data`` the
+    output gradient with the scattered positions zeroed, right when they are overwritten and
+    wrong when added to (``index_add``, ``index_put(accumulate=True)``, ``scatter_add``: the
+    input's gradient was 0 where eager's is the output's). Scattered onto zeros and added,
+    ``data`` takes the gradient of ``Add`` (all of it), ``updates`` the gathered one, as
+    before.
+    """
+    graph = model.graph
+
+    def is_add(node: onnx.NodeProto) -> bool:
+        return (
+            node.op_type in ("ScatterND", "ScatterElements")
+            and node.domain in ("", "ai.onnx")
+            and any(a.name == "reduction" and a.s == b"add" for a in node.attribute)
+        )
+
+    if not any(is_add(n) for n in graph.node):
+        return
+    types = _elem_types(model)
+    if any(is_add(n) and n.input[0] not in types for n in graph.node):
+        types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        if not is_add(node):
+            new_nodes.append(node)
+            continue
+        data, out = node.input[0], node.output[0]
+        dtype = types.get(data, 0)
+        if not dtype:
+            raise ExportError(
+                f"the torch_export graph's {node.op_type} {node.name} adds into a tensor of "
+                "unknown type; the engine's gradient of it is wrong: use "
+                "ORTMODULE_EXPORTER=torchscript"
+            )
+        tag = f"{node.name or node.op_type}_{index}"
+        new_nodes += [
+            h.make_node("Shape", [data], [f"{tag}_data_shape"]),
+            h.make_node(
+                "ConstantOfShape",
+                [f"{tag}_data_shape"],
+                [f"{tag}_zeros"],
+                value=h.make_tensor(f"{tag}_zero", dtype, [1], [0]),
+            ),
+        ]
+        node.input[0] = f"{tag}_zeros"
+        node.output[0] = f"{tag}_added"
+        new_nodes += [node, h.make_node("Add", [data, f"{tag}_added"], [out])]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
 def _cast_like_as_cast(model: onnx.ModelProto) -> None:
     """``CastLike(x, like)`` -> ``Cast(x, to=like's type)``: the engine (1.19.2) has no gradient
     for CastLike; torch_lib writes one for nearly every Python scalar it combines with a tensor."""
@@ -747,6 +803,7 @@ def _as_training_graph(
         del model.functions[:]
     _cast_like_as_cast(model)
     _matmul_vectors_as_matrices(model)
+    _scatter_add_onto_zeros(model)
     _outputs_for_gradients(model)
     _layer_norm_bias(model)
     _max_pool_values_gathered(model)
