@@ -402,6 +402,78 @@ def _layer_norm_bias(model: onnx.ModelProto) -> None:
     graph.node.extend(new_nodes)
 
 
+def _layer_norm_centered(model: onnx.ModelProto) -> None:
+    """A float32 LayerNormalization normalises its input minus the input's mean.
+
+    The engine's CPU LayerNormalization (1.19.2) computes the variance as ``E[x^2] - E[x]^2``
+    in float32: when the mean is large against the spread, the difference cancels (rows
+    ``[10, 10.003]`` came out 0.474 for eager's 0.429; the fuzzer's seed 33, off by 3e-3).
+    Centred first, ``E[x]`` is about 0 and the variance as exact as eager's; the output and
+    the gradient are the same functions (a layer norm does not see a shift). The cost is one
+    ReduceMean and one Sub per layer norm and their gradients. A mean output that a later
+    node reads is the ReduceMean's. (The TorchScript frontend writes the same
+    kernel for a layer norm of static shape: ``symbolics.normalization``.)
+    """
+    graph = model.graph
+    norms = [
+        i
+        for i, n in enumerate(graph.node)
+        if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")
+    ]
+    if not norms:
+        return
+    types, ranks = _elem_types(model), _ranks(model)
+    if any(
+        graph.node[i].input[0] not in types or graph.node[i].input[0] not in ranks for i in norms
+    ):
+        inferred = onnx.shape_inference.infer_shapes(model)
+        types.update(_elem_types(inferred))
+        ranks.update(_ranks(inferred))
+    read = {name for n in graph.node for name in n.input} | {o.name for o in graph.output}
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        x = node.input[0] if index in norms else ""
+        if not x or types.get(x) != onnx.TensorProto.FLOAT:
+            # float64 is computed in float64, float16/bfloat16 in float32 (stash_type): the
+            # cancellation stays below their own rounding
+            new_nodes.append(node)
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+        rank = ranks.get(x)
+        if axis < 0:
+            axes = list(range(axis, 0))
+        elif rank is not None:
+            axes = list(range(axis, rank))
+        else:
+            raise ExportError(
+                f"the torch_export graph's LayerNormalization {node.name} has an input of "
+                "unknown rank; use ORTMODULE_EXPORTER=torchscript"
+            )
+        tag = f"{node.name or 'LayerNormalization'}_{index}"
+        mean, centered = f"{tag}_input_mean", f"{tag}_centered"
+        new_nodes += [
+            h.make_node(
+                "Constant",
+                [],
+                [f"{tag}_mean_axes"],
+                value=h.make_tensor(f"{tag}_mean_axes", onnx.TensorProto.INT64, [len(axes)], axes),
+            ),
+            h.make_node("ReduceMean", [x, f"{tag}_mean_axes"], [mean], keepdims=1),
+            h.make_node("Sub", [x, mean], [centered]),
+            node,
+        ]
+        node.input[0] = centered
+        if len(node.output) > 1 and node.output[1] in read:
+            # the input's mean is the mean output: read from the ReduceMean, it also has a
+            # gradient (the engine's LayerNormalizationGrad reads none for it)
+            saved = node.output[1]
+            node.output[1] = f"{tag}_centered_mean"
+            new_nodes.append(h.make_node("Identity", [mean], [saved]))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
 def _max_pool_values_gathered(model: onnx.ModelProto) -> None:
     """MaxPool picks the indices only; its values are gathered from the flattened input.
 
@@ -806,6 +878,7 @@ def _as_training_graph(
     _scatter_add_onto_zeros(model)
     _outputs_for_gradients(model)
     _layer_norm_bias(model)
+    _layer_norm_centered(model)
     _max_pool_values_gathered(model)
     graph = model.graph
     sig = program.graph_signature
