@@ -431,6 +431,9 @@ def _export(
     exported.constant_outputs = _drop_constant_outputs(model, flat.traced_outputs)
     _keep_written_state(exported, flat, tensors, module_path(module))
     _keep_guards(exported, flat.guards, tensors)
+    if isinstance(flat, TorchExportFlat):
+        # torch.export's assumptions on the input sizes (fixed, bounded, equal dims)
+        exported.shape_guards = (*exported.shape_guards, *flat.shape_guards)
     exported.config = config
     exported.export_seconds = time.perf_counter() - start
     # the cache holds no tensors: a model with constant outputs is exported again next time,

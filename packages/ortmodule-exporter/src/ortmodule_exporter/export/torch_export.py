@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx.inliner
 import onnx.shape_inference
@@ -39,7 +40,9 @@ from ortmodule_pytree import Schema, flatten, unflatten
 from .. import onnx_graph
 from ..errors import ExportError
 from .calls import call_bound, writable_buffers
+from .guards import Guard
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX
+from .shape_guards import Dim, ShapeGuard, _Step
 
 logger = logging.getLogger("ortmodule.exporter")
 
@@ -77,6 +80,8 @@ class TorchExportFlat(torch.nn.Module):
         # values to keep for constant outputs) and refuses data-dependent Python (no guards)
         self.traced_outputs: tuple[torch.Tensor, ...] = ()
         self.guards: list[Any] = []
+        #: what torch.export assumed of the input sizes (:func:`size_guards`), set after export
+        self.shape_guards: list[ShapeGuard] = []
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         arguments = unflatten(list(flat), self._input_schema)
@@ -397,6 +402,78 @@ def _layer_norm_bias(model: onnx.ModelProto) -> None:
     graph.node.extend(new_nodes)
 
 
+def _layer_norm_centered(model: onnx.ModelProto) -> None:
+    """A float32 LayerNormalization normalises its input minus the input's mean.
+
+    The engine's CPU LayerNormalization (1.19.2) computes the variance as ``E[x^2] - E[x]^2``
+    in float32: when the mean is large against the spread, the difference cancels (rows
+    ``[10, 10.003]`` came out 0.474 for eager's 0.429; the fuzzer's seed 33, off by 3e-3).
+    Centred first, ``E[x]`` is about 0 and the variance as exact as eager's; the output and
+    the gradient are the same functions (a layer norm does not see a shift). The cost is one
+    ReduceMean and one Sub per layer norm and their gradients. A mean output that a later
+    node reads is the ReduceMean's. (The TorchScript frontend writes the same
+    kernel for a layer norm of static shape: ``symbolics.normalization``.)
+    """
+    graph = model.graph
+    norms = [
+        i
+        for i, n in enumerate(graph.node)
+        if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")
+    ]
+    if not norms:
+        return
+    types, ranks = _elem_types(model), _ranks(model)
+    if any(
+        graph.node[i].input[0] not in types or graph.node[i].input[0] not in ranks for i in norms
+    ):
+        inferred = onnx.shape_inference.infer_shapes(model)
+        types.update(_elem_types(inferred))
+        ranks.update(_ranks(inferred))
+    read = {name for n in graph.node for name in n.input} | {o.name for o in graph.output}
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        x = node.input[0] if index in norms else ""
+        if not x or types.get(x) != onnx.TensorProto.FLOAT:
+            # float64 is computed in float64, float16/bfloat16 in float32 (stash_type): the
+            # cancellation stays below their own rounding
+            new_nodes.append(node)
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+        rank = ranks.get(x)
+        if axis < 0:
+            axes = list(range(axis, 0))
+        elif rank is not None:
+            axes = list(range(axis, rank))
+        else:
+            raise ExportError(
+                f"the torch_export graph's LayerNormalization {node.name} has an input of "
+                "unknown rank; use ORTMODULE_EXPORTER=torchscript"
+            )
+        tag = f"{node.name or 'LayerNormalization'}_{index}"
+        mean, centered = f"{tag}_input_mean", f"{tag}_centered"
+        new_nodes += [
+            h.make_node(
+                "Constant",
+                [],
+                [f"{tag}_mean_axes"],
+                value=h.make_tensor(f"{tag}_mean_axes", onnx.TensorProto.INT64, [len(axes)], axes),
+            ),
+            h.make_node("ReduceMean", [x, f"{tag}_mean_axes"], [mean], keepdims=1),
+            h.make_node("Sub", [x, mean], [centered]),
+            node,
+        ]
+        node.input[0] = centered
+        if len(node.output) > 1 and node.output[1] in read:
+            # the input's mean is the mean output: read from the ReduceMean, it also has a
+            # gradient (the engine's LayerNormalizationGrad reads none for it)
+            saved = node.output[1]
+            node.output[1] = f"{tag}_centered_mean"
+            new_nodes.append(h.make_node("Identity", [mean], [saved]))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
 def _max_pool_values_gathered(model: onnx.ModelProto) -> None:
     """MaxPool picks the indices only; its values are gathered from the flattened input.
 
@@ -427,6 +504,141 @@ def _max_pool_values_gathered(model: onnx.ModelProto) -> None:
             h.make_node("Reshape", [node.input[0], flat_shape], [flat]),
             h.make_node("Gather", [flat, node.output[1]], [values], axis=0),
         ]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    ranks = {
+        vi.name: len(vi.type.tensor_type.shape.dim)
+        for vi in (*graph.input, *graph.value_info, *graph.output)
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")
+    }
+    ranks.update({init.name: len(init.dims) for init in graph.initializer})
+    return ranks
+
+
+def _matmul_vectors_as_matrices(model: onnx.ModelProto) -> None:
+    """A 1-D operand of ``MatMul`` made a matrix of one row (left) or one column (right),
+    the product's extra dim squeezed out again.
+
+    The engine's MatMul gradient (1.19.2) mishandles a 1-D operand: for ``matmul(v, x)`` with
+    ``x`` of rank 3 or more it multiplies the (..., n) output gradient by ``x``'s transpose
+    as if both were matrices and sums, so ``v``'s gradient came back several units off, with
+    the wrong sign (the fuzzer's seed 37); with ``x`` needing a gradient too, or a 1-D right
+    operand, its FusedMatMul fails to broadcast. The TorchScript frontend does the same for a
+    1-D left operand (``symbolics.matmul``); torch_lib writes ``MatMul`` as it is.
+    """
+    graph = model.graph
+
+    def is_matmul(node: onnx.NodeProto) -> bool:
+        return node.op_type == "MatMul" and node.domain in ("", "ai.onnx")
+
+    matmuls = [n for n in graph.node if is_matmul(n)]
+    if not matmuls:
+        return
+    ranks = _ranks(model)
+    if any(i not in ranks for n in matmuls for i in n.input):
+        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        left, right = (ranks.get(i) for i in node.input[:2]) if is_matmul(node) else (0, 0)
+        if left is None or right is None:
+            raise ExportError(
+                f"the torch_export graph's MatMul {node.name} has an operand of unknown rank: "
+                "the engine's gradient is wrong for a 1-D one; use ORTMODULE_EXPORTER=torchscript"
+            )
+        if left != 1 and right != 1:
+            new_nodes.append(node)
+            continue
+        tag = f"{node.name or 'MatMul'}_{index}"
+        inputs, squeezed = list(node.input), []
+        for slot, axis in ((0, 0), (1, -1)):
+            if (left, right)[slot] != 1:
+                continue
+            axes, out = f"{tag}_axes{slot}", f"{tag}_matrix{slot}"
+            new_nodes += [
+                h.make_node(
+                    "Constant",
+                    [],
+                    [axes],
+                    value=h.make_tensor(axes, onnx.TensorProto.INT64, [1], [axis]),
+                ),
+                h.make_node("Unsqueeze", [inputs[slot], axes], [out]),
+            ]
+            inputs[slot] = out
+            # the product's row (left) / column (right) dim: -2 / -1 of the matrix product
+            squeezed.append(-2 if slot == 0 else -1)
+        product = f"{tag}_product"
+        axes = f"{tag}_squeeze_axes"
+        new_nodes += [
+            h.make_node("MatMul", inputs, [product], name=node.name),
+            h.make_node(
+                "Constant",
+                [],
+                [axes],
+                value=h.make_tensor(axes, onnx.TensorProto.INT64, [len(squeezed)], squeezed),
+            ),
+            h.make_node("Squeeze", [product, axes], [node.output[0]]),
+        ]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _scatter_add_onto_zeros(model: onnx.ModelProto) -> None:
+    """``ScatterND``/``ScatterElements(data, indices, updates, reduction="add")`` ->
+    ``data + Scatter(zeros, indices, updates, reduction="add")``.
+
+    The engine's gradient of a scatter (1.19.2) ignores its reduction: it gives ``data`` the
+    output gradient with the scattered positions zeroed, right when they are overwritten and
+    wrong when added to (``index_add``, ``index_put(accumulate=True)``, ``scatter_add``: the
+    input's gradient was 0 where eager's is the output's). Scattered onto zeros and added,
+    ``data`` takes the gradient of ``Add`` (all of it), ``updates`` the gathered one, as
+    before.
+    """
+    graph = model.graph
+
+    def is_add(node: onnx.NodeProto) -> bool:
+        return (
+            node.op_type in ("ScatterND", "ScatterElements")
+            and node.domain in ("", "ai.onnx")
+            and any(a.name == "reduction" and a.s == b"add" for a in node.attribute)
+        )
+
+    if not any(is_add(n) for n in graph.node):
+        return
+    types = _elem_types(model)
+    if any(is_add(n) and n.input[0] not in types for n in graph.node):
+        types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        if not is_add(node):
+            new_nodes.append(node)
+            continue
+        data, out = node.input[0], node.output[0]
+        dtype = types.get(data, 0)
+        if not dtype:
+            raise ExportError(
+                f"the torch_export graph's {node.op_type} {node.name} adds into a tensor of "
+                "unknown type; the engine's gradient of it is wrong: use "
+                "ORTMODULE_EXPORTER=torchscript"
+            )
+        tag = f"{node.name or node.op_type}_{index}"
+        new_nodes += [
+            h.make_node("Shape", [data], [f"{tag}_data_shape"]),
+            h.make_node(
+                "ConstantOfShape",
+                [f"{tag}_data_shape"],
+                [f"{tag}_zeros"],
+                value=h.make_tensor(f"{tag}_zero", dtype, [1], [0]),
+            ),
+        ]
+        node.input[0] = f"{tag}_zeros"
+        node.output[0] = f"{tag}_added"
+        new_nodes += [node, h.make_node("Add", [data, f"{tag}_added"], [out])]
     del graph.node[:]
     graph.node.extend(new_nodes)
 
@@ -530,8 +742,100 @@ def export_program(
             module_path=where,
         ) from err
     assert onnx_program is not None
+    if not static_shapes:
+        flat.shape_guards = size_guards(program, names, tensors)
     model = onnx_program.model_proto
     return _as_training_graph(model, program, names, where, canonical_state_names(flat))
+
+
+def size_guards(
+    program: torch.export.ExportedProgram, names: Sequence[str], tensors: Sequence[torch.Tensor]
+) -> list[ShapeGuard]:
+    """What torch.export assumed of the input sizes, checked before each run.
+
+    ``Dim.AUTO`` asks for every dim to stay symbolic, but torch.export fixes a dim whose size
+    the forward uses as a Python int (``range(x.shape[3])``: a loop unrolled that many times,
+    and size 0/1 dims), bounds one a branch compared (``if x.shape[0] > 3``, a range
+    constraint) and makes equal the dims it found equal (one symbol). The ONNX graph holds
+    these assumptions without checking them: fed other sizes, it runs and returns the traced
+    loop's outputs, silently wrong. This guard's value is, in order, every fixed dim's size,
+    then 1 for each bound and equality that holds (0 where not): on another value the runtime
+    exports a graph for the new sizes, as for the TorchScript frontend's size guards. A dim
+    given by an expression of other dims (``2 * s0``) is checked as a fixed size.
+    """
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    user = [nodes[n] for n in program.graph_signature.user_inputs if n in nodes]
+    if len(user) != len(names):
+        return []
+    int64 = onnx.TensorProto.INT64
+    steps: list[_Step] = []
+    parts: list[str] = []
+    traced: list[int] = []
+    said: list[str] = []
+    shapes: dict[str, tuple[Dim, ...]] = {}
+    first: dict[Any, str] = {}
+
+    def constant(value: int) -> str:
+        out = f"size_guard/const{len(steps)}"
+        steps.append(_Step("Constant", (), out, (("value", np.array(value, np.int64)),)))
+        return out
+
+    def size(name: str, axis: int) -> str:
+        out = f"size_guard/{name}/{axis}"
+        if not any(s.output == out for s in steps):
+            shape = f"size_guard/{name}/shape"
+            if name not in shapes:
+                shapes[name] = tuple(
+                    Dim(name, a) for a in range(len(tensors[names.index(name)].shape))
+                )
+                steps.append(_Step("Shape", (name,), shape, ()))
+            steps.append(_Step("Gather", (shape, constant(axis)), out, (("axis", 0),)))
+        return out
+
+    def holds(op: str, a: str, b: str, text: str) -> None:
+        out = f"size_guard/check{len(steps)}"
+        steps.append(_Step(op, (a, b), out, ()))
+        steps.append(_Step("Cast", (out,), out + "/int", (("to", int64),)))
+        parts.append(out + "/int")
+        traced.append(1)
+        said.append(text)
+
+    for name, node, tensor in zip(names, user, tensors, strict=True):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        for axis, dim in enumerate(value.shape):
+            where = f"{name}.shape[{axis}]"
+            expr = dim.node.expr if isinstance(dim, torch.SymInt) else None
+            if expr is None or not getattr(expr, "is_Symbol", False):
+                # fixed by torch.export, or an expression of other dims: this size only
+                parts.append(size(name, axis))
+                traced.append(int(tensor.shape[axis]))
+                said.append(f"{where} == {int(tensor.shape[axis])}")
+                continue
+            if expr in first:
+                holds("Equal", size(name, axis), first[expr], f"{where} == {first[expr]}")
+                continue
+            first[expr] = size(name, axis)
+            bounds = program.range_constraints.get(expr)
+            lower = int(bounds.lower) if bounds is not None else 0
+            upper = bounds.upper if bounds is not None else None
+            # 0 and 1 are what Dim.AUTO leaves out by itself (both fixed when traced): a
+            # bound above 2 is one the forward's code set
+            if lower > 2:
+                holds("Greater", first[expr], constant(lower - 1), f"{where} >= {lower}")
+            # (``int_oo``, torch's unbounded size, says it is finite: only an Integer is)
+            if upper is not None and getattr(upper, "is_Integer", False):
+                holds("Less", first[expr], constant(int(upper) + 1), f"{where} <= {int(upper)}")
+    if not parts:
+        return []
+    steps.append(_Step("Concat", tuple(parts), "size_guard/value", (("axis", 0),)))
+    guard = Guard(
+        "int",
+        torch.tensor(traced, dtype=torch.int64),
+        "torch.export's assumptions on the input sizes: " + ", ".join(said),
+    )
+    return [ShapeGuard(guard, tuple(steps), "size_guard/value", tuple(shapes.items()))]
 
 
 def _data_dependent(err: BaseException) -> bool:
@@ -570,8 +874,11 @@ def _as_training_graph(
         model = onnx.inliner.inline_local_functions(model)
         del model.functions[:]
     _cast_like_as_cast(model)
+    _matmul_vectors_as_matrices(model)
+    _scatter_add_onto_zeros(model)
     _outputs_for_gradients(model)
     _layer_norm_bias(model)
+    _layer_norm_centered(model)
     _max_pool_values_gathered(model)
     graph = model.graph
     sig = program.graph_signature
