@@ -251,3 +251,29 @@ def test_a_cast_to_its_own_type_read_twice_by_one_node_is_dropped() -> None:
     # removing edge")
     run = assert_engine_matches_eager(_SquareOfACast(), (torch.randn(3, 4, requires_grad=True),))
     assert "Cast" not in [n.op_type for n in run.built.exported.model.graph.node]
+
+
+class _LayerNormsOfOneTensor(torch.nn.Module):
+    """Three layer norms of one tensor, of the input itself or of a value computed from it."""
+
+    def __init__(self, computed: bool) -> None:
+        super().__init__()
+        self.computed = computed
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.computed:
+            x = x * 2.0
+        a, b, c = (norm(x) for norm in self.norms)
+        return a * b + c
+
+
+@pytest.mark.parametrize("computed", [False, True], ids=["input", "computed"])
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "grad"])
+def test_layer_norms_of_one_tensor_train(computed: bool, requires_grad: bool) -> None:
+    """The engine named every LayerNormalizationGrad's input gradient ``x_grad`` even where
+    ``x`` takes none ("Duplicate definition of name"); its own merge of the centred copies
+    ``x - mean(x)`` made them one tensor again."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 8).requires_grad_(requires_grad)
+    assert_engine_matches_eager(_LayerNormsOfOneTensor(computed), (x,))

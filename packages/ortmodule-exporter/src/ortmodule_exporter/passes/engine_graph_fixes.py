@@ -10,6 +10,12 @@
 * A node reading the same graph input twice (``Mul(x, x)`` for ``torch.square``): the engine
   names both partial gradients ``x_grad`` ("Duplicate definition of name"). The second read
   goes through an Identity, so the two gradients are summed.
+* Two or more ``LayerNormalization`` nodes normalising one tensor (two layer norms of ``x``,
+  or of its centred copies ``x - mean(x)``, which the engine's own common-subexpression pass
+  merges into one): the engine's LayerNormalizationGrad names each node's input gradient
+  ``x_grad`` even where ``x`` takes none, and two of them fail the build ("Duplicate
+  definition of name", 1.19.2). The k-th such node reads its input through a chain of k
+  Identities, which no merge can make equal to another's.
 * ``ConcatFromSequence`` over a ``SequenceConstruct`` (``torch.vstack``/``hstack`` of a tuple):
   the engine's gradient stops at sequence values ("Cannot compute the partial derivative ...
   unreachable from the output"). It becomes ``Concat`` of the sequence's tensors, each through
@@ -217,6 +223,18 @@ def _kept_dims_logsumexp(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     ]
 
 
+def _normalised_source(name: str, producer: Mapping[str, onnx.NodeProto]) -> str:
+    """The tensor a LayerNormalization input normalises: ``x`` for ``x - ReduceMean(x)`` (a
+    centred float32 layer norm, ``symbolics.normalization``), else the input itself."""
+    sub = producer.get(name)
+    if sub is None or sub.op_type != "Sub" or len(sub.input) != 2:
+        return name
+    mean = producer.get(sub.input[1])
+    if mean is not None and mean.op_type == "ReduceMean" and mean.input[0] == sub.input[0]:
+        return sub.input[0]
+    return name
+
+
 def fix_graph(model: onnx.ModelProto) -> int:
     """Apply the rewrites to ``model`` in place; returns how many nodes changed."""
     reciprocals = _unit_reciprocals(model)
@@ -233,6 +251,9 @@ def fix_graph(model: onnx.ModelProto) -> int:
     changed = 0
     nodes: list[onnx.NodeProto] = []
     renamed: dict[str, str] = {}
+    #: the tensor each LayerNormalization normalises -> how many did so far
+    layer_norms: dict[str, int] = {}
+    producer = {o: n for n in graph.node for o in n.output}
     for node in graph.node:
         for slot, name in enumerate(node.input):
             if name in renamed:
@@ -263,6 +284,15 @@ def fix_graph(model: onnx.ModelProto) -> int:
                 else:
                     renamed[node.output[0]] = node.input[0]
                 continue
+        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
+            source = _normalised_source(node.input[0], producer)
+            depth = layer_norms.get(source, 0)
+            layer_norms[source] = depth + 1
+            for _ in range(depth):
+                copy = f"{node.input[0]}__read{changed}"
+                nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [copy]))
+                node.input[0] = copy
+                changed += 1
         seen: set[str] = set()
         for slot, name in enumerate(node.input):
             if name in inputs and name in seen:
