@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..torchscript_onnx import symbolic_helper as sh
+from ..torchscript_onnx import type_utils
 from .helpers import Value, _const, _unsqueeze
 
 _INT64 = 7
@@ -37,11 +38,11 @@ def _dtype(dtype: Value, op: str) -> torch.dtype:
         return torch.get_default_dtype()
     if not isinstance(code, int):
         raise ValueError(f"{op}: the dtype must be a constant")
-    return sh.type_utils.JitScalarType(code).dtype()
+    return type_utils.JitScalarType(code).dtype()
 
 
 def _onnx_type(dtype: torch.dtype) -> Any:
-    return sh.type_utils.JitScalarType.from_dtype(dtype).onnx_type()
+    return type_utils.JitScalarType.from_dtype(dtype).onnx_type()
 
 
 def _evenly_spaced(g: Any, start: Value, end: Value, steps: Value, work: torch.dtype) -> Value:
