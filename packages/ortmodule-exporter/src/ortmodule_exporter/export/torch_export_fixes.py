@@ -1,0 +1,372 @@
+"""Rewrites of the ``torch_export`` frontend's ONNX graph for the engine's gradient builder
+(1.19.2), which torch_lib's translations do not anticipate; :func:`fix_for_engine` applies them
+in order. Each says which engine behaviour it works around; the TorchScript frontend's
+symbolics do the same at export (``symbolics/``).
+
+>>> from ortmodule_exporter.export.torch_export_fixes import fix_for_engine
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx.shape_inference
+
+from ..errors import ExportError
+
+__all__ = ["fix_for_engine"]
+
+
+def fix_for_engine(model: onnx.ModelProto) -> None:
+    """Every rewrite below, in place, in the order they depend on each other."""
+    _cast_like_as_cast(model)
+    _matmul_vectors_as_matrices(model)
+    _scatter_add_onto_zeros(model)
+    _outputs_for_gradients(model)
+    _layer_norm_bias(model)
+    _layer_norm_centered(model)
+    _max_pool_values_gathered(model)
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    types = {
+        vi.name: vi.type.tensor_type.elem_type
+        for vi in (*graph.input, *graph.value_info, *graph.output)
+        if vi.type.HasField("tensor_type")
+    }
+    types.update({init.name: init.data_type for init in graph.initializer})
+    return types
+
+
+#: op -> how many outputs the engine's gradient builder reads (1.19.2): torch_lib writes only
+#: the first, the builder reads the saved statistics, the log-probabilities or the argmax
+#: indices, and crashes (an index check, or a segmentation fault for MaxPool) without them
+_GRADIENT_OUTPUTS = {
+    "LayerNormalization": 3,
+    "SimplifiedLayerNormalization": 2,
+    "SoftmaxCrossEntropyLoss": 2,
+    "MaxPool": 2,
+    "Dropout": 2,
+}
+
+
+def _outputs_for_gradients(model: onnx.ModelProto) -> None:
+    for index, node in enumerate(model.graph.node):
+        wanted = _GRADIENT_OUTPUTS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if wanted is None:
+            continue
+        while len(node.output) < wanted:
+            node.output.append("")
+        for slot in range(1, wanted):
+            if not node.output[slot]:
+                node.output[slot] = f"{node.name or node.op_type}_{index}_out{slot}"
+
+
+def _layer_norm_bias(model: onnx.ModelProto) -> None:
+    """A LayerNormalization without bias (``nn.LayerNorm(bias=False)``) gets a zero one: the
+    engine's gradient builder (1.19.2) reads the bias input unconditionally."""
+    graph = model.graph
+    norms = [
+        n
+        for n in graph.node
+        if n.op_type == "LayerNormalization" and (len(n.input) < 3 or not n.input[2])
+    ]
+    if not norms:
+        return
+    types = _elem_types(model)
+    if any(n.input[1] not in types for n in norms):
+        types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        if node in norms:
+            scale = node.input[1]
+            dtype = types.get(scale, 0)
+            if not dtype:
+                raise ExportError(
+                    f"the torch_export graph's LayerNormalization {node.name} has no bias and a "
+                    "scale of unknown type; the engine cannot differentiate it"
+                )
+            tag = f"{node.name or 'LayerNormalization'}_{index}"
+            new_nodes += [
+                h.make_node("Shape", [scale], [f"{tag}_bias_shape"]),
+                h.make_node(
+                    "ConstantOfShape",
+                    [f"{tag}_bias_shape"],
+                    [f"{tag}_zero_bias"],
+                    value=h.make_tensor(f"{tag}_zero", dtype, [1], [0]),
+                ),
+            ]
+            while len(node.input) < 3:
+                node.input.append("")
+            node.input[2] = f"{tag}_zero_bias"
+        new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _layer_norm_centered(model: onnx.ModelProto) -> None:
+    """A float32 LayerNormalization normalises its input minus the input's mean.
+
+    The engine's CPU LayerNormalization (1.19.2) computes the variance as ``E[x^2] - E[x]^2``
+    in float32: when the mean is large against the spread, the difference cancels (rows
+    ``[10, 10.003]`` came out 0.474 for eager's 0.429; the fuzzer's seed 33, off by 3e-3).
+    Centred first, ``E[x]`` is about 0 and the variance as exact as eager's; the output and
+    the gradient are the same functions (a layer norm does not see a shift). The cost is one
+    ReduceMean and one Sub per layer norm and their gradients. A mean output that a later
+    node reads is the ReduceMean's. (The TorchScript frontend writes the same
+    kernel for a layer norm of static shape: ``symbolics.normalization``.)
+    """
+    graph = model.graph
+    norms = [
+        i
+        for i, n in enumerate(graph.node)
+        if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")
+    ]
+    if not norms:
+        return
+    types, ranks = _elem_types(model), _ranks(model)
+    if any(
+        graph.node[i].input[0] not in types or graph.node[i].input[0] not in ranks for i in norms
+    ):
+        inferred = onnx.shape_inference.infer_shapes(model)
+        types.update(_elem_types(inferred))
+        ranks.update(_ranks(inferred))
+    read = {name for n in graph.node for name in n.input} | {o.name for o in graph.output}
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        x = node.input[0] if index in norms else ""
+        if not x or types.get(x) != onnx.TensorProto.FLOAT:
+            # float64 is computed in float64, float16/bfloat16 in float32 (stash_type): the
+            # cancellation stays below their own rounding
+            new_nodes.append(node)
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+        rank = ranks.get(x)
+        if axis < 0:
+            axes = list(range(axis, 0))
+        elif rank is not None:
+            axes = list(range(axis, rank))
+        else:
+            raise ExportError(
+                f"the torch_export graph's LayerNormalization {node.name} has an input of "
+                "unknown rank; use ORTMODULE_EXPORTER=torchscript"
+            )
+        tag = f"{node.name or 'LayerNormalization'}_{index}"
+        mean, centered = f"{tag}_input_mean", f"{tag}_centered"
+        new_nodes += [
+            h.make_node(
+                "Constant",
+                [],
+                [f"{tag}_mean_axes"],
+                value=h.make_tensor(f"{tag}_mean_axes", onnx.TensorProto.INT64, [len(axes)], axes),
+            ),
+            h.make_node("ReduceMean", [x, f"{tag}_mean_axes"], [mean], keepdims=1),
+            h.make_node("Sub", [x, mean], [centered]),
+            node,
+        ]
+        node.input[0] = centered
+        if len(node.output) > 1 and node.output[1] in read:
+            # the input's mean is the mean output: read from the ReduceMean, it also has a
+            # gradient (the engine's LayerNormalizationGrad reads none for it)
+            saved = node.output[1]
+            node.output[1] = f"{tag}_centered_mean"
+            new_nodes.append(h.make_node("Identity", [mean], [saved]))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _max_pool_values_gathered(model: onnx.ModelProto) -> None:
+    """MaxPool picks the indices only; its values are gathered from the flattened input.
+
+    The engine's CPU MaxPoolGrad (1.19.2) sizes its output from the node's static shape, so
+    with dynamic dims it writes out of bounds (a segmentation fault); Gather's gradient
+    scatters back instead. The same workaround as the TorchScript symbolic
+    (``symbolics.pooling``), here on the graph.
+    """
+    graph = model.graph
+    new_nodes: list[onnx.NodeProto] = []
+    h = onnx.helper
+    for index, node in enumerate(graph.node):
+        new_nodes.append(node)
+        if node.op_type != "MaxPool" or node.domain not in ("", "ai.onnx") or not node.output[0]:
+            continue
+        values = node.output[0]
+        tag = f"{node.name or 'MaxPool'}_{index}"
+        node.output[0] = f"{tag}_unused_values"
+        flat_shape = f"{tag}_minus_one"
+        flat = f"{tag}_flat_input"
+        new_nodes += [
+            h.make_node(
+                "Constant",
+                [],
+                [flat_shape],
+                value=h.make_tensor(flat_shape, onnx.TensorProto.INT64, [1], [-1]),
+            ),
+            h.make_node("Reshape", [node.input[0], flat_shape], [flat]),
+            h.make_node("Gather", [flat, node.output[1]], [values], axis=0),
+        ]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    ranks = {
+        vi.name: len(vi.type.tensor_type.shape.dim)
+        for vi in (*graph.input, *graph.value_info, *graph.output)
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")
+    }
+    ranks.update({init.name: len(init.dims) for init in graph.initializer})
+    return ranks
+
+
+def _matmul_vectors_as_matrices(model: onnx.ModelProto) -> None:
+    """A 1-D operand of ``MatMul`` made a matrix of one row (left) or one column (right),
+    the product's extra dim squeezed out again.
+
+    The engine's MatMul gradient (1.19.2) mishandles a 1-D operand: for ``matmul(v, x)`` with
+    ``x`` of rank 3 or more it multiplies the (..., n) output gradient by ``x``'s transpose
+    as if both were matrices and sums, so ``v``'s gradient came back several units off, with
+    the wrong sign (the fuzzer's seed 37); with ``x`` needing a gradient too, or a 1-D right
+    operand, its FusedMatMul fails to broadcast. The TorchScript frontend does the same for a
+    1-D left operand (``symbolics.matmul``); torch_lib writes ``MatMul`` as it is.
+    """
+    graph = model.graph
+
+    def is_matmul(node: onnx.NodeProto) -> bool:
+        return node.op_type == "MatMul" and node.domain in ("", "ai.onnx")
+
+    matmuls = [n for n in graph.node if is_matmul(n)]
+    if not matmuls:
+        return
+    ranks = _ranks(model)
+    if any(i not in ranks for n in matmuls for i in n.input):
+        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        left, right = (ranks.get(i) for i in node.input[:2]) if is_matmul(node) else (0, 0)
+        if left is None or right is None:
+            raise ExportError(
+                f"the torch_export graph's MatMul {node.name} has an operand of unknown rank: "
+                "the engine's gradient is wrong for a 1-D one; use ORTMODULE_EXPORTER=torchscript"
+            )
+        if left != 1 and right != 1:
+            new_nodes.append(node)
+            continue
+        tag = f"{node.name or 'MatMul'}_{index}"
+        inputs, squeezed = list(node.input), []
+        for slot, axis in ((0, 0), (1, -1)):
+            if (left, right)[slot] != 1:
+                continue
+            axes, out = f"{tag}_axes{slot}", f"{tag}_matrix{slot}"
+            new_nodes += [
+                h.make_node(
+                    "Constant",
+                    [],
+                    [axes],
+                    value=h.make_tensor(axes, onnx.TensorProto.INT64, [1], [axis]),
+                ),
+                h.make_node("Unsqueeze", [inputs[slot], axes], [out]),
+            ]
+            inputs[slot] = out
+            # the product's row (left) / column (right) dim: -2 / -1 of the matrix product
+            squeezed.append(-2 if slot == 0 else -1)
+        product = f"{tag}_product"
+        axes = f"{tag}_squeeze_axes"
+        new_nodes += [
+            h.make_node("MatMul", inputs, [product], name=node.name),
+            h.make_node(
+                "Constant",
+                [],
+                [axes],
+                value=h.make_tensor(axes, onnx.TensorProto.INT64, [len(squeezed)], squeezed),
+            ),
+            h.make_node("Squeeze", [product, axes], [node.output[0]]),
+        ]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _scatter_add_onto_zeros(model: onnx.ModelProto) -> None:
+    """``ScatterND``/``ScatterElements(data, indices, updates, reduction="add")`` ->
+    ``data + Scatter(zeros, indices, updates, reduction="add")``.
+
+    The engine's gradient of a scatter (1.19.2) ignores its reduction: it gives ``data`` the
+    output gradient with the scattered positions zeroed, right when they are overwritten and
+    wrong when added to (``index_add``, ``index_put(accumulate=True)``, ``scatter_add``: the
+    input's gradient was 0 where eager's is the output's). Scattered onto zeros and added,
+    ``data`` takes the gradient of ``Add`` (all of it), ``updates`` the gathered one, as
+    before.
+    """
+    graph = model.graph
+
+    def is_add(node: onnx.NodeProto) -> bool:
+        return (
+            node.op_type in ("ScatterND", "ScatterElements")
+            and node.domain in ("", "ai.onnx")
+            and any(a.name == "reduction" and a.s == b"add" for a in node.attribute)
+        )
+
+    if not any(is_add(n) for n in graph.node):
+        return
+    types = _elem_types(model)
+    if any(is_add(n) and n.input[0] not in types for n in graph.node):
+        types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        if not is_add(node):
+            new_nodes.append(node)
+            continue
+        data, out = node.input[0], node.output[0]
+        dtype = types.get(data, 0)
+        if not dtype:
+            raise ExportError(
+                f"the torch_export graph's {node.op_type} {node.name} adds into a tensor of "
+                "unknown type; the engine's gradient of it is wrong: use "
+                "ORTMODULE_EXPORTER=torchscript"
+            )
+        tag = f"{node.name or node.op_type}_{index}"
+        new_nodes += [
+            h.make_node("Shape", [data], [f"{tag}_data_shape"]),
+            h.make_node(
+                "ConstantOfShape",
+                [f"{tag}_data_shape"],
+                [f"{tag}_zeros"],
+                value=h.make_tensor(f"{tag}_zero", dtype, [1], [0]),
+            ),
+        ]
+        node.input[0] = f"{tag}_zeros"
+        node.output[0] = f"{tag}_added"
+        new_nodes += [node, h.make_node("Add", [data, f"{tag}_added"], [out])]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _cast_like_as_cast(model: onnx.ModelProto) -> None:
+    """``CastLike(x, like)`` -> ``Cast(x, to=like's type)``: the engine (1.19.2) has no gradient
+    for CastLike; torch_lib writes one for nearly every Python scalar it combines with a tensor."""
+    if not any(n.op_type == "CastLike" for n in model.graph.node):
+        return
+    types = _elem_types(model)
+    missing = [
+        n.input[1] for n in model.graph.node if n.op_type == "CastLike" and n.input[1] not in types
+    ]
+    if missing:
+        inferred = onnx.shape_inference.infer_shapes(model)
+        types.update(_elem_types(inferred))
+    for node in model.graph.node:
+        if node.op_type != "CastLike":
+            continue
+        to = types.get(node.input[1], 0)
+        if not to:
+            raise ExportError(
+                f"the torch_export graph has a CastLike ({node.name}) to a type not known "
+                "before the run; the engine cannot differentiate it"
+            )
+        del node.input[1:]
+        node.op_type = "Cast"
+        node.attribute.append(onnx.helper.make_attribute("to", to))

@@ -1,0 +1,152 @@
+"""Training-mode translations for the dynamo ONNX translator, where onnxscript's torch_lib
+lowers an ATen operator for inference only (docs/architecture.md lists each).
+
+>>> from ortmodule_exporter.export.torch_lib_training import training_translations
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ExportError
+
+__all__ = ["training_translations"]
+
+
+def _batch_norm_training(opset: int) -> Any:
+    """``_native_batch_norm_legit_functional`` as a training-mode ``BatchNormalization``.
+
+    torch_lib 0.7 forces ``training = False`` (an ONNX Runtime limitation of old opsets), which
+    normalises a training step with the running statistics: silently wrong. The engine's
+    training-mode BatchNormalization uses the batch's and has a gradient; the BatchNorm pass
+    (``passes.batchnorm``) takes its running-statistic outputs to the module's buffers as for
+    the TorchScript frontend.
+    """
+    import onnxscript  # noqa: PLC0415 - optional: only this frontend needs it
+
+    op = onnxscript.values.Opset("", opset)
+
+    def batch_norm(
+        input: Any,
+        weight: Any = None,
+        bias: Any = None,
+        running_mean: Any = None,
+        running_var: Any = None,
+        training: bool = False,
+        momentum: float = 0.9,
+        eps: float = 1e-05,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        channels = op.Shape(input, start=1, end=2)
+        if weight is None:
+            weight = op.Expand(op.CastLike(op.Constant(value_float=1.0), input), channels)
+        if bias is None:
+            bias = op.Expand(op.CastLike(op.Constant(value_float=0.0), input), channels)
+        rank = len(input.shape)
+        axes = op.Constant(value_ints=[0, *range(2, rank)])
+        if running_mean is None or running_var is None:
+            raise ExportError(
+                "BatchNorm without running statistics (track_running_stats=False) is not "
+                "supported by ORTMODULE_EXPORTER=torch_export yet; use the torchscript frontend"
+            )
+        if not training:
+            norm = op.BatchNormalization(
+                input, weight, bias, running_mean, running_var, epsilon=eps, momentum=1.0 - momentum
+            )
+            save_mean = op.Identity(running_mean)
+            save_rstd = op.Div(
+                op.CastLike(op.Constant(value_float=1.0), running_var),
+                op.Sqrt(
+                    op.Add(running_var, op.CastLike(op.Constant(value_float=eps), running_var))
+                ),
+            )
+            return norm, save_mean, save_rstd, op.Identity(running_mean), op.Identity(running_var)
+        norm, new_mean, new_var = op.BatchNormalization(
+            input,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            epsilon=eps,
+            momentum=1.0 - momentum,
+            training_mode=1,
+            _outputs=3,
+        )
+        save_mean = op.ReduceMean(input, axes, keepdims=0)
+        centered = op.Sub(input, op.ReduceMean(input, axes, keepdims=1))
+        var = op.ReduceMean(op.Mul(centered, centered), axes, keepdims=0)
+        save_rstd = op.Div(
+            op.CastLike(op.Constant(value_float=1.0), var),
+            op.Sqrt(op.Add(var, op.CastLike(op.Constant(value_float=eps), var))),
+        )
+        return norm, save_mean, save_rstd, new_mean, new_var
+
+    return batch_norm
+
+
+def _splits(opset: int) -> tuple[Any, Any]:
+    """``split`` and ``split_with_sizes`` as one ``Split`` with a fixed number of outputs.
+
+    torch_lib writes ``SplitToSequence`` and reads parts with ``SequenceAt``; the engine's
+    gradient builder has neither (1.19.2). The number of parts is known whenever the split
+    dim's size is (sizes given, or a static dim); a dynamic one keeps torch_lib's lowering and
+    the engine's error names the node.
+    """
+    import onnxscript  # noqa: PLC0415 - optional: only this frontend needs it
+
+    op = onnxscript.values.Opset("", opset)
+
+    def _static(sizes: Any) -> list[int] | None:
+        if isinstance(sizes, int):
+            return [sizes]
+        if isinstance(sizes, (list, tuple)) and all(isinstance(v, int) for v in sizes):
+            return list(sizes)
+        return None
+
+    def parts(self: Any, sizes: list[int], dim: int) -> Any:
+        if len(set(sizes)) == 1:
+            # the translator counts Split's outputs from num_outputs only
+            return op.Split(self, axis=dim, num_outputs=len(sizes))
+        out, start = [], 0
+        for size in sizes:
+            out.append(
+                op.Slice(
+                    self,
+                    op.Constant(value_ints=[start]),
+                    op.Constant(value_ints=[start + size]),
+                    op.Constant(value_ints=[dim]),
+                )
+            )
+            start += size
+        return tuple(out)
+
+    def split_with_sizes(self: Any, split_sizes: Any, dim: int = 0) -> Any:
+        sizes = _static(split_sizes)
+        if sizes is None:
+            return op.SplitToSequence(self, split_sizes, axis=dim)
+        return parts(self, sizes, dim)
+
+    def split(self: Any, split_size: Any, dim: int = 0) -> Any:
+        size = _static(split_size)
+        rank = len(self.shape) if self.shape is not None else None
+        total = self.shape[dim] if rank is not None else None
+        if size is None or len(size) != 1 or not isinstance(total, int):
+            return op.SplitToSequence(self, split_size, axis=dim)
+        step = size[0]
+        sizes = [step] * (total // step) + ([total % step] if total % step else [])
+        return parts(self, sizes, dim)
+
+    return split, split_with_sizes
+
+
+def training_translations(opset: int) -> dict[Any, Any]:
+    """ATen overload -> onnxscript function, for the ops whose torch_lib lowering is wrong in
+    training or has no gradient in the engine."""
+    split, split_with_sizes = _splits(opset)
+    aten = torch.ops.aten
+    return {
+        aten._native_batch_norm_legit_functional.default: _batch_norm_training(opset),
+        aten.split.Tensor: split,
+        aten.split_with_sizes.default: split_with_sizes,
+    }
