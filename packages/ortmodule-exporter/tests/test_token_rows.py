@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 from ortmodule_exporter.aten.executor import ATEN_DOMAIN
 from ortmodule_exporter.aten.token_rows import PUT_ROWS, TAKE_ROWS, put_rows, take_rows
 from ortmodule_exporter.passes.density import infer_symbolic_shapes
-from ortmodule_exporter.sparsity import padding
+from ortmodule_exporter.sparsity import token_region
 
 
 def _indices(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +95,8 @@ def test_only_products_with_a_weight_count_as_token_wise() -> None:
     }
     by_weight = helper.make_node("MatMul", ["x", "w"], ["xw"])
     over_tokens = helper.make_node("MatMul", ["scores", "x"], ["mixed"])
-    assert padding._token_wise(by_weight, values, {}, grid)
-    assert not padding._token_wise(over_tokens, values, {}, grid)
+    assert token_region.token_wise(by_weight, values, {}, grid)
+    assert not token_region.token_wise(over_tokens, values, {}, grid)
 
 
 def test_labelled_rows_evaluates_the_layers_near_the_loss_only() -> None:
@@ -132,6 +132,6 @@ def test_labelled_rows_evaluates_the_layers_near_the_loss_only() -> None:
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-    cone = set(padding._loss_cone(graph, producer, consumers, {"x", "scores", "labels"}))
+    cone = set(token_region.loss_cone(graph, producer, consumers, {"x", "scores", "labels"}))
     assert {"logits", "act", "hidden", "mixed", "flat_logits", "labels", "loss"} <= cone
     assert not {"scores", "x"} & cone

@@ -125,14 +125,17 @@ def test_config_file_limits_ops_and_min_nodes(tmp_path):
     # the user guide's sample spelling (Python's True) is accepted
     config.write_text(
         '{"ops": {"Add": {"versions": [13, 14]}, "Identity": {"versions": [13], "is_no_op": True},'
-        ' "LayerNormalization": {"versions": [17]}}, "initializer": "scalar", "min_nodes": 2}'
+        ' "LayerNormalization": {"versions": [17]}, "ReduceMean": {"versions": [13, 18]},'
+        ' "Sub": {"versions": [13, 14]}}, "initializer": "scalar", "min_nodes": 2}'
     )
     module, x = Block(), torch.randn(3, 8)
     with verification_mode():
         exported = export(module, (x,), training=True)
         run_post_export_passes(exported, {**ON, "ORTMODULE_TRITON_CONFIG_FILE": str(config)})
     kinds = [n.attribute for n in exported.model.graph.node if n.op_type == "PythonOp"]
-    assert len(kinds) == 1  # only the residual Add + LayerNorm; the GELU chain is not allowed
+    # only the residual Add + LayerNorm (with its centring, ReduceMean and Sub); the GELU chain
+    # is not allowed
+    assert len(kinds) == 1
     assert any(n.op_type == "Erf" for n in exported.model.graph.node)
 
 

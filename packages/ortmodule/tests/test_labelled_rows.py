@@ -163,7 +163,7 @@ def test_a_failure_leaves_the_graph_to_the_engines_label_sparsity(
     def broken(*_args: Any, **_kwargs: Any) -> Any:
         raise RuntimeError("simulated index failure")
 
-    monkeypatch.setattr(padding, "_labelled_indices", broken)
+    monkeypatch.setattr(padding, "labelled_indices", broken)  # as padding imported it
     wrapped = trains_like_eager(CASE, 2, caplog)
     (decision,) = _lines(caplog, "labelled rows")
     assert decision == "labelled rows off: RuntimeError: simulated index failure", decision
