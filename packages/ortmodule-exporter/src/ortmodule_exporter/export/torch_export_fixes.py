@@ -76,7 +76,6 @@ def _layer_norm_bias(model: onnx.ModelProto) -> None:
     types = _elem_types(model)
     if any(n.input[1] not in types for n in norms):
         types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
-    h = onnx.helper
     new_nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(graph.node):
         if node in norms:
@@ -88,15 +87,7 @@ def _layer_norm_bias(model: onnx.ModelProto) -> None:
                     "scale of unknown type; the engine cannot differentiate it"
                 )
             tag = f"{node.name or 'LayerNormalization'}_{index}"
-            new_nodes += [
-                h.make_node("Shape", [scale], [f"{tag}_bias_shape"]),
-                h.make_node(
-                    "ConstantOfShape",
-                    [f"{tag}_bias_shape"],
-                    [f"{tag}_zero_bias"],
-                    value=h.make_tensor(f"{tag}_zero", dtype, [1], [0]),
-                ),
-            ]
+            new_nodes += _zeros_like(scale, f"{tag}_zero_bias", dtype)
             while len(node.input) < 3:
                 node.input.append("")
             node.input[2] = f"{tag}_zero_bias"
@@ -330,20 +321,26 @@ def _scatter_add_onto_zeros(model: onnx.ModelProto) -> None:
                 "ORTMODULE_EXPORTER=torchscript"
             )
         tag = f"{node.name or node.op_type}_{index}"
-        new_nodes += [
-            h.make_node("Shape", [data], [f"{tag}_data_shape"]),
-            h.make_node(
-                "ConstantOfShape",
-                [f"{tag}_data_shape"],
-                [f"{tag}_zeros"],
-                value=h.make_tensor(f"{tag}_zero", dtype, [1], [0]),
-            ),
-        ]
+        new_nodes += _zeros_like(data, f"{tag}_zeros", dtype)
         node.input[0] = f"{tag}_zeros"
         node.output[0] = f"{tag}_added"
         new_nodes += [node, h.make_node("Add", [data, f"{tag}_added"], [out])]
     del graph.node[:]
     graph.node.extend(new_nodes)
+
+
+def _zeros_like(like: str, out: str, dtype: int) -> list[onnx.NodeProto]:
+    """Nodes writing ``out``: zeros of ``like``'s shape and element type ``dtype``."""
+    h = onnx.helper
+    return [
+        h.make_node("Shape", [like], [f"{out}_shape"]),
+        h.make_node(
+            "ConstantOfShape",
+            [f"{out}_shape"],
+            [out],
+            value=h.make_tensor(f"{out}_zero", dtype, [1], [0]),
+        ),
+    ]
 
 
 def _cast_like_as_cast(model: onnx.ModelProto) -> None:
