@@ -126,6 +126,11 @@ def _small(
     return name == "" or (value is not None and value.ndim <= rank)
 
 
+def _feature_axes(axes: np.ndarray | None, rank: int) -> bool:
+    """Whether ``axes`` are constant and all feature axes: none is batch or seq."""
+    return axes is not None and all(int(a) % rank >= 2 for a in axes.reshape(-1))
+
+
 def token_wise(
     node: onnx.NodeProto,
     values: Mapping[str, np.ndarray],
@@ -157,8 +162,7 @@ def token_wise(
             return (
                 node.input[0] in tokens
                 and len(tokens) == 1
-                and axes is not None
-                and all(int(a) % rank >= 2 for a in axes.reshape(-1))
+                and _feature_axes(axes, rank)
                 and all(token_tensor(values, o, grid) for o in node.output if o)
                 and all(_small(values, constants, i, 1) for _, i in others)
             )
@@ -173,7 +177,7 @@ def token_wise(
                 and len(tokens) == 1
                 and attribute(node, "keepdims", 1) == 1
                 and axes.size > 0
-                and all(int(a) % rank >= 2 for a in axes.reshape(-1))
+                and _feature_axes(axes, rank)
             )
         if node.op_type in ("LayerNormalization", "Softmax", "LogSoftmax"):
             axis = attribute(node, "axis", -1)
