@@ -323,6 +323,9 @@ class SessionContribution:
     config_entries: Mapping[str, str] = field(default_factory=dict)
     #: the engine's memory-efficient execution order (recompute needs it to pay off)
     memory_efficient_order: bool = False
+    #: on CPU, the engine allocates without an arena: what a run allocated goes back when it is
+    #: freed, for less memory between steps and slower steps (``engine.SessionConfig.cpu_arena``)
+    release_cpu_memory: bool = False
 
 
 SessionContributor = Callable[[SessionContext], SessionContribution | None]
@@ -361,7 +364,7 @@ def session_contribution(context: SessionContext) -> SessionContribution:
     """Every contributor's settings merged; two contributors setting one key differently is an error."""
     entries: dict[str, str] = {}
     owner: dict[str, str] = {}
-    efficient = False
+    efficient = release = False
     for entry in _CONTRIBUTORS.in_order():
         name, got = entry.name, entry.fn(context)
         if got is None:
@@ -380,7 +383,8 @@ def session_contribution(context: SessionContext) -> SessionContribution:
             entries[key] = str(value)
             owner[key] = name
         efficient = efficient or got.memory_efficient_order
-    return SessionContribution(entries, efficient)
+        release = release or got.release_cpu_memory
+    return SessionContribution(entries, efficient, release)
 
 
 # -- runtime step hooks ------------------------------------------------------------------------

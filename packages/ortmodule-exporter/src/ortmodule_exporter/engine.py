@@ -459,6 +459,10 @@ class SessionConfig:
     #: PyTorch's intra-op threads while a run is in the engine (0: PyTorch's setting stays;
     #: ``THREADS_AUTO``: 1 or PyTorch's count, whichever the graph's first steps ran faster at)
     torch_threads: int = 0
+    #: False: on CPU the engine allocates without an arena (:func:`_plain_cpu_allocator`), so a
+    #: run's memory goes back when it is freed; less resident memory between steps, and slower
+    #: steps (6-22 % at a d512 GPT, benchmarks/results/2026-11-27-session-memory-amd-epyc-2c.md)
+    cpu_arena: bool = True
 
 
 def _providers(cfg: SessionConfig) -> tuple[list[str], list[dict[str, str]]]:
@@ -482,6 +486,39 @@ def _providers(cfg: SessionConfig) -> tuple[list[str], list[dict[str, str]]]:
     return ["CPUExecutionProvider"], [{}]
 
 
+#: whether this process registered the engine's shared CPU allocator (:func:`_plain_cpu_allocator`)
+_cpu_allocator_registered = False
+
+
+def _plain_cpu_allocator(onnxruntime: Any) -> bool:
+    """Register, once a process, a CPU allocator without an arena in the engine's environment;
+    sessions that set ``session.use_env_allocators`` then allocate from it. False where the
+    engine refuses it.
+
+    Workaround (onnxruntime-training 1.19.2): the training agent's partial runs allocate
+    every intermediate and output from a BFC arena even with ``enable_cpu_mem_arena`` off
+    (``BFCArena::Extend`` under ``ExecutionFrame::AllocateAsPerAllocationPlan``), and the arena
+    keeps its regions, rounded up to powers of two, for the session's life: the peak of what a
+    step held in the engine, 224 MiB of 128/64/32 MiB blocks for a 45M-parameter GPT at batch
+    4 x 128 (1.3x the parameters' bytes; eager PyTorch hands those blocks back). The
+    environment's allocator replaces the session's own, so nothing is kept between runs.
+    Sessions without the config entry keep their own arena.
+    """
+    global _cpu_allocator_registered
+    if _cpu_allocator_registered:
+        return True
+    info = onnxruntime.OrtMemoryInfo(
+        "Cpu", onnxruntime.OrtAllocatorType.ORT_DEVICE_ALLOCATOR, 0, onnxruntime.OrtMemType.DEFAULT
+    )
+    try:
+        onnxruntime.create_and_register_allocator(info, None)
+    except Exception as err:  # one registered already (by the user): sessions keep their own
+        logger.info("the engine's CPU allocator stays the session's: %s", err)
+        return False
+    _cpu_allocator_registered = True
+    return True
+
+
 def _session(model_bytes: bytes, cfg: SessionConfig) -> Any:
     onnxruntime = import_onnxruntime()
 
@@ -502,6 +539,10 @@ def _session(model_bytes: bytes, cfg: SessionConfig) -> Any:
         # Engine workers spin after each run; between runs PyTorch (autograd, the optimizer)
         # needs the same cores, and spinning starved it (AdamW 330-450 ms -> ~20 ms without).
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if not cfg.cpu_arena:
+            so.enable_cpu_mem_arena = False
+            if _plain_cpu_allocator(onnxruntime):
+                so.add_session_config_entry("session.use_env_allocators", "1")
     for key, value in cfg.config_entries:
         so.add_session_config_entry(key, value)
     if cfg.optimized_model_path:

@@ -188,6 +188,9 @@ def contribute(ctx: SessionContext) -> SessionContribution | None:
             CONFIG_ENTRY_PROBE: decision.probe,
         },
         memory_efficient_order=True,
+        # recompute trades time for memory; the engine's arena would keep a step's peak of
+        # engine buffers for the session's life, so on CPU it allocates without one
+        release_cpu_memory=True,
     )
 
 

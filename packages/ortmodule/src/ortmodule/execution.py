@@ -696,6 +696,7 @@ class GraphRunner:
             optimized_model_path=save.file_path("execution", exported.training) if save else None,
             memory_efficient_order=bool(contribution and contribution.memory_efficient_order),
             config_entries=tuple(contribution.config_entries.items()) if contribution else (),
+            cpu_arena=not (contribution and contribution.release_cpu_memory),
         )
         with times.phase("session creation"), self._silenced():
             session: TrainingSession | InferenceSession = (
