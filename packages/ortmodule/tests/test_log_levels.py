@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import BARE_PACKAGES
 
 from ortmodule import log
@@ -394,3 +395,24 @@ def test_a_print_in_forward_reaches_the_user_at_warning(
     model = ORTModule(Talks())  # WARNING: the export's native output is held back
     model(torch.randn(3, 4)).sum().backward()
     assert "user forward ran" in capfd.readouterr().out
+
+
+def test_recompute_at_warning_prints_nothing_of_the_engine(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The opportunity table is read from the engine after the session exists; its analysis
+    logs engine warnings (a layer-boundary notice) that WARNING holds back like the build's."""
+    pytest.importorskip("ortmodule_memory")
+    from ortmodule import DebugOptions, ORTModule
+    from ortmodule_testing.zoo.gpt import GPTConfig, GPTDecoder
+
+    torch.manual_seed(0)
+    model = ORTModule(
+        GPTDecoder(GPTConfig.small()), DebugOptions(memory_opt_level=1, log_level=L.WARNING)
+    )
+    ids = torch.randint(0, 128, (2, 16))
+    capfd.readouterr()
+    loss, _ = model(ids, labels=ids)
+    loss.backward()
+    out, err = capfd.readouterr()
+    assert "onnxruntime" not in out + err, out + err

@@ -684,7 +684,10 @@ class GraphRunner:
                 input_shapes={name: tuple(flat[i].shape) for name, i in index_of.items()},
                 built=built,
             )
-            contribution = session_contribution(context)
+            # contributors may create engine sessions of their own (the recompute probe): their
+            # engine output is held back like the real session's
+            with self._silenced():
+                contribution = session_contribution(context)
         session_config = SessionConfig(
             device=device,
             intra_op_threads=torch.get_num_threads(),
@@ -754,8 +757,11 @@ class GraphRunner:
         grad_index = [grad_by_input.get(name, -1) for name in built.feed_names]
         if context is not None:
             info = SessionInfo(context=context, session=session, built=built)
-            for hook in step_hooks():
-                hook.on_session(self.step, info)
+            # hooks ask the engine about the session (the opportunity table): its native output
+            # is held back like the session creation's
+            with self._silenced():
+                for hook in step_hooks():
+                    hook.on_session(self.step, info)
         return CompiledGraph(
             key=key,
             built=built,
