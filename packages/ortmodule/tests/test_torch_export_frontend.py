@@ -411,3 +411,22 @@ def test_layer_norm_of_rows_far_from_zero(native: bool) -> None:
     (want[0] * weights).sum().backward()
     for (name, p), q in zip(ref.named_parameters(), wrapped.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(("approximate", "fused"), [("none", "Gelu"), ("tanh", "FastGelu")])
+def test_gelu_is_the_engines_fused_node(approximate: str, fused: str) -> None:
+    """torch_lib writes GELU as its formula; the engine's own node is what the TorchScript
+    frontend writes, fuses nothing away from recompute and has a one-node gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate=approximate), nn.Linear(16, 4))
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model), TORCH_EXPORT)
+    x = torch.randn(5, 8)
+    ref(x).square().sum().backward()
+    wrapped(x).square().sum().backward()
+    for (name, want), got in zip(ref.named_parameters(), wrapped.parameters(), strict=True):
+        assert want.grad is not None and got.grad is not None
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+    compiled = wrapped._runner.transitions.current(training=True, build_gradient=True)
+    assert compiled is not None
+    ops = [n.op_type for n in compiled.built.model.graph.node]
+    assert fused in ops and f"{fused}Grad" in ops and "Erf" not in ops and "Tanh" not in ops, ops

@@ -140,6 +140,47 @@ def _splits(opset: int) -> tuple[Any, Any]:
     return split, split_with_sizes
 
 
+def _unary_schema(name: str) -> Any:
+    """The schema of a float32 one-input, one-output com.microsoft operator."""
+    import onnx  # noqa: PLC0415
+
+    param = onnx.defs.OpSchema.FormalParameter
+    return onnx.defs.OpSchema(
+        name,
+        "com.microsoft",
+        1,
+        inputs=[param("X", "T")],
+        outputs=[param("Y", "T")],
+        type_constraints=[("T", ["tensor(float)"], "float32")],
+    )
+
+
+def _gelu() -> Any:
+    """``gelu`` as the engine's fused ``Gelu`` / ``FastGelu`` (com.microsoft) on float32.
+
+    torch_lib writes GELU as its formula (``Div``, ``Erf``, ``Add``, ``Mul``; the tanh form as
+    eight nodes), which the engine neither fuses (its GELU fusion matches another arrangement)
+    nor recomputes as one subgraph; the TorchScript frontend writes the fused nodes
+    (``symbolics.gelu``), whose gradients are GeluGrad / FastGeluGrad. Other dtypes keep
+    torch_lib's formula: the engine's CPU kernels are float32 only.
+    """
+    import onnxscript  # noqa: PLC0415 - optional: only this frontend needs it
+    from onnxscript.function_libs.torch_lib.ops import nn as torch_lib_nn  # noqa: PLC0415
+
+    # the engine's contrib ops are not in onnx's schema registry: each is declared here
+    msft = onnxscript.values.Opset("com.microsoft", 1)
+    fused = {
+        name: onnxscript.values.Op(msft, name, _unary_schema(name)) for name in ("Gelu", "FastGelu")
+    }
+
+    def gelu(self: Any, approximate: str = "none") -> Any:
+        if getattr(self, "dtype", None) != onnxscript.ir.DataType.FLOAT:
+            return torch_lib_nn.aten_gelu(self, approximate=approximate)
+        return fused["FastGelu" if approximate == "tanh" else "Gelu"](self)
+
+    return gelu
+
+
 def training_translations(opset: int) -> dict[Any, Any]:
     """ATen overload -> onnxscript function, for the ops whose torch_lib lowering is wrong in
     training or has no gradient in the engine."""
@@ -149,4 +190,5 @@ def training_translations(opset: int) -> dict[Any, Any]:
         aten._native_batch_norm_legit_functional.default: _batch_norm_training(opset),
         aten.split.Tensor: split,
         aten.split_with_sizes.default: split_with_sizes,
+        aten.gelu.default: _gelu(),
     }
