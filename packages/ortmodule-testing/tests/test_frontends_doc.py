@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from ortmodule_testing.frontends import FRONTENDS
 from ortmodule_testing.frontends.render import HEADER, render
 
@@ -37,3 +39,41 @@ def test_every_part_measured_both_frontends_and_says_how() -> None:
 
 def test_page_starts_with_the_generated_header() -> None:
     assert DOC.read_text().splitlines()[0] == HEADER
+
+
+def _part(date: str, results: dict[str, dict[str, str]], **sample: object) -> dict[str, object]:
+    return {
+        "date": date,
+        "machine": "m",
+        "versions": {"torch": "2.13"},
+        "command": f"run of {date}",
+        "seconds": {f: 1.0 for f in results},
+        "results": results,
+        **sample,
+    }
+
+
+def test_a_frontend_not_rerun_is_carried_and_the_page_says_so() -> None:
+    from ortmodule_testing.frontends.__main__ import carry_other_frontends
+    from ortmodule_testing.frontends.render import _meta
+
+    old = _part("day 1", {"torchscript": {"a": "parity"}, "torch_export": {"a": "error"}}, every=8)
+    new = _part("day 2", {"torch_export": {"a": "parity"}}, every=8)
+    merged = carry_other_frontends(old, new)
+    assert merged["results"] == {"torch_export": {"a": "parity"}, "torchscript": {"a": "parity"}}
+    assert merged["carried"] == {"torchscript": {"date": "day 1", "command": "run of day 1"}}
+    assert any("`torchscript` column was not rerun" in line for line in _meta(merged))
+    # carried again by a later run of the other frontend alone: still the day-1 run
+    again = carry_other_frontends(merged, _part("day 3", {"torch_export": {"a": "x"}}, every=8))
+    assert again["carried"]["torchscript"]["date"] == "day 1"
+    # a run of every frontend carries nothing
+    both = _part("day 4", {"torchscript": {"a": "p"}, "torch_export": {"a": "p"}}, every=8)
+    assert "carried" not in carry_other_frontends(merged, both)
+
+
+def test_results_of_another_sample_are_not_carried() -> None:
+    from ortmodule_testing.frontends.__main__ import carry_other_frontends
+
+    old = _part("day 1", {"torchscript": {"a": "parity"}, "torch_export": {"a": "x"}}, every=8)
+    with pytest.raises(SystemExit, match="every differ"):
+        carry_other_frontends(old, _part("day 2", {"torch_export": {"b": "parity"}}, every=4))

@@ -2,7 +2,9 @@
 
 Measures the named suites on both frontends, replaces their parts in ``--json`` (the other
 parts stay, so suites can be measured one at a time, also by processes running side by side:
-the file is rewritten under a lock) and renders ``--out`` from the whole file.
+the file is rewritten under a lock) and renders ``--out`` from the whole file. With
+``--frontends`` naming one frontend, the other's results of the earlier run of the same sample
+are kept, and the page says from which run (:func:`carry_other_frontends`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,38 @@ def _measure(part: str, args: argparse.Namespace, command: str, work: Path) -> d
     return measure.timing(root, command, args.timing_models, args.timing_steps, frontends)
 
 
+#: what picks a part's sample: results are carried from an earlier run only over the same sample
+SAMPLE_KEYS = ("types", "every", "ops", "seed", "programs", "models", "steps", "tests")
+
+
+def carry_other_frontends(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` (a run of some frontends) with the other frontends' results of ``old`` (an
+    earlier run of the same sample), each marked in ``carried`` with the run it came from, so
+    one frontend can be re-measured alone and the page says which column was not rerun."""
+    if old is None:
+        return new
+    missing = [f for f in old.get("results", {}) if f not in new["results"]]
+    if not missing:
+        return new
+    differs = [k for k in SAMPLE_KEYS if k in new and old.get(k) != new[k]]
+    if differs:
+        raise SystemExit(
+            f"cannot keep {', '.join(missing)} of the earlier run beside this one: its "
+            f"{', '.join(differs)} differ; rerun every frontend (--frontends) on this sample"
+        )
+    merged = dict(new)
+    merged["results"] = {**new["results"]}
+    merged["seconds"] = {**new.get("seconds", {})}
+    carried = {f: c for f, c in old.get("carried", {}).items() if f in missing}
+    for frontend in missing:
+        merged["results"][frontend] = old["results"][frontend]
+        if frontend in old.get("seconds", {}):
+            merged["seconds"][frontend] = old["seconds"][frontend]
+        carried.setdefault(frontend, {"date": old["date"], "command": old["command"]})
+    merged["carried"] = carried
+    return merged
+
+
 def _store(path: Path, part: str, value: dict[str, Any]) -> dict[str, Any]:
     """Replace ``part`` in the JSON file under a lock; return the whole file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +119,7 @@ def _store(path: Path, part: str, value: dict[str, Any]) -> dict[str, Any]:
     with open(lock_path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        value = carry_other_frontends(data.get("parts", {}).get(part), value)
         data.setdefault("parts", {})[part] = value
         data["parts"] = {p: data["parts"][p] for p in PARTS if p in data["parts"]}
         path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")

@@ -67,6 +67,11 @@ def _meta(part: dict[str, Any]) -> list[str]:
     ]
     if wall:
         lines.append(f"Wall time of the runs: {wall}.")
+    for frontend, run in part.get("carried", {}).items():
+        lines.append(
+            f"**The `{frontend}` column was not rerun by this command**: it is carried from "
+            f"the run of {run['date']} (`{run['command']}`) over the same sample."
+        )
     return [*lines, ""]
 
 
