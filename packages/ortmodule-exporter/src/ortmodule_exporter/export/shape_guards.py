@@ -96,6 +96,16 @@ _SHAPE_OPS = frozenset(
 )
 
 
+# the steps that only move dims about (an unknown one stays None, read by a later step)
+_MOVES_DIMS = frozenset({"Gather", "Squeeze", "Unsqueeze", "Concat", "Slice", "Identity"})
+
+
+def _unknown(value: Any) -> bool:
+    """A computed value holds an unknown dim (None), or is one."""
+    array = np.asarray(value)
+    return array.dtype == object and any(v is None for v in array.reshape(-1).tolist())
+
+
 @dataclass(frozen=True)
 class ShapeGuard:
     """A guard whose value is computed from input shapes: ``steps`` in graph order."""
@@ -129,6 +139,11 @@ class ShapeGuard:
                 values[step.output] = np.array(int(size), np.int64)
             else:
                 args = [values[i] if i else None for i in step.inputs]
+                unknown = any(_unknown(a) for i, a in zip(step.inputs, args, strict=True) if i)
+                if unknown and step.op not in _MOVES_DIMS:
+                    # numpy compares None without failing (None == 1 is False): a guard on
+                    # an unknown dim held on the traced shapes and was dropped as a constant
+                    raise ValueError(f"{step.op} of a dim shape inference left unknown")
                 values[step.output] = self.evaluate_node(step.op, args, dict(step.attrs))
         result = np.asarray(values[self.output])
         if result.dtype == object:
