@@ -527,6 +527,42 @@ def test_a_size_shape_inference_cannot_name_follows_the_input() -> None:
     assert wrapped._runner.exports == 1, wrapped._runner.transitions.history
 
 
+class LoopAfterRoutedLayerNorm(torch.nn.Module):
+    """A loop over the size of a LayerNorm's output added to its input (a residual). With the
+    LayerNorm routed to PyTorch, ONNX Runtime's symbolic shape inference knew no shape for the
+    ATen node's output, merged its fresh dims into the input's at the ``Add`` and restarted from
+    the first node (a pass over the graph per LayerNorm: 25 on GPT-2 small, most of its export
+    time); the merged input dims counted as unsure and the guard stayed a graph output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = self.norm(h) + h
+        steps = [self.lin(h[:, i]) for i in range(h.shape[1])]
+        return torch.stack(steps, dim=1).pow(2).sum()
+
+
+def test_a_size_after_a_layer_norm_run_by_pytorch_is_checked_before_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "torch")
+    eager, wrapped = _pair(LoopAfterRoutedLayerNorm)
+    for length in (3, 5, 3):
+        torch.manual_seed(length)
+        _step(eager, wrapped, torch.randn(2, length, 4))
+    graph = wrapped._runner.transitions.current(True, True)
+    assert graph is not None
+    model = graph.built.exported.model
+    assert any(n.op_type == "ATen" for n in model.graph.node), "the LayerNorm is not routed"
+    assert graph.shape_guards and not graph.guards
+    assert wrapped._runner.exports == 2, wrapped._runner.transitions.history
+
+
 class EncoderLayer(torch.nn.Module):
     """``nn.TransformerEncoderLayer``: its attention's ``k.view(k.shape[0], ...)`` used to
     become ``Reshape(k, [first length, ...])``, which failed on the next sequence length."""

@@ -42,6 +42,7 @@ from .gradient_cuts import cutting_gradients
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX, ExportedModel, SaveOptions
 from .shape_guards import split_shape_guards
+from .shape_inference_values import large_values_hidden
 from .strided_views import strided_views_traced
 from .tensor_data import data_as_detach
 from .torch_export import TORCH_EXPORT_MIN_OPSET, TorchExportFlat, export_program
@@ -499,6 +500,7 @@ def _torchscript_trace(
             strided_views_traced(),
             python_op.exporting_copy_of(module, target),
             sizes_kept_dynamic(tensors, enabled=not static_shapes),
+            large_values_hidden(),
             warnings.catch_warnings(record=True) as caught,
         ):
             warnings.simplefilter("always")

@@ -17,6 +17,7 @@ import torch
 from ...torchscript_onnx import symbolic_helper as sh
 from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
+from ..output_shapes import Shape, register_output_shapes
 from .choice import _decide, _size_class
 from .helpers import _all_tensors, _dtype, _ints_const
 from .measuring import _engine_us, _randn, _seeded, _torch_us
@@ -59,6 +60,20 @@ register_aten_gradient(
     ],
 )
 register_stop_gradient_edges(LAYER_NORM, "", [3, 4])
+
+
+def _layer_norm_shapes(shapes: Sequence[Shape | None]) -> list[Shape | None]:
+    """``y`` has the input's shape; ``mean`` and ``rstd`` too, with 1 in the ``k`` normalized
+    dims (``k``: the length of the normalized-shape input)."""
+    x, normalized = shapes[0], shapes[3]
+    if x is None:
+        return [None, None, None]
+    k = normalized[0] if normalized is not None and len(normalized) == 1 else None
+    stats = [*x[: len(x) - k], *[1] * k] if isinstance(k, int) and 0 < k <= len(x) else None
+    return [list(x), stats, stats]
+
+
+register_output_shapes(LAYER_NORM, _layer_norm_shapes)
 
 
 def measure_layer_norm(rows: int, normalized_shape: Sequence[int]) -> tuple[float, float]:
