@@ -73,3 +73,11 @@ def test_op_without_engine_gradient_takes_the_aten_route(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(NO_TRANSLATION))
 def test_op_without_translation_takes_the_aten_route(name: str) -> None:
     _trains_as_eager(NO_TRANSLATION[name])
+
+
+def test_constants_of_a_dropped_lowering_are_not_reused() -> None:
+    """The translator caches the Constant nodes a lowering writes for Python values (cumsum's
+    dim 1) for later lowerings to read (select's index 1): when the route drops the lowering,
+    a later node must not read a constant no longer in the graph (a SerdeError at
+    serialization: bamba and falcon_h1 hit it)."""
+    _trains_as_eager(lambda t: torch.cumsum(t, 1)[:, 1] * t.select(1, 1))

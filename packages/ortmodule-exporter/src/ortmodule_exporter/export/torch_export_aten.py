@@ -176,9 +176,14 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
             route.routed.append(f"{_label(target)}: no translation, its decomposition fails")
             return
         captured = _Captured()
+        # the lowering keeps the Constant nodes it writes for Python values in this cache, for
+        # later nodes to read: ones of a lowering dropped here must leave it too
+        farm = rest["constant_farm"]
+        cached = set(farm)
         try:
             original(model, node, node_name_to_values, graph_like=captured, **rest)
         except Exception as err:
+            _forget_new(farm, cached)
             if writer.write(graph_like):
                 route.routed.append(f"{_label(target)}: its translation failed ({_cause(err)})")
                 return
@@ -190,6 +195,7 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
         )
         if reasons and writer.write(graph_like):
             _detach(captured.nodes)
+            _forget_new(farm, cached)
             route.routed.append(f"{_label(target)}: {', '.join(dict.fromkeys(reasons))}")
             return
         graph_like.extend(captured.nodes)
@@ -308,6 +314,11 @@ def _untrainable(nodes: Sequence[Any], derived: set[Any], model: Any) -> list[st
                 found.extend(_untrainable(list(function), inner, model))
         derived.update(o for o in n.outputs if _maybe_float(o))
     return found
+
+
+def _forget_new(farm: dict[Any, Any], cached: set[Any]) -> None:
+    for key in [k for k in farm if k not in cached]:
+        del farm[key]
 
 
 def _detach(nodes: Sequence[Any]) -> None:
