@@ -601,6 +601,7 @@ def _torch_export(
                 opset,
                 static_shapes,
                 module_path(module),
+                training=training,
             )
     except Exception as err:
         if flat.output_error is not None:

@@ -43,6 +43,7 @@ from .calls import call_bound, writable_buffers
 from .guards import Guard
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX
 from .shape_guards import Dim, ShapeGuard, _Step
+from .torch_export_aten import translated_with_aten_route
 from .torch_export_fixes import fix_for_engine
 from .torch_lib_training import training_translations
 
@@ -193,9 +194,12 @@ def export_program(
     opset: int,
     static_shapes: bool,
     where: str,
+    training: bool = True,
 ) -> onnx.ModelProto:
     """``flat`` (already in the mode to export in) -> the ONNX model, inputs named ``names``
-    then every parameter and buffer the graph reads, without data."""
+    then every parameter and buffer the graph reads, without data. Operators the translator
+    cannot lower, or (``training``) lowers to ONNX the engine cannot differentiate, take the
+    ATen route (:mod:`.torch_export_aten`)."""
     try:
         import onnxscript  # noqa: F401, PLC0415
     except ImportError as err:
@@ -240,14 +244,17 @@ def export_program(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            onnx_program = torch.onnx.export(
-                program,
-                (),
-                dynamo=True,
-                opset_version=opset,
-                optimize=False,
-                verbose=False,
-                custom_translation_table=training_translations(opset),
+            onnx_program, _route = translated_with_aten_route(
+                lambda routed: torch.onnx.export(
+                    program,
+                    (),
+                    dynamo=True,
+                    opset_version=opset,
+                    optimize=False,
+                    verbose=False,
+                    custom_translation_table={**training_translations(opset), **routed},
+                ),
+                training,
             )
     except Exception as err:
         raise ExportError(

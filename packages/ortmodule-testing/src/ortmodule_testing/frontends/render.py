@@ -237,8 +237,10 @@ def _opinfo(part: dict[str, Any]) -> list[str]:
         "eager, outputs and gradients. *native*: the engine runs and differentiates it; *ATen*: "
         "it trains with some of it run by PyTorch inside the engine; *wrong*: a value or "
         "gradient differs; *unsupported*: an error; *skip*: nothing the engine can take (complex, "
-        "sparse, random). The TorchScript frontend's ATen routes do not exist under "
-        "`torch_export`, so an op is native or fails there.",
+        "sparse, random). Under `torch_export` an op takes the ATen route when its "
+        "translation fails or its ONNX has no engine gradient "
+        "(`export/torch_export_aten.py`); the TorchScript frontend's symbolic-level routes "
+        "(attention, dropout, `DEFAULT_ROUTES`, the untrainable checks) do not exist there.",
         "",
     ]
     if part["torchscript_source"] != "measured" and "torchscript" in fronts:

@@ -1,0 +1,504 @@
+"""The ATen route of the ``torch_export`` frontend: FX operators the dynamo translator cannot
+lower, or lowers to ONNX the engine cannot differentiate, become ``org.pytorch.aten::ATen``
+nodes that PyTorch runs and differentiates inside the engine.
+
+The decision is the TorchScript frontend's (:mod:`ortmodule_exporter.aten.untrainable`), taken
+at the same place: that frontend wraps torch's per-node symbolic dispatch, this one wraps the
+dynamo translator's per-node lowering (``_core._handle_call_function_node_with_lowering``).
+For each ``aten`` operator node of the ExportedProgram:
+
+* its translation fails (torch_lib has none for it, or raises on its arguments): the node is an
+  ATen node;
+* in a training export, the ONNX nodes its translation wrote hold one the engine has no gradient
+  builder for (asked of the engine: :func:`~ortmodule_exporter.aten.engine_gradients.
+  engine_has_gradient`), or control flow, on a float path from its inputs: the ONNX nodes are
+  dropped and the node is an ATen node;
+* an operator the translator decomposed (it has no torch_lib translation) into ``prims`` that
+  fail: the translation runs again with that operator kept whole (a custom translation keeps it
+  from being decomposed), and it is an ATen node.
+
+The ATen node is the one the TorchScript route writes (``operator``/``overload_name``
+attributes, every schema argument an input, non-tensor ones as constants, missing ones empty),
+so the same post-export pass (:func:`ortmodule_exporter.passes.aten_nodes.prepare_aten_nodes`),
+executor and gradients (a registered ATen gradient, else a PythonOp running
+:class:`~ortmodule_exporter.aten.aten_op.AtenOp`) take it from there.
+
+Why wrap the per-node lowering rather than register custom translations or rewrite the FX
+graph first: the decision needs what the translation wrote (which ONNX ops, on which path) and
+whether it failed, which only the lowering sees; a custom translation is keyed by overload and
+gets ONNX values, not the FX node (its schema arguments, its output metadata); an FX rewrite
+would have to predict torch_lib's lowering. The wrapped function is private to torch.onnx (as
+``_run_symbolic_function`` is to the TorchScript exporter): when it is missing, the route is off
+and the translation is torch's own.
+
+>>> from ortmodule_exporter.export.torch_export_aten import translated_with_aten_route
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from ..aten import executor as aten_executor
+from ..aten.engine_gradients import engine_has_gradient
+from ..aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError
+from ..torchscript_onnx import type_utils
+
+__all__ = ["AtenRoute", "translated_with_aten_route"]
+
+logger = logging.getLogger("ortmodule.exporter")
+
+T = TypeVar("T")
+
+#: ONNX operators without an engine gradient that the frontend's graph fixes rewrite into ones
+#: with a gradient (``torch_export_fixes._cast_like_as_cast``: CastLike -> Cast). torch_lib writes
+#: a CastLike for nearly every Python scalar it combines with a tensor; counting it would send
+#: nearly every operator to PyTorch.
+_REWRITTEN_AFTER_TRANSLATION = frozenset({"CastLike"})
+
+_LOCK = threading.Lock()
+
+
+@dataclass
+class AtenRoute:
+    """One translation's route: what it routed and what it found to keep whole next time."""
+
+    training: bool
+    #: operators the translation must not decompose: each node of one is an ATen node
+    whole: frozenset[Any] = frozenset()
+    #: ``"aten::name.overload: reason"`` for each node routed
+    routed: list[str] = field(default_factory=list)
+    #: operators whose decomposition failed to translate (kept whole on a retry)
+    decomposed: set[Any] = field(default_factory=set)
+    #: each ATen node written and its number of inputs (one per schema argument)
+    written: list[tuple[Any, int]] = field(default_factory=list)
+
+    def restore_inputs(self) -> None:
+        """Give each ATen node back the trailing empty inputs the translator's dead-code pass
+        removed (ONNX lets an optional trailing input be left out; the executor reads the
+        node's inputs as the operator's arguments, one each, and calls the operator with
+        as many)."""
+        for node, count in self.written:
+            if len(node.inputs) < count:
+                node.resize_inputs(count)
+
+
+def translated_with_aten_route(
+    translate: Callable[[Mapping[Any, Any]], T], training: bool
+) -> tuple[T, AtenRoute]:
+    """``translate(translations)`` (a ``torch.onnx.export`` call that adds ``translations`` to
+    its custom translation table) with the ATen route installed, once more for each new set of
+    operators whose decomposition failed; returns its result and the route taken.
+
+    Without the ATen executor (``aten.executor.install``, which ORTModule does) nothing is
+    routed, as for the TorchScript frontend (``operator_export_type``).
+    """
+    whole: set[Any] = set()
+    while True:
+        route = AtenRoute(training, frozenset(whole))
+        with _installed(route):
+            try:
+                result = translate({op: _kept_whole for op in whole})
+            except Exception:
+                new = route.decomposed - whole
+                if not new:
+                    raise
+                logger.debug("translating again, with %s kept whole", sorted(map(str, new)))
+                whole |= new
+                continue
+        route.restore_inputs()
+        if route.routed:
+            logger.debug("ATen route: %s", "; ".join(route.routed))
+        return result, route
+
+
+def _kept_whole(*args: Any, **kwargs: Any) -> Any:
+    """The translation an operator kept whole has: never called, as the route writes the node
+    before dispatch; reached only when the executor cannot run it after all."""
+    raise UnsupportedAtenOperatorError(
+        "the ATen route kept this operator whole, and the ATen executor cannot run it"
+    )
+
+
+@contextlib.contextmanager
+def _installed(route: AtenRoute) -> Iterator[None]:
+    try:
+        from torch.onnx._internal.exporter import _core  # noqa: PLC0415 - optional frontend
+    except ImportError:
+        yield
+        return
+    original = getattr(_core, "_handle_call_function_node_with_lowering", None)
+    if original is None or not aten_executor.installed():
+        yield
+        return
+    with _LOCK:  # one translation at a time patches the module
+        _core._handle_call_function_node_with_lowering = _routing(original, route, _core)
+        try:
+            yield
+        finally:
+            _core._handle_call_function_node_with_lowering = original
+
+
+class _Captured:
+    """Stands for the graph the lowering adds its nodes to, so they can be looked at first."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Any] = []
+
+    def extend(self, nodes: Sequence[Any]) -> None:
+        self.nodes.extend(nodes)
+
+
+def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
+    def lower(
+        model: Any,
+        node: torch.fx.Node,
+        node_name_to_values: dict[str, Any],
+        *,
+        graph_like: Any,
+        **rest: Any,
+    ) -> None:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+            original(model, node, node_name_to_values, graph_like=graph_like, **rest)
+            return
+        writer = _AtenWriter(
+            core, node, node_name_to_values, rest["node_name_to_local_functions"], route
+        )
+        if _canonical(target) in route.whole and writer.write(graph_like):
+            route.routed.append(f"{_label(target)}: no translation, its decomposition fails")
+            return
+        captured = _Captured()
+        # the lowering keeps the Constant nodes it writes for Python values in this cache, for
+        # later nodes to read: ones of a lowering dropped here must leave it too
+        farm = rest["constant_farm"]
+        cached = set(farm)
+        try:
+            original(model, node, node_name_to_values, graph_like=captured, **rest)
+        except Exception as err:
+            _forget_new(farm, cached)
+            if writer.write(graph_like):
+                route.routed.append(f"{_label(target)}: its translation failed ({_cause(err)})")
+                return
+            raise
+        reasons = (
+            _untrainable(captured.nodes, _float_inputs(node, node_name_to_values), model)
+            if route.training
+            else []
+        )
+        if reasons and writer.write(graph_like):
+            _detach(captured.nodes)
+            _forget_new(farm, cached)
+            route.routed.append(f"{_label(target)}: {', '.join(dict.fromkeys(reasons))}")
+            return
+        graph_like.extend(captured.nodes)
+
+    def lower_or_note(
+        model: Any,
+        node: torch.fx.Node,
+        node_name_to_values: dict[str, Any],
+        *,
+        graph_like: Any,
+        **rest: Any,
+    ) -> None:
+        try:
+            lower(model, node, node_name_to_values, graph_like=graph_like, **rest)
+        except Exception:
+            # a decomposition's node (prims) that does not translate: its operator is kept
+            # whole on the next translation when the executor runs it
+            source = _canonical(node.meta.get("original_aten"))
+            if (
+                source is not None
+                and source is not _canonical(node.target)
+                and source not in route.whole
+                and _runnable(source)
+            ):
+                route.decomposed.add(source)
+            raise
+
+    lower_or_note.__wrapped__ = original  # type: ignore[attr-defined]
+    return lower_or_note
+
+
+def _cause(err: BaseException) -> str:
+    """The first line of the innermost cause (the translator wraps torch_lib's error)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def _canonical(target: Any) -> Any:
+    """``torch.ops.aten.<name>.<overload>`` itself for an aten OpOverload (a node's
+    ``original_aten`` is a copy, which neither hashes nor compares equal to it), else None."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return None
+    packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _label(target: Any) -> str:
+    return f"aten::{target._schema.name.split('::')[-1]}.{target._overloadname}"
+
+
+def _runnable(target: Any) -> bool:
+    try:
+        op = aten_executor.aten_operator(target._schema.name, _overload(target))
+    except UnsupportedAtenOperatorError:
+        return False
+    return all(r == "Tensor" for r in op.returns) or op.returns == ("Tensor[]",)
+
+
+def _overload(target: Any) -> str:
+    return "" if target._overloadname == "default" else str(target._overloadname)
+
+
+# -- which translations the engine cannot train ------------------------------------------------
+
+
+def _is_float(value: Any) -> bool:
+    from onnxscript import ir  # noqa: PLC0415 - optional frontend
+
+    return value.dtype in (
+        ir.DataType.FLOAT,
+        ir.DataType.DOUBLE,
+        ir.DataType.FLOAT16,
+        ir.DataType.BFLOAT16,
+    )
+
+
+def _maybe_float(value: Any) -> bool:
+    return value.dtype is None or _is_float(value)
+
+
+def _float_inputs(node: torch.fx.Node, node_name_to_values: Mapping[str, Any]) -> set[Any]:
+    """The ONNX values of ``node``'s float tensor inputs (the start of its float paths)."""
+    found: set[Any] = set()
+    for source in node.all_input_nodes:
+        value = node_name_to_values.get(source.name)
+        values = value if isinstance(value, Sequence) else [value]
+        found.update(v for v in values if v is not None and hasattr(v, "dtype") and _is_float(v))
+    return found
+
+
+def _untrainable(nodes: Sequence[Any], derived: set[Any], model: Any) -> list[str]:
+    """Why the ONNX ``nodes`` (one translation, in order) cannot be trained: op types on a float
+    path from ``derived`` that the engine has no gradient builder for, and control flow there
+    (the engine's builder aborts on some If/Loop bodies). Calls of local functions (torch_lib's
+    scripted ones) are looked into."""
+    from onnxscript import ir  # noqa: PLC0415 - optional frontend
+
+    graphs = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+    found: list[str] = []
+    for n in nodes:
+        if not any(v is not None and v in derived for v in n.inputs):
+            continue
+        if n.domain in ("", "ai.onnx"):
+            if any(a.type in graphs for a in n.attributes.values()):
+                found.append("control flow")
+            elif n.op_type not in _REWRITTEN_AFTER_TRANSLATION and not engine_has_gradient(
+                n.op_type
+            ):
+                found.append(f"no engine gradient for {n.op_type}")
+        else:
+            function = model.functions.get(n.op_identifier())
+            if function is not None:
+                inner = {p for p, a in zip(function.inputs, n.inputs, strict=False) if a in derived}
+                found.extend(_untrainable(list(function), inner, model))
+        derived.update(o for o in n.outputs if _maybe_float(o))
+    return found
+
+
+def _forget_new(farm: dict[Any, Any], cached: set[Any]) -> None:
+    for key in [k for k in farm if k not in cached]:
+        del farm[key]
+
+
+def _detach(nodes: Sequence[Any]) -> None:
+    """Drop the uses that ``nodes`` (not added to any graph) hold on their inputs."""
+    for n in nodes:
+        for i in range(len(n.inputs)):
+            n.replace_input_with(i, None)
+
+
+# -- the ATen node -------------------------------------------------------------------------------
+
+
+class _NotRunnable(Exception):
+    """An argument the ATen executor cannot be handed."""
+
+
+class _AtenWriter:
+    """Writes one FX node as an ATen node (and the constants it reads)."""
+
+    def __init__(
+        self,
+        core: Any,
+        node: torch.fx.Node,
+        node_name_to_values: dict[str, Any],
+        local_functions: dict[str, Any],
+        route: AtenRoute,
+    ) -> None:
+        self.route = route
+        self.core = core
+        self.node = node
+        self.values = node_name_to_values
+        self.local_functions = local_functions
+        self.extra: list[Any] = []
+
+    def write(self, graph_like: Any) -> bool:
+        """Add the ATen node for the FX node to ``graph_like`` and map its outputs; False (and
+        nothing written) when the executor cannot run it."""
+        from onnxscript import ir  # noqa: PLC0415 - optional frontend
+
+        node, target = self.node, self.node.target
+        assert isinstance(target, torch._ops.OpOverload)
+        self.extra = []
+        try:
+            op = aten_executor.aten_operator(target._schema.name, _overload(target))
+            if any(i is None for i in self._inputs_of_nodes()):
+                raise _NotRunnable("an input has no ONNX value")
+            if not (all(r == "Tensor" for r in op.returns) or op.returns == ("Tensor[]",)):
+                raise _NotRunnable(f"it returns {op.returns}")
+            meta = node.meta.get("val")
+            if op.returns == ("Tensor[]",):
+                if not isinstance(meta, (list, tuple)):
+                    raise _NotRunnable("the length of its list is not known")
+                count = len(meta)
+            else:
+                count = len(op.returns)
+            inputs = [self._input(arg, self._argument(i, arg)) for i, arg in enumerate(op.args)]
+        except (_NotRunnable, UnsupportedAtenOperatorError) as err:
+            logger.debug("aten::%s cannot take the ATen route: %s", target, err)
+            return False
+        aten = ir.Node(
+            ATEN_DOMAIN,
+            "ATen",
+            inputs,
+            [ir.AttrString("operator", op.op._schema.name.split("::")[-1]),
+             ir.AttrString("overload_name", op.overload)],
+            num_outputs=count,
+        )  # fmt: skip
+        outputs = list(aten.outputs)
+        many = count != 1 or op.returns == ("Tensor[]",)
+        # named and typed as the translator names and types a lowering's outputs
+        if many:
+            metas = meta if isinstance(meta, (list, tuple)) else (meta,)
+            for value, value_meta in zip(outputs, metas, strict=False):
+                if isinstance(value_meta, torch.Tensor):
+                    self.core._set_shape_type(value, value_meta, complex_to_float=True)
+            for i, value in enumerate(outputs):
+                value.name = f"{node.name}__{i}"
+            self.values[node.name] = outputs
+            aten.name = f"node_{node.name}__0"
+        else:
+            if isinstance(meta, torch.Tensor):
+                self.core._set_shape_type(outputs[0], meta, complex_to_float=True)
+            outputs[0].name = node.name
+            self.values[node.name] = outputs[0]
+            aten.name = f"node_{node.name}"
+        written = [*self.extra, aten]
+        for made in written:
+            made.meta["node"] = node
+            self.core._set_node_metadata(node, made)
+        graph_like.extend(written)
+        self.route.written.append((aten, len(inputs)))
+        return True
+
+    def _inputs_of_nodes(self) -> list[Any]:
+        return [self.values.get(n.name) for n in self.node.all_input_nodes]
+
+    _MISSING = object()
+
+    def _argument(self, index: int, arg: Any) -> Any:
+        node = self.node
+        if not arg.kwarg_only and index < len(node.args):
+            return node.args[index]
+        return node.kwargs.get(arg.name, self._MISSING)
+
+    def _value(self, fx_node: torch.fx.Node) -> Any:
+        value = self.core._convert_fx_arg_to_onnx_arg(fx_node, self.values, self.local_functions)
+        if isinstance(value, Sequence) or not hasattr(value, "dtype"):
+            raise _NotRunnable(f"{fx_node.name} is not one ONNX value")
+        return value
+
+    def _constant(self, array: np.ndarray) -> Any:
+        from onnxscript import ir  # noqa: PLC0415 - optional frontend
+
+        made = ir.Node("", "Constant", (), [ir.AttrTensor("value", ir.tensor(array))])
+        out = made.outputs[0]
+        out.dtype = ir.DataType.from_numpy(array.dtype)
+        out.shape = ir.Shape(array.shape)
+        self.extra.append(made)
+        return out
+
+    def _ints(self, items: Sequence[Any], dtype: Any) -> Any:
+        """A 1-D tensor of ``items``; SymInts among them are graph values (Concat of them)."""
+        from onnxscript import ir  # noqa: PLC0415 - optional frontend
+
+        if not any(isinstance(v, torch.fx.Node) for v in items):
+            return self._constant(np.array(list(items), dtype=dtype))
+        shape = self._constant(np.array([1], dtype=np.int64))
+        parts = []
+        for item in items:
+            if isinstance(item, torch.fx.Node):
+                reshape = ir.Node("", "Reshape", (self._value(item), shape))
+                self.extra.append(reshape)
+                parts.append(reshape.outputs[0])
+            else:
+                parts.append(self._constant(np.array([item], dtype=dtype)))
+        concat = ir.Node("", "Concat", parts, [ir.AttrInt64("axis", 0)])
+        self.extra.append(concat)
+        return concat.outputs[0]
+
+    def _input(self, arg: Any, value: Any) -> Any:
+        """The ONNX input for schema argument ``arg`` given ``value`` (None: empty, which the
+        executor reads as the argument's default)."""
+        from onnxscript import ir  # noqa: PLC0415 - optional frontend
+
+        kind = arg.kind
+        if value is self._MISSING or value is None:
+            if value is self._MISSING and not (arg.optional or arg.has_default):
+                raise _NotRunnable(f"argument {arg.name} is missing")
+            if value is None and not (arg.optional or kind == "Tensor" or arg.has_default):
+                raise _NotRunnable(f"argument {arg.name} is None")
+            return None
+        if isinstance(value, torch.fx.Node):
+            if kind in ("Tensor", "int", "float", "bool", "Scalar"):
+                return self._value(value)
+            raise _NotRunnable(f"argument {arg.name} ({kind}) is computed")
+        if kind == "Tensor[]":
+            if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, torch.fx.Node) for v in value
+            ):
+                raise _NotRunnable(f"argument {arg.name} is not a list of tensors")
+            sequence = ir.Node("", "SequenceConstruct", [self._value(v) for v in value])
+            self.extra.append(sequence)
+            return sequence.outputs[0]
+        if kind == "ScalarType" and isinstance(value, torch.dtype):
+            code = int(type_utils.JitScalarType.from_dtype(value))  # type: ignore[call-overload]
+            return self._constant(np.array(code, dtype=np.int64))
+        if kind in ("int", "float", "bool", "Scalar") and isinstance(value, (bool, int, float)):
+            if isinstance(value, bool):
+                return self._constant(np.array(value, dtype=np.bool_))
+            if isinstance(value, int):
+                return self._constant(np.array(value, dtype=np.int64))
+            return self._constant(np.array(value, dtype=np.float64))
+        if kind in ("int[]", "float[]", "bool[]"):
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            dtype = {"int[]": np.int64, "float[]": np.float64, "bool[]": np.bool_}[kind]
+            return self._ints(items, dtype)
+        if kind == "str" and isinstance(value, str):
+            made = ir.Node("", "Constant", (), [ir.AttrString("value_string", value)])
+            self.extra.append(made)
+            return made.outputs[0]
+        if kind == "other" and arg.has_default and value == arg.default:
+            return None
+        raise _NotRunnable(f"argument {arg.name} ({kind}) = {value!r}")

@@ -1,0 +1,83 @@
+"""The ATen route of ORTMODULE_EXPORTER=torch_export (``export/torch_export_aten.py``): an
+operator the dynamo translator cannot lower, or lowers to ONNX the engine has no gradient for,
+runs in PyTorch inside the engine and trains as eager does. Fallback is disabled (conftest)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from ortmodule import DebugOptions, ORTModule
+from ortmodule_exporter.aten.executor import ATEN_DOMAIN
+
+pytest.importorskip("onnxscript")
+
+TORCH_EXPORT = DebugOptions(exporter="torch_export")
+
+
+class _Op(nn.Module):
+    def __init__(self, op: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.op = op
+        self.weight = nn.Parameter(torch.randn(4, 5, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x * self.weight) * 1.5
+
+
+#: operators whose torch_lib lowering the engine cannot differentiate (1.19.2: no gradient
+#: builder for Atan, CumSum, ReduceMax)
+NO_ENGINE_GRADIENT = {
+    "atan": torch.atan,
+    "cumsum": lambda t: torch.cumsum(t, 1),
+    "max_dim": lambda t: torch.max(t, 1)[0],
+}
+#: operators the translator cannot lower: torch_lib's amax needs a dim, copysign has no
+#: translation and its decomposition (prims.signbit) none either
+NO_TRANSLATION = {
+    "amax": lambda t: torch.amax(t) * t,
+    "copysign": lambda t: torch.copysign(t, t.flip(0)),
+}
+
+
+def _trains_as_eager(op: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    model = _Op(op)
+    wrapped = ORTModule(_Op(op), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(4, 5, generator=gen, requires_grad=True)
+        y = x.detach().clone().requires_grad_(True)
+        want, got = model(x), wrapped(y)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(y.grad, x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(wrapped.weight.grad, model.weight.grad, rtol=1e-4, atol=1e-5)
+    assert wrapped._runner.config.export_config.frontend == "torch_export"  # type: ignore[union-attr]
+    # PyTorch ran it inside the engine: an ATen node, or a PythonOp running it (AtenOp)
+    compiled = wrapped._runner.transitions.current(True, True)
+    assert compiled is not None
+    ops = {(n.domain, n.op_type) for n in compiled.built.exported.model.graph.node}
+    assert (ATEN_DOMAIN, "ATen") in ops or any(op == "PythonOp" for _d, op in ops), ops
+
+
+@pytest.mark.parametrize("name", sorted(NO_ENGINE_GRADIENT))
+def test_op_without_engine_gradient_takes_the_aten_route(name: str) -> None:
+    _trains_as_eager(NO_ENGINE_GRADIENT[name])
+
+
+@pytest.mark.parametrize("name", sorted(NO_TRANSLATION))
+def test_op_without_translation_takes_the_aten_route(name: str) -> None:
+    _trains_as_eager(NO_TRANSLATION[name])
+
+
+def test_constants_of_a_dropped_lowering_are_not_reused() -> None:
+    """The translator caches the Constant nodes a lowering writes for Python values (cumsum's
+    dim 1) for later lowerings to read (select's index 1): when the route drops the lowering,
+    a later node must not read a constant no longer in the graph (a SerdeError at
+    serialization: bamba and falcon_h1 hit it)."""
+    _trains_as_eager(lambda t: torch.cumsum(t, 1)[:, 1] * t.select(1, 1))
