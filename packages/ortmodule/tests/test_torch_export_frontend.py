@@ -266,7 +266,7 @@ def test_the_experimental_frontend_warns_once(monkeypatch: pytest.MonkeyPatch) -
     from ortmodule_exporter.export import exporter
 
     monkeypatch.setattr(exporter, "_WARNED_EXPERIMENTAL", [])
-    with pytest.warns(UserWarning, match="torch_export is experimental and gives wrong results"):
+    with pytest.warns(UserWarning, match="torch_export is experimental: it trains fewer programs"):
         exporter._warn_experimental_frontend()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
