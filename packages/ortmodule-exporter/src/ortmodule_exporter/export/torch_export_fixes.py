@@ -12,6 +12,7 @@ import onnx
 import onnx.shape_inference
 
 from ..errors import ExportError
+from .torch_export_empty import stub_zero_element_nodes
 
 __all__ = ["fix_for_engine"]
 
@@ -19,6 +20,7 @@ __all__ = ["fix_for_engine"]
 def fix_for_engine(model: onnx.ModelProto) -> None:
     """Every rewrite below, in place, in the order they depend on each other."""
     _cast_like_as_cast(model)
+    stub_zero_element_nodes(model)
     _matmul_vectors_as_matrices(model)
     _scatter_add_onto_zeros(model)
     _outputs_for_gradients(model)
