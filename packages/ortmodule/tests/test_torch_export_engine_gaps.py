@@ -71,6 +71,11 @@ def _randn(*shape: int) -> torch.Tensor:
         (lambda x: x.mean(1), [(3, 0)]),
         # LayerNormalizationGrad fails on an empty batch
         (lambda x, w, b: nn.functional.layer_norm(x, (1,), w, b), [(0, 1), (1,), (1,)]),
+        # an empty batch through computed pads and Reshape targets (torch_lib's im2col): known
+        # empty only once the integer computations are folded
+        (lambda x: nn.functional.unfold(x, 2), [(0, 1, 5, 5)]),
+        # empty from a non-empty input, of symbolic dims: the slice's gradient is zeros
+        (lambda x: (x[:, :0] * 2).sum(1) + x[:, 0], [(4, 3)]),
         # Concat's gradient (SplitTraining) loses an empty part's length
         (lambda x, y: torch.cat([x, y * 2], 0), [(0, 3), (4, 3)]),
     ],

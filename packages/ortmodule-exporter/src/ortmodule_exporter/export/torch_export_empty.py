@@ -63,15 +63,88 @@ _Shapes = dict[str, tuple[int, list[int | None] | None]]
 
 
 def _known(model: onnx.ModelProto) -> _Shapes:
+    """Every value's element type and static dims: declared, else inferred from a copy of the
+    graph whose small integer computations (sizes, pads, targets of Reshape, as torch_lib
+    computes them from ``Shape``) are folded into constants, so that shape inference sees
+    them."""
     known = value_shapes(model.graph)
-    try:
-        inferred = value_shapes(onnx.shape_inference.infer_shapes(model).graph)
-    except Exception:  # noqa: BLE001 - inference is best effort, declared shapes still hold
-        inferred = {}
-    for name, (elem, dims) in inferred.items():
-        if name not in known or known[name][1] is None:
-            known[name] = (elem, dims)
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    for _ in range(2):
+        try:
+            inferred = value_shapes(onnx.shape_inference.infer_shapes(folded).graph)
+        except Exception:  # noqa: BLE001 - inference is best effort, declared shapes still hold
+            break
+        for name, (elem, dims) in inferred.items():
+            before = known.get(name, (0, None))[1]
+            if dims is not None and (before is None or (None in before and None not in dims)):
+                known[name] = (elem, dims)
+        if not _fold_integers(folded, known):
+            break
     return known
+
+
+#: integer results folded for shape inference up to this many elements
+_FOLD_LIMIT = 1024
+
+
+def _fold_integers(model: onnx.ModelProto, known: _Shapes) -> bool:
+    """Replace, in ``model``, each node computing small integer tensors from constants (and
+    ``Shape`` of a value of static shape) by ``Constant`` nodes; whether any was."""
+    import numpy as np  # noqa: PLC0415
+    from onnx.reference import ReferenceEvaluator  # noqa: PLC0415
+
+    h = onnx.helper
+    values: dict[str, np.ndarray] = {}
+    integer = (onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL)
+    changed = False
+    new_nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        default = node.domain in ("", "ai.onnx")
+        got: list[np.ndarray] | None = None
+        if default and node.op_type == "Constant":
+            attr = node.attribute[0]
+            try:
+                got = [
+                    onnx.numpy_helper.to_array(attr.t)
+                    if attr.name == "value"
+                    else np.array(h.get_attribute_value(attr))
+                ]
+            except Exception:  # noqa: BLE001 - sparse or string constants are not folded
+                got = None
+            if got is not None:
+                values[node.output[0]] = got[0]
+            new_nodes.append(node)
+            continue
+        dims = known.get(node.input[0], (0, None))[1] if node.input else None
+        if default and node.op_type == "Shape" and dims is not None and None not in dims:
+            start = next((a.i for a in node.attribute if a.name == "start"), 0)
+            end = next((a.i for a in node.attribute if a.name == "end"), len(dims))
+            got = [np.array(dims[start:end], dtype=np.int64)]
+        elif (
+            default
+            and node.input
+            and all(i in values for i in node.input if i)
+            and all(known.get(o, (0, None))[0] in integer for o in node.output if o)
+            and not any(a.HasField("g") or len(a.graphs) for a in node.attribute)
+        ):
+            try:
+                feeds = {i: values[i] for i in node.input if i}
+                got = [np.asarray(v) for v in ReferenceEvaluator(node).run(None, feeds)]
+            except Exception:  # noqa: BLE001 - what cannot be folded keeps its node
+                got = None
+        if got is None or any(np.asarray(v).size > _FOLD_LIMIT for v in got):
+            new_nodes.append(node)
+            continue
+        for out, value in zip(node.output, got, strict=False):
+            if out:
+                values[out] = np.asarray(value)
+                tensor = onnx.numpy_helper.from_array(np.asarray(value), out)
+                new_nodes.append(h.make_node("Constant", [], [out], value=tensor))
+        changed = True
+    del model.graph.node[:]
+    model.graph.node.extend(new_nodes)
+    return changed
 
 
 def _is_empty(known: _Shapes, name: str) -> bool:
@@ -82,9 +155,12 @@ def _is_empty(known: _Shapes, name: str) -> bool:
 def stub_zero_element_nodes(model: onnx.ModelProto) -> None:
     """Every rewrite of the module docstring, in place."""
     graph = model.graph
-    known = _known(model)
-    if not any(_is_empty(known, name) for name in known):
+    declared = value_shapes(graph)
+    # the export declares the shape of every value torch.export traced (an empty one has a
+    # fixed 0 dim): without one, inference and folding are not worth their time
+    if not any(_is_empty(declared, name) for name in declared):
         return
+    known = _known(model)
     new_nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(graph.node):
         new_nodes += _rewrite(node, index, known)
@@ -118,7 +194,7 @@ def _rewrite(node: onnx.NodeProto, index: int, known: _Shapes) -> list[onnx.Node
     if all(_is_empty(known, o) for o in outputs):
         # no element out: its value is none, its inputs' gradients zeros
         link, built = _link(float_inputs, elem, tag)
-        return built + _outputs(outputs, known, link, 0.0, tag, where)
+        return _replaced(node, outputs, known, link, 0.0, tag, where, built)
     if not empty_inputs:
         # only an output is empty (Split, TopK with k = 0): not seen yet
         raise ExportError(
@@ -130,7 +206,7 @@ def _rewrite(node: onnx.NodeProto, index: int, known: _Shapes) -> list[onnx.Node
     if len(empty_inputs) == len(float_inputs) and default:
         value = EMPTY_REDUCTION_VALUES.get(node.op_type)
         if value is not None:
-            return built + _outputs(outputs, known, link, value, tag, where)
+            return _replaced(node, outputs, known, link, value, tag, where, built)
     if default and node.op_type == "Concat" and len(outputs) == 1:
         # the engine's gradient of Concat (SplitTraining) loses an empty part's length
         kept = [i for i in node.input if i and not _is_empty(known, i)]
@@ -167,6 +243,30 @@ def _rewrite(node: onnx.NodeProto, index: int, known: _Shapes) -> list[onnx.Node
     )
 
 
+def _replaced(
+    node: onnx.NodeProto,
+    outputs: list[str],
+    known: _Shapes,
+    link: str,
+    value: float,
+    tag: str,
+    where: str,
+    built: list[onnx.NodeProto],
+) -> list[onnx.NodeProto]:
+    """``built`` then nodes writing ``outputs`` as :func:`_outputs` does, ``node`` kept to
+    give them their shapes when some dim is symbolic."""
+    symbolic = [o for o in outputs if None in (known.get(o, (0, None))[1] or [None])]
+    if not symbolic:
+        return built + _outputs(outputs, known, link, value, tag, where)
+    # the node still runs forward for its outputs' shapes (the engine's forward kernels size
+    # empty tensors right); only Shape reads it, so no gradient goes through it
+    renamed = {o: f"{tag}_shape_of{k}" for k, o in enumerate(outputs)}
+    for slot, o in enumerate(node.output):
+        if o:
+            node.output[slot] = renamed[o]
+    return [node, *built, *_outputs(outputs, known, link, value, tag, where, renamed)]
+
+
 def _has_subgraphs(node: onnx.NodeProto) -> bool:
     return any(a.HasField("g") or len(a.graphs) for a in node.attribute)
 
@@ -197,29 +297,40 @@ def _link(
 
 
 def _outputs(
-    outputs: list[str], known: _Shapes, link: str, value: float, tag: str, where: str
+    outputs: list[str],
+    known: _Shapes,
+    link: str,
+    value: float,
+    tag: str,
+    where: str,
+    shaped_like: dict[str, str] | None = None,
 ) -> list[onnx.NodeProto]:
-    """Nodes writing each of ``outputs`` (of known static shape and type): ``value`` everywhere
-    plus ``link`` broadcast (float outputs, when there is a link)."""
+    """Nodes writing each of ``outputs`` (of known type, and static shape unless
+    ``shaped_like`` names a value of its shape): ``value`` everywhere plus ``link`` broadcast
+    (float outputs, when there is a link)."""
     h = onnx.helper
     nodes: list[onnx.NodeProto] = []
     for k, out in enumerate(outputs):
         dtype, maybe = known.get(out, (0, None))
         dims = [d for d in maybe or () if d is not None]
-        if maybe is None or len(dims) != len(maybe) or not dtype:
+        shape = f"{tag}_shape{k}"
+        if shaped_like and out in shaped_like and maybe is not None and dtype:
+            # a symbolic dim beside the 0: the shape the node computes, at run time
+            nodes.append(h.make_node("Shape", [shaped_like[out]], [shape]))
+        elif maybe is None or len(dims) != len(maybe) or not dtype:
             raise ExportError(
                 f"the {where} writes {out} of unknown shape or type from a zero-element tensor, "
                 "which the engine mishandles; use ORTMODULE_EXPORTER=torchscript"
             )
-        shape = f"{tag}_shape{k}"
-        nodes.append(
-            h.make_node(
-                "Constant",
-                [],
-                [shape],
-                value=h.make_tensor(shape, onnx.TensorProto.INT64, [len(dims)], dims),
+        else:
+            nodes.append(
+                h.make_node(
+                    "Constant",
+                    [],
+                    [shape],
+                    value=h.make_tensor(shape, onnx.TensorProto.INT64, [len(dims)], dims),
+                )
             )
-        )
         if not link or dtype not in FLOAT_TYPES:
             fill = h.make_tensor(
                 f"{tag}_fill{k}", dtype, [1], [value if dtype in FLOAT_TYPES else 0]
