@@ -84,3 +84,46 @@ def test_zero_element_tensors(
     fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]]
 ) -> None:
     _same_as_eager(fn, [_randn(*s) for s in shapes])
+
+
+# -- gradient builders (torch_export_fixes) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes"),
+    [
+        # clamp by a tensor: the engine's Clip gradient has none for the bound (the build
+        # failed), its Min/Max gradient splits ties; torch_lib_training writes Where
+        (torch.clamp_max, [(4, 5), (4, 5)]),
+        (torch.clamp_min, [(4, 5), (5,)]),
+        (lambda x, t: torch.clamp(x, min=torch.tensor(-0.5), max=t), [(4, 5), (4, 5)]),
+        (lambda x, t: torch.clamp(x, min=t, max=torch.tensor(0.5)), [(4, 5), ()]),
+        # an integer exponent: the Pow gradient's Sub mixed int64 and float
+        (lambda x: torch.pow(x, torch.tensor(3)), [(6,)]),
+        # TopK of a 0-d tensor: refused by the engine's shape inference
+        (lambda x: torch.topk(x, 1).values * 2, [()]),
+        # flip (Slice with a negative step): SliceGrad's narrowing_error
+        (lambda x: torch.flip(x, (0, 1, 2)) * torch.arange(60.0).view(5, 4, 3), [(5, 4, 3)]),
+        (lambda x: torch.flip(x[1:, :3], (-1,)) * 2, [(5, 4, 3)]),
+    ],
+)
+def test_gradient_builder_gaps(
+    fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]]
+) -> None:
+    _same_as_eager(fn, [_randn(*s) for s in shapes])
+
+
+def test_clamp_ties_go_to_the_input() -> None:
+    """Where the input equals the bound, PyTorch's clamp gives the input the gradient."""
+    x = torch.tensor([1.0, 2.0, 3.0])
+    _same_as_eager(torch.clamp_max, [x, torch.tensor([2.0, 2.0, 2.0])])
+    _same_as_eager(torch.clamp_min, [x, torch.tensor([2.0, 2.0, 2.0])])
+
+
+def test_erfcx_is_refused_not_wrong() -> None:
+    """torch_lib's erfcx is exp(x**2) * (1 - erf(x)): 0 for x = 9, eager 0.0623."""
+    model = ORTModule(_Fn(torch.special.erfcx), TORCH_EXPORT)
+    with pytest.raises(
+        Exception, match="erfcx is not supported by ORTMODULE_EXPORTER=torch_export"
+    ):
+        model(torch.tensor([1.0, 9.0], requires_grad=True))
