@@ -102,6 +102,9 @@ def test_zero_element_tensors(
         (lambda x: torch.pow(x, torch.tensor(3)), [(6,)]),
         # TopK of a 0-d tensor: refused by the engine's shape inference
         (lambda x: torch.topk(x, 1).values * 2, [()]),
+        # ReduceL2's gradient graph leaves a value untyped (the build failed)
+        (lambda x, y: torch.dist(x, y), [(5, 4), (5, 4)]),
+        (lambda x: torch.linalg.vector_norm(x, dim=1, keepdim=True) * x, [(3, 4)]),
         # flip (Slice with a negative step): SliceGrad's narrowing_error
         (lambda x: torch.flip(x, (0, 1, 2)) * torch.arange(60.0).view(5, 4, 3), [(5, 4, 3)]),
         (lambda x: torch.flip(x[1:, :3], (-1,)) * 2, [(5, 4, 3)]),
@@ -127,3 +130,10 @@ def test_erfcx_is_refused_not_wrong() -> None:
         Exception, match="erfcx is not supported by ORTMODULE_EXPORTER=torch_export"
     ):
         model(torch.tensor([1.0, 9.0], requires_grad=True))
+
+
+def test_norm_of_zeros_has_a_zero_gradient() -> None:
+    """PyTorch's norm backward masks a zero norm (gradient 0, not Sqrt's NaN)."""
+    x = torch.zeros(2, 3)
+    x[1] = torch.tensor([3.0, 4.0, 0.0])
+    _same_as_eager(lambda t: torch.linalg.vector_norm(t, dim=1), [x])

@@ -24,6 +24,7 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     stub_zero_element_nodes(model)
     _pow_exponent_as_base_type(model)
     _top_k_of_scalar(model)
+    _l2_norms_by_sums(model)
     _reversed_slices_as_gathers(model)
     _matmul_vectors_as_matrices(model)
     _scatter_add_onto_zeros(model)
@@ -553,5 +554,47 @@ def _reversed_slices_as_gathers(model: onnx.ModelProto) -> None:
                 ),
             ]
             x = f"{t}_out"
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _l2_norms_by_sums(model: onnx.ModelProto) -> None:
+    """``ReduceL2(x)`` -> ``Where(s == 0, 0, Sqrt(Where(s == 0, 1, s)))``, ``s`` the
+    ``ReduceSum`` of ``x * x`` (same axes and keepdims).
+
+    The engine's ReduceL2 gradient graph (1.19.2) leaves a value untyped and the build fails
+    ("does not have type information set by parent node"; ``dist``, ``norm``; the TorchScript
+    frontend runs it in PyTorch, ``aten/gradient_gaps.py``). The ``Where`` pair gives a zero
+    norm the gradient 0, as PyTorch's norm backward does, where ``Sqrt``'s would be NaN.
+    """
+    graph = model.graph
+    if not any(_is_default(n, "ReduceL2") for n in graph.node):
+        return
+    types = _elem_types(model)
+    if any(_is_default(n, "ReduceL2") and n.input[0] not in types for n in graph.node):
+        types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        dtype = types.get(node.input[0], 0) if _is_default(node, "ReduceL2") else 0
+        if not dtype:
+            new_nodes.append(node)
+            continue
+        tag = f"{node.name or 'ReduceL2'}_{index}"
+        x, out = node.input[0], node.output[0]
+        node.op_type = "ReduceSum"
+        node.input[0] = f"{tag}_squares"
+        node.output[0] = sums = f"{tag}_sums"
+        zero, one = f"{tag}_zero", f"{tag}_one"
+        new_nodes += [
+            h.make_node("Mul", [x, x], [f"{tag}_squares"]),
+            node,
+            h.make_node("Constant", [], [zero], value=h.make_tensor(zero, dtype, [], [0.0])),
+            h.make_node("Constant", [], [one], value=h.make_tensor(one, dtype, [], [1.0])),
+            h.make_node("Equal", [sums, zero], [f"{tag}_is_zero"]),
+            h.make_node("Where", [f"{tag}_is_zero", one, sums], [f"{tag}_safe"]),
+            h.make_node("Sqrt", [f"{tag}_safe"], [f"{tag}_root"]),
+            h.make_node("Where", [f"{tag}_is_zero", zero, f"{tag}_root"], [out]),
+        ]
     del graph.node[:]
     graph.node.extend(new_nodes)
