@@ -23,6 +23,7 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     _cast_like_as_cast(model)
     stub_zero_element_nodes(model)
     _pow_exponent_as_base_type(model)
+    _integer_operands_as_float(model)
     _top_k_of_scalar(model)
     _l2_norms_by_sums(model)
     _reversed_slices_as_gathers(model)
@@ -596,5 +597,42 @@ def _l2_norms_by_sums(model: onnx.ModelProto) -> None:
             h.make_node("Sqrt", [f"{tag}_safe"], [f"{tag}_root"]),
             h.make_node("Where", [f"{tag}_is_zero", zero, f"{tag}_root"], [out]),
         ]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+#: elementwise ops whose inputs share one type in ONNX
+_SAME_TYPE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Min", "Max"})
+
+
+def _integer_operands_as_float(model: onnx.ModelProto) -> None:
+    """An integer operand of ``Add``/``Sub``/``Mul``/``Div``/``Min``/``Max`` whose other operand is
+    float: cast to that float type, PyTorch's promotion.
+
+    torch_lib leaves some of ATen's mixed arithmetic as it is (``masked.std`` divides a float sum
+    by an int64 count: ``Div(float, int64)``), which ONNX does not allow; the engine refuses the
+    graph ("Type parameter (T) of Optype (Div) bound to different types").
+    """
+    graph = model.graph
+    ops = [n for n in graph.node if _is_default(n, *_SAME_TYPE_OPS) and len(n.input) == 2]
+    if not ops:
+        return
+    types = _elem_types(model)
+    if any(i not in types for n in ops for i in n.input):
+        types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+    floats = onnx_graph.FLOAT_TYPES
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        kinds = [types.get(i, 0) for i in node.input] if node in ops else []
+        float_type = next((k for k in kinds if k in floats), 0)
+        if float_type and all(kinds):
+            for slot, kind in enumerate(kinds):
+                if kind not in floats:
+                    cast = f"{node.name or node.op_type}_{index}_as_float{slot}"
+                    new_nodes.append(
+                        onnx.helper.make_node("Cast", [node.input[slot]], [cast], to=float_type)
+                    )
+                    node.input[slot] = cast
+        new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)
