@@ -253,7 +253,7 @@ def test_zero_element_input_runs_in_eval() -> None:
     """A zero-element input (a batch of none): its shape is part of the input schema, so the
     export keeps its dims fixed; with them symbolic the output schema held SymInts and the
     run failed with ``unhashable type: non-nested SymInt`` (OpInfo's empty samples). Training
-    on it still fails, in the engine's gradient graph (a Reshape in Mul's gradient), not here."""
+    on one: test_torch_export_engine_gaps.py."""
     x = torch.randn(0, 5)
     wrapped = ORTModule(_Softmax(), TORCH_EXPORT).eval()
     with torch.no_grad():

@@ -264,6 +264,6 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
             for a in node.attribute:
                 if a.name == "value":
                     found[node.output[0]] = onnx.numpy_helper.to_array(a.t)
-                elif a.name in ("value_float", "value_int"):
+                elif a.name in ("value_float", "value_int", "value_floats", "value_ints"):
                     found[node.output[0]] = np.array(onnx.helper.get_attribute_value(a))
     return found

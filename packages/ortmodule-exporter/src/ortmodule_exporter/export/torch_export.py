@@ -257,6 +257,10 @@ def export_program(
                 training,
             )
     except Exception as err:
+        refused = _refusal(err)
+        if refused is not None:
+            # one of our translations refused an operator (torch_lib_training): its message
+            raise ExportError(f"{where}: {refused}", module_path=where) from err
         raise ExportError(
             f"the ONNX translation of {where}'s torch.export graph failed: "
             f"{type(err).__name__}: {_first_lines(str(err))}",
@@ -357,6 +361,18 @@ def size_guards(
         "torch.export's assumptions on the input sizes: " + ", ".join(said),
     )
     return [ShapeGuard(guard, tuple(steps), "size_guard/value", tuple(shapes.items()))]
+
+
+def _refusal(err: BaseException) -> str | None:
+    """The message of an :class:`ExportError` raised inside the translation, if one was."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ExportError):
+            return str(cause)
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _data_dependent(err: BaseException) -> bool:

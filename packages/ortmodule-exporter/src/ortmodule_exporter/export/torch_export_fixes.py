@@ -11,7 +11,9 @@ from __future__ import annotations
 import onnx
 import onnx.shape_inference
 
+from .. import onnx_graph
 from ..errors import ExportError
+from .torch_export_empty import stub_zero_element_nodes
 
 __all__ = ["fix_for_engine"]
 
@@ -19,6 +21,12 @@ __all__ = ["fix_for_engine"]
 def fix_for_engine(model: onnx.ModelProto) -> None:
     """Every rewrite below, in place, in the order they depend on each other."""
     _cast_like_as_cast(model)
+    stub_zero_element_nodes(model)
+    _pow_exponent_as_base_type(model)
+    _integer_operands_as_float(model)
+    _top_k_of_scalar(model)
+    _l2_norms_by_sums(model)
+    _reversed_slices_as_gathers(model)
     _matmul_vectors_as_matrices(model)
     _scatter_add_onto_zeros(model)
     _outputs_for_gradients(model)
@@ -367,3 +375,264 @@ def _cast_like_as_cast(model: onnx.ModelProto) -> None:
         del node.input[1:]
         node.op_type = "Cast"
         node.attribute.append(onnx.helper.make_attribute("to", to))
+
+
+def _is_default(node: onnx.NodeProto, *op_types: str) -> bool:
+    return node.op_type in op_types and node.domain in ("", "ai.onnx")
+
+
+def _pow_exponent_as_base_type(model: onnx.ModelProto) -> None:
+    """``Pow(x, n)`` with an integer ``n`` and a float ``x``: ``n`` cast to ``x``'s type.
+
+    ONNX lets the exponent's type differ; the engine's Pow gradient (1.19.2) computes
+    ``n - 1`` against float constants and fails to build ("Type parameter (T) of Optype (Sub)
+    bound to different types"). torch_lib writes ``x ** 2`` with an int64 2 (``special.erfcx``);
+    the TorchScript exporter a float one. An integer exponent is exact in float.
+    """
+    graph = model.graph
+    pows = [n for n in graph.node if _is_default(n, "Pow")]
+    if not pows:
+        return
+    types = _elem_types(model)
+    if any(i not in types for n in pows for i in n.input[:2]):
+        types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+              onnx.TensorProto.BFLOAT16)  # fmt: skip
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        if node in pows:
+            base, exponent = (types.get(i, 0) for i in node.input[:2])
+            if base in floats and exponent and exponent != base:
+                cast = f"{node.name or 'Pow'}_{index}_exponent"
+                new_nodes.append(onnx.helper.make_node("Cast", [node.input[1]], [cast], to=base))
+                node.input[1] = cast
+        new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _top_k_of_scalar(model: onnx.ModelProto) -> None:
+    """``TopK`` of a 0-d tensor runs on it made 1-D, its outputs squeezed back: ONNX's TopK
+    needs rank 1 or more, and the engine's shape inference refuses the graph ("Invalid value
+    for attribute axis"); torch.topk of a 0-d tensor (k = 1) is the tensor and index 0."""
+    graph = model.graph
+    tops = [n for n in graph.node if _is_default(n, "TopK")]
+    if not tops:
+        return
+    ranks = _ranks(model)
+    if any(n.input[0] not in ranks for n in tops):
+        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        if node not in tops or ranks.get(node.input[0]) != 0:
+            new_nodes.append(node)
+            continue
+        tag = f"{node.name or 'TopK'}_{index}"
+        axes = f"{tag}_axes"
+        new_nodes += [
+            h.make_node(
+                "Constant", [], [axes], value=h.make_tensor(axes, onnx.TensorProto.INT64, [1], [0])
+            ),
+            h.make_node("Unsqueeze", [node.input[0], axes], [f"{tag}_vector"]),
+        ]
+        node.input[0] = f"{tag}_vector"
+        for attr in node.attribute:
+            if attr.name == "axis":
+                attr.i = 0
+        new_nodes.append(node)
+        for slot, out in enumerate(node.output):
+            if out:
+                node.output[slot] = f"{tag}_out{slot}"
+                new_nodes.append(h.make_node("Squeeze", [node.output[slot], axes], [out]))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _reversed_slices_as_gathers(model: onnx.ModelProto) -> None:
+    """A ``Slice`` with a negative step (torch_lib's ``flip``) on a float tensor: each such
+    axis a ``Gather`` of the indices ``Range(start, end, step)``, clamped as Slice clamps them;
+    the axes with a positive step stay a Slice.
+
+    The engine's SliceGrad (1.19.2) fails on a negative step (``narrowing_error``; the
+    TorchScript frontend runs ``flip`` in PyTorch, ``aten/gradient_gaps.py``); Gather's
+    gradient scatters back. Steps, starts, ends and axes must be constants (torch_lib's are);
+    otherwise the Slice stays and the engine's error names it.
+    """
+    graph = model.graph
+    slices = [n for n in graph.node if _is_default(n, "Slice") and len(n.input) > 4]
+    if not slices:
+        return
+    values = onnx_graph.constant_values(graph)
+    types = _elem_types(model)
+    h = onnx.helper
+    i64 = onnx.TensorProto.INT64
+
+    def const(name: str, value: list[int]) -> onnx.NodeProto:
+        return h.make_node("Constant", [], [name], value=h.make_tensor(name, i64, [], value))
+
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        found = [values.get(i) for i in node.input[1:5]] if node in slices else [None]
+        parts = [p for p in found if p is not None]
+        if len(parts) != 4 or not any(int(v) < 0 for v in parts[3].ravel()):
+            new_nodes.append(node)
+            continue
+        if types.get(node.input[0], onnx.TensorProto.FLOAT) not in onnx_graph.FLOAT_TYPES:
+            new_nodes.append(node)  # no gradient: the engine's Slice kernel is right
+            continue
+        starts, ends, axes, steps = (p.ravel().tolist() for p in parts)
+        tag = f"{node.name or 'Slice'}_{index}"
+        x, out = node.input[0], node.output[0]
+        forward = [k for k, step in enumerate(steps) if step > 0]
+        if forward:
+            kept = f"{tag}_forward"
+            for j, name in enumerate(("starts", "ends", "axes", "steps")):
+                vals = [(starts, ends, axes, steps)[j][k] for k in forward]
+                new_nodes.append(
+                    h.make_node(
+                        "Constant",
+                        [],
+                        [f"{tag}_{name}"],
+                        value=h.make_tensor(f"{tag}_{name}", i64, [len(vals)], vals),
+                    )
+                )
+            new_nodes.append(
+                h.make_node(
+                    "Slice",
+                    [x, *(f"{tag}_{n}" for n in ("starts", "ends", "axes", "steps"))],
+                    [kept],
+                    name=node.name,
+                )
+            )
+            x = kept
+        backward = [k for k, step in enumerate(steps) if step < 0]
+        new_nodes += [h.make_node("Shape", [x], [f"{tag}_shape"])]
+        for n, k in enumerate(backward):
+            t = f"{tag}_axis{n}"
+            dim = f"{t}_dim"
+            new_nodes += [
+                const(f"{t}_axis", [axes[k]]),
+                h.make_node("Gather", [f"{tag}_shape", f"{t}_axis"], [dim], axis=0),
+                const(f"{t}_zero", [0]),
+                const(f"{t}_minus_one", [-1]),
+                h.make_node("Add", [dim, f"{t}_minus_one"], [f"{t}_last"]),
+            ]
+            # ONNX Slice, negative step: a negative start/end counts from the end, then the
+            # start is clamped to [0, dim - 1] and the end to [-1, dim - 1]
+            for which, value, low in (("start", starts[k], "zero"), ("end", ends[k], "minus_one")):
+                v = f"{t}_{which}"
+                if which == "end" and value <= -(2**62):
+                    new_nodes.append(const(f"{t}_end_clamped", [-1]))  # torch_lib's INT64_MIN
+                    continue
+                new_nodes.append(const(v, [value]))
+                if value < 0:
+                    new_nodes.append(h.make_node("Add", [v, dim], [f"{v}_from_end"]))
+                    v = f"{v}_from_end"
+                new_nodes += [
+                    h.make_node("Min", [v, f"{t}_last"], [f"{v}_low"]),
+                    h.make_node("Max", [f"{v}_low", f"{t}_{low}"], [f"{t}_{which}_clamped"]),
+                ]
+            # indices start + step * [0, count): not Range(start, end, step) itself, which the
+            # engine's optimizer (GatherToSlice fusion) turns back into a Slice, wrongly
+            stride = -steps[k]
+            new_nodes += [
+                h.make_node("Sub", [f"{t}_start_clamped", f"{t}_end_clamped"], [f"{t}_span"]),
+                h.make_node("Max", [f"{t}_span", f"{t}_zero"], [f"{t}_length"]),
+                const(f"{t}_round", [stride - 1]),
+                const(f"{t}_stride", [stride]),
+                h.make_node("Add", [f"{t}_length", f"{t}_round"], [f"{t}_rounded"]),
+                h.make_node("Div", [f"{t}_rounded", f"{t}_stride"], [f"{t}_count"]),
+                const(f"{t}_one", [1]),
+                h.make_node("Range", [f"{t}_zero", f"{t}_count", f"{t}_one"], [f"{t}_steps"]),
+                h.make_node("Mul", [f"{t}_steps", f"{t}_stride"], [f"{t}_offsets"]),
+                h.make_node("Sub", [f"{t}_start_clamped", f"{t}_offsets"], [f"{t}_indices"]),
+                h.make_node(
+                    "Gather",
+                    [x, f"{t}_indices"],
+                    [out if n == len(backward) - 1 else f"{t}_out"],
+                    axis=axes[k],
+                ),
+            ]
+            x = f"{t}_out"
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _l2_norms_by_sums(model: onnx.ModelProto) -> None:
+    """``ReduceL2(x)`` -> ``Where(s == 0, 0, Sqrt(Where(s == 0, 1, s)))``, ``s`` the
+    ``ReduceSum`` of ``x * x`` (same axes and keepdims).
+
+    The engine's ReduceL2 gradient graph (1.19.2) leaves a value untyped and the build fails
+    ("does not have type information set by parent node"; ``dist``, ``norm``; the TorchScript
+    frontend runs it in PyTorch, ``aten/gradient_gaps.py``). The ``Where`` pair gives a zero
+    norm the gradient 0, as PyTorch's norm backward does, where ``Sqrt``'s would be NaN.
+    """
+    graph = model.graph
+    if not any(_is_default(n, "ReduceL2") for n in graph.node):
+        return
+    types = _elem_types(model)
+    if any(_is_default(n, "ReduceL2") and n.input[0] not in types for n in graph.node):
+        types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        dtype = types.get(node.input[0], 0) if _is_default(node, "ReduceL2") else 0
+        if not dtype:
+            new_nodes.append(node)
+            continue
+        tag = f"{node.name or 'ReduceL2'}_{index}"
+        x, out = node.input[0], node.output[0]
+        node.op_type = "ReduceSum"
+        node.input[0] = f"{tag}_squares"
+        node.output[0] = sums = f"{tag}_sums"
+        zero, one = f"{tag}_zero", f"{tag}_one"
+        new_nodes += [
+            h.make_node("Mul", [x, x], [f"{tag}_squares"]),
+            node,
+            h.make_node("Constant", [], [zero], value=h.make_tensor(zero, dtype, [], [0.0])),
+            h.make_node("Constant", [], [one], value=h.make_tensor(one, dtype, [], [1.0])),
+            h.make_node("Equal", [sums, zero], [f"{tag}_is_zero"]),
+            h.make_node("Where", [f"{tag}_is_zero", one, sums], [f"{tag}_safe"]),
+            h.make_node("Sqrt", [f"{tag}_safe"], [f"{tag}_root"]),
+            h.make_node("Where", [f"{tag}_is_zero", zero, f"{tag}_root"], [out]),
+        ]
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+#: elementwise ops whose inputs share one type in ONNX
+_SAME_TYPE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Min", "Max"})
+
+
+def _integer_operands_as_float(model: onnx.ModelProto) -> None:
+    """An integer operand of ``Add``/``Sub``/``Mul``/``Div``/``Min``/``Max`` whose other operand is
+    float: cast to that float type, PyTorch's promotion.
+
+    torch_lib leaves some of ATen's mixed arithmetic as it is (``masked.std`` divides a float sum
+    by an int64 count: ``Div(float, int64)``), which ONNX does not allow; the engine refuses the
+    graph ("Type parameter (T) of Optype (Div) bound to different types").
+    """
+    graph = model.graph
+    ops = [n for n in graph.node if _is_default(n, *_SAME_TYPE_OPS) and len(n.input) == 2]
+    if not ops:
+        return
+    types = _elem_types(model)
+    if any(i not in types for n in ops for i in n.input):
+        types.update(_elem_types(onnx.shape_inference.infer_shapes(model)))
+    floats = onnx_graph.FLOAT_TYPES
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        kinds = [types.get(i, 0) for i in node.input] if node in ops else []
+        float_type = next((k for k in kinds if k in floats), 0)
+        if float_type and all(kinds):
+            for slot, kind in enumerate(kinds):
+                if kind not in floats:
+                    cast = f"{node.name or node.op_type}_{index}_as_float{slot}"
+                    new_nodes.append(
+                        onnx.helper.make_node("Cast", [node.input[slot]], [cast], to=float_type)
+                    )
+                    node.input[slot] = cast
+        new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)

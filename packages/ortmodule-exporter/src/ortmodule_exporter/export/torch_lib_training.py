@@ -181,14 +181,70 @@ def _gelu() -> Any:
     return gelu
 
 
+def _clamps_by_tensor(opset: int) -> tuple[Any, Any, Any]:
+    """``clamp_min`` / ``clamp_max`` / ``clamp`` by tensors as ``Where``.
+
+    torch_lib writes ``Max`` / ``Min`` (or ``Clip`` for a 0-d bound): the engine's Min/Max
+    gradient splits a tie between the input and the bound (``x == t``: half each), PyTorch's
+    clamp gives it all to the input; its Clip gradient has none for the bound (the build
+    fails). ``Where(x <= t, x, t)`` gives the bound the gradient where it was chosen and the
+    input the rest, as PyTorch's clamp backward does.
+    """
+    import onnxscript  # noqa: PLC0415 - optional: only this frontend needs it
+
+    op = onnxscript.values.Opset("", opset)
+
+    def clamp_min(self: Any, min: Any) -> Any:
+        bound = op.CastLike(min, self)
+        return op.Where(op.GreaterOrEqual(self, bound), self, bound)
+
+    def clamp_max(self: Any, max: Any) -> Any:
+        bound = op.CastLike(max, self)
+        return op.Where(op.LessOrEqual(self, bound), self, bound)
+
+    def clamp(self: Any, min: Any = None, max: Any = None) -> Any:
+        # (with two bounds, lower == upper and x below both, PyTorch gives no one the
+        # gradient and this the lower bound: the one tie left)
+        out = self
+        if min is not None:
+            out = clamp_min(out, min)
+        if max is not None:
+            out = clamp_max(out, max)
+        return out
+
+    return clamp_min, clamp_max, clamp
+
+
+def _refused(operator: str, why: str) -> Any:
+    """A translation that refuses ``operator``: torch_lib's lowering of it is wrong."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ExportError(
+            f"{operator} is not supported by ORTMODULE_EXPORTER=torch_export: {why}; use the "
+            "torchscript frontend (unset ORTMODULE_EXPORTER)"
+        )
+
+    return refuse
+
+
 def training_translations(opset: int) -> dict[Any, Any]:
     """ATen overload -> onnxscript function, for the ops whose torch_lib lowering is wrong in
     training or has no gradient in the engine."""
     split, split_with_sizes = _splits(opset)
+    clamp_min, clamp_max, clamp = _clamps_by_tensor(opset)
     aten = torch.ops.aten
     return {
         aten._native_batch_norm_legit_functional.default: _batch_norm_training(opset),
         aten.split.Tensor: split,
         aten.split_with_sizes.default: split_with_sizes,
         aten.gelu.default: _gelu(),
+        aten.clamp_min.Tensor: clamp_min,
+        aten.clamp_max.Tensor: clamp_max,
+        aten.clamp.Tensor: clamp,
+        # torch_lib writes exp(x**2) * (1 - erf(x)): 1 - erf(x) is 0 in float32 from x = 4
+        # on, where erfcx(x) is about 1 / (x sqrt(pi)) (0.06 at x = 9: ours was 0)
+        aten.special_erfcx.default: _refused(
+            "torch.special.erfcx",
+            "torch_lib's exp(x**2) * (1 - erf(x)) loses all precision for x > 3",
+        ),
     }

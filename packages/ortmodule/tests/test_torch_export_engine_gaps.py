@@ -1,0 +1,141 @@
+"""ORTMODULE_EXPORTER=torch_export on the engine's (1.19.2) kernel and gradient-builder bugs that
+``export/torch_export_fixes.py`` and ``export/torch_export_empty.py`` rewrite the graph around:
+each case trains (values, ``requires_grad`` and every input's gradient) as eager does. Fallback
+is disabled (conftest), so every step ran in the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from torch import nn
+
+from ortmodule import DebugOptions, ORTModule
+
+pytest.importorskip("onnxscript")
+
+TORCH_EXPORT = DebugOptions(exporter="torch_export")
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.fn(*xs)
+
+
+def _same_as_eager(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    """``fn(*inputs)`` and the gradient of a weighted sum of it, eager against the engine."""
+    eager_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    ort_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    want = fn(*eager_in)
+    got = ORTModule(_Fn(fn), TORCH_EXPORT)(*ort_in)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert got.requires_grad == want.requires_grad
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    for i, (o, e) in enumerate(zip(ort_in, eager_in, strict=True)):
+        if not e.requires_grad:
+            continue
+        assert o.grad is not None, f"input {i}: no gradient, eager's is {e.grad}"
+        torch.testing.assert_close(o.grad, e.grad, equal_nan=True, msg=f"grad of input {i}")
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape) + len(shape)))
+
+
+# -- zero-element tensors (torch_export_empty) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes"),
+    [
+        # a broadcasting gradient's ReduceSum of an empty gradient reduced every axis: {1,1,1}
+        # reshaped into the empty shape (OpInfo's mul, minimum, true_divide, ... empty samples)
+        (torch.mul, [(0, 1, 3), (0, 10, 3)]),
+        (torch.minimum, [(0, 1, 3), (0, 10, 3)]),
+        (lambda x: torch.log10(x.abs() + 1), [(1, 0, 3)]),
+        # a non-empty weight times an empty batch: its gradient is zeros, not none
+        (torch.mul, [(1, 10, 3), (0, 10, 3)]),
+        # Gemm over an empty inner dimension: the engine asserts K > 0
+        (lambda c, a, b: torch.addmm(c, a, b, beta=0.2, alpha=0.6), [(5, 10), (5, 0), (0, 10)]),
+        # MatMul over an empty inner dimension: uninitialised memory, not zeros
+        (lambda a, b: a @ b, [(5, 0), (0, 4)]),
+        # reductions of an empty tensor to a non-empty one
+        (lambda x: x.sum(1) + 1, [(3, 0)]),
+        (lambda x: x.mean(1), [(3, 0)]),
+        # LayerNormalizationGrad fails on an empty batch
+        (lambda x, w, b: nn.functional.layer_norm(x, (1,), w, b), [(0, 1), (1,), (1,)]),
+        # an empty batch through computed pads and Reshape targets (torch_lib's im2col): known
+        # empty only once the integer computations are folded
+        (lambda x: nn.functional.unfold(x, 2), [(0, 1, 5, 5)]),
+        # empty from a non-empty input, of symbolic dims: the slice's gradient is zeros
+        (lambda x: (x[:, :0] * 2).sum(1) + x[:, 0], [(4, 3)]),
+        # Concat's gradient (SplitTraining) loses an empty part's length
+        (lambda x, y: torch.cat([x, y * 2], 0), [(0, 3), (4, 3)]),
+    ],
+)
+def test_zero_element_tensors(
+    fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]]
+) -> None:
+    _same_as_eager(fn, [_randn(*s) for s in shapes])
+
+
+# -- gradient builders (torch_export_fixes) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes"),
+    [
+        # clamp by a tensor: the engine's Clip gradient has none for the bound (the build
+        # failed), its Min/Max gradient splits ties; torch_lib_training writes Where
+        (torch.clamp_max, [(4, 5), (4, 5)]),
+        (torch.clamp_min, [(4, 5), (5,)]),
+        (lambda x, t: torch.clamp(x, min=torch.tensor(-0.5), max=t), [(4, 5), (4, 5)]),
+        (lambda x, t: torch.clamp(x, min=t, max=torch.tensor(0.5)), [(4, 5), ()]),
+        # an integer exponent: the Pow gradient's Sub mixed int64 and float
+        (lambda x: torch.pow(x, torch.tensor(3)), [(6,)]),
+        # TopK of a 0-d tensor: refused by the engine's shape inference
+        (lambda x: torch.topk(x, 1).values * 2, [()]),
+        # a float sum divided by an int64 count, as torch_lib writes it: Div(float, int64)
+        (lambda x: torch.masked.std(x), [(3, 4)]),
+        # ReduceL2's gradient graph leaves a value untyped (the build failed)
+        (lambda x, y: torch.dist(x, y), [(5, 4), (5, 4)]),
+        (lambda x: torch.linalg.vector_norm(x, dim=1, keepdim=True) * x, [(3, 4)]),
+        # flip (Slice with a negative step): SliceGrad's narrowing_error
+        (lambda x: torch.flip(x, (0, 1, 2)) * torch.arange(60.0).view(5, 4, 3), [(5, 4, 3)]),
+        (lambda x: torch.flip(x[1:, :3], (-1,)) * 2, [(5, 4, 3)]),
+    ],
+)
+def test_gradient_builder_gaps(
+    fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]]
+) -> None:
+    _same_as_eager(fn, [_randn(*s) for s in shapes])
+
+
+def test_clamp_ties_go_to_the_input() -> None:
+    """Where the input equals the bound, PyTorch's clamp gives the input the gradient."""
+    x = torch.tensor([1.0, 2.0, 3.0])
+    _same_as_eager(torch.clamp_max, [x, torch.tensor([2.0, 2.0, 2.0])])
+    _same_as_eager(torch.clamp_min, [x, torch.tensor([2.0, 2.0, 2.0])])
+
+
+def test_erfcx_is_refused_not_wrong() -> None:
+    """torch_lib's erfcx is exp(x**2) * (1 - erf(x)): 0 for x = 9, eager 0.0623."""
+    model = ORTModule(_Fn(torch.special.erfcx), TORCH_EXPORT)
+    with pytest.raises(
+        Exception, match="erfcx is not supported by ORTMODULE_EXPORTER=torch_export"
+    ):
+        model(torch.tensor([1.0, 9.0], requires_grad=True))
+
+
+def test_norm_of_zeros_has_a_zero_gradient() -> None:
+    """PyTorch's norm backward masks a zero norm (gradient 0, not Sqrt's NaN)."""
+    x = torch.zeros(2, 3)
+    x[1] = torch.tensor([3.0, 4.0, 0.0])
+    _same_as_eager(lambda t: torch.linalg.vector_norm(t, dim=1), [x])
