@@ -216,7 +216,9 @@ def _clamps_by_tensor(opset: int) -> tuple[Any, Any, Any]:
 
 
 def _refused(operator: str, why: str) -> Any:
-    """A translation that refuses ``operator``: torch_lib's lowering of it is wrong."""
+    """A translation that refuses ``operator``, whose torch_lib lowering is wrong: the ATen route
+    (``torch_export_aten``) takes an operator whose translation fails to PyTorch, and where it
+    cannot, this error is what the user sees."""
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise ExportError(
