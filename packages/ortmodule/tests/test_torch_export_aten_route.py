@@ -139,3 +139,33 @@ def test_custom_operator_trains_with_its_registered_autograd() -> None:
     assert compiled is not None
     graph = compiled.built.exported.model.graph
     assert any(n.op_type in ("ATen", "PythonOp") for n in graph.node)
+
+
+class _ZeroGateRouter(nn.Module):
+    """A Mixture-of-Experts router with a zero-initialized gate (AFMoE's): every expert scores
+    the same, and which ones topk picks among the ties decides where each token goes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 6, bias=False)
+        nn.init.zeros_(self.gate.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(self.gate(x))
+        top, picked = torch.topk(scores, k=2, dim=1)
+        return top / top.sum(-1, keepdim=True) * x[:, picked[0]].sum(), picked
+
+
+def test_topk_breaks_ties_as_eager() -> None:
+    """ONNX TopK puts the lower index first among equal values, PyTorch's CPU kernel does not
+    (indices [2, 3] of four equal scores): PyTorch runs topk."""
+    model = _ZeroGateRouter()
+    wrapped = ORTModule(_ZeroGateRouter(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    x = torch.randn(5, 8)
+    (want, want_picked), (got, got_picked) = model(x), wrapped(x)
+    assert torch.equal(got_picked, want_picked)
+    torch.testing.assert_close(got, want)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(wrapped.gate.weight.grad, model.gate.weight.grad)

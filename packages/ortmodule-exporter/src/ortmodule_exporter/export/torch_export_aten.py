@@ -67,6 +67,17 @@ _REWRITTEN_AFTER_TRANSLATION = frozenset({"CastLike"})
 
 _LOCK = threading.Lock()
 
+#: operators whose ONNX translation is right but picks otherwise than PyTorch where the result
+#: is not unique, and the pick decides what follows: PyTorch runs them (the TorchScript
+#: frontend's answer for topk is ``aten/topk.py``)
+_PYTORCH_PICKS: dict[Any, str] = {
+    # ONNX TopK puts the lower index first among equal values, PyTorch's CPU kernel does not
+    # (``torch.topk(torch.full((4,), 0.5), 2)``: indices [2, 3]); a router with a zero gate
+    # (AFMoE) scores every expert the same, and the engine sent tokens to other experts than
+    # eager did (the first loss 4.8314 against 4.8422)
+    torch.ops.aten.topk.default: "PyTorch breaks ties as eager does (ONNX TopK: lower index first)",
+}
+
 
 @dataclass
 class AtenRoute:
@@ -176,6 +187,9 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
         )
         if _canonical(target) in route.whole and writer.write(graph_like):
             route.routed.append(f"{_label(target)}: no translation, its decomposition fails")
+            return
+        if _canonical(target) in _PYTORCH_PICKS and writer.write(graph_like):
+            route.routed.append(f"{_label(target)}: {_PYTORCH_PICKS[_canonical(target)]}")
             return
         captured = _Captured()
         # the lowering keeps the Constant nodes it writes for Python values in this cache, for
