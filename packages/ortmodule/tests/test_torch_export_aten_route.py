@@ -169,3 +169,23 @@ def test_topk_breaks_ties_as_eager() -> None:
     want.sum().backward()
     got.sum().backward()
     torch.testing.assert_close(wrapped.gate.weight.grad, model.gate.weight.grad)
+
+
+@torch.library.custom_op("ortmodule_test::scaled_in", mutates_args=())
+def _scaled_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    assert isinstance(dtype, torch.dtype), dtype  # a dtype, not its scalar-type code
+    return (x.to(dtype) * 3).to(x.dtype)
+
+
+@_scaled_in.register_fake
+def _scaled_in_fake(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_scaled_in.register_autograd(lambda ctx, grad: (grad * 3, None))
+
+
+def test_custom_operator_gets_its_dtype_argument_as_a_dtype() -> None:
+    """A ScalarType argument of a custom operator has the JIT type int: the executor reads it by
+    its real type (OpInfo's linear_cross_entropy chunked_none passes acc_dtype)."""
+    _trains_as_eager(lambda t: _scaled_in(t, torch.float64))

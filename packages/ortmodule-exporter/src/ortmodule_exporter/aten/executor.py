@@ -200,7 +200,9 @@ def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenO
     op = getattr(packet, chosen)
     args = []
     for a in op._schema.arguments:
-        kind, optional = _kind(a.type)
+        # a custom operator's ScalarType argument has the JIT type int (its real type says
+        # ScalarType): read it as a dtype, which its Python kernel expects (aten's take the int)
+        kind, optional = _kind(a.type if namespace == "aten" else a.real_type)
         has_default = a.has_default_value()
         default = a.default_value if has_default else None
         args.append(_Arg(a.name, kind, optional, has_default, default, bool(a.kwarg_only)))
