@@ -357,9 +357,13 @@ def test_executor_reads_every_argument_kind() -> None:
     assert aten_executor.is_tensor_argument("embedding", "", 0, False)
 
 
-def test_executor_runs_aten_operators_only() -> None:
-    with pytest.raises(UnsupportedAtenOperatorError, match="only aten"):
+def test_executor_runs_registered_operators_only() -> None:
+    """aten operators and registered custom ones (``ns::op``, looked up in ``torch.ops``:
+    nothing is imported by name); never TorchScript's or the decompositions' primitives."""
+    with pytest.raises(UnsupportedAtenOperatorError, match="no operator os::system"):
         aten_executor.execute("os::system", "", [None])
+    with pytest.raises(UnsupportedAtenOperatorError, match="only aten:: and custom"):
+        aten_executor.execute("prims::add", "", [None, None])
     with pytest.raises(UnsupportedAtenOperatorError, match="no operator"):
         aten_executor.execute("no_such_operator_anywhere", "", [])
     with pytest.raises(ValueError):

@@ -81,3 +81,111 @@ def test_constants_of_a_dropped_lowering_are_not_reused() -> None:
     a later node must not read a constant no longer in the graph (a SerdeError at
     serialization: bamba and falcon_h1 hit it)."""
     _trains_as_eager(lambda t: torch.cumsum(t, 1)[:, 1] * t.select(1, 1))
+
+
+# A torch.library custom operator with a registered autograd whose backward is not the
+# derivative of its forward (round, straight-through): torch.export keeps it as one node, which
+# the translator cannot lower; the engine must run it and its registered backward in PyTorch.
+@torch.library.custom_op("ortmodule_test::round_ste", mutates_args=())
+def _round_ste(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.round(x * scale) / scale
+
+
+@_round_ste.register_fake
+def _round_ste_fake(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _round_ste_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return grad * 0.5, None
+
+
+_round_ste.register_autograd(_round_ste_backward)
+
+
+class _CustomOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.weight = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(_round_ste(x * self.weight, 4.0)) * 1.5
+
+
+def test_custom_operator_trains_with_its_registered_autograd() -> None:
+    """Its autograd runs as the Function GeneratedBackwardFor_ortmodule_test_round_ste_default,
+    which the frontend used to refuse as a user's Function; the engine runs the operator, found
+    by its qualified name, and its registered backward (a half straight-through gradient: the
+    derivative of round would be zero)."""
+    model = _CustomOp()
+    wrapped = ORTModule(_CustomOp(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(3, 5, generator=gen, requires_grad=True)
+        y = x.detach().clone().requires_grad_(True)
+        want, got = model(x), wrapped(y)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(y.grad, x.grad, rtol=1e-4, atol=1e-5)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(
+            wrapped.get_parameter(name).grad, parameter.grad, rtol=1e-4, atol=1e-5
+        )
+    assert model.weight.grad is not None and model.weight.grad.abs().sum() > 0
+    compiled = wrapped._runner.transitions.current(True, True)
+    assert compiled is not None
+    graph = compiled.built.exported.model.graph
+    assert any(n.op_type in ("ATen", "PythonOp") for n in graph.node)
+
+
+class _ZeroGateRouter(nn.Module):
+    """A Mixture-of-Experts router with a zero-initialized gate (AFMoE's): every expert scores
+    the same, and which ones topk picks among the ties decides where each token goes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 6, bias=False)
+        nn.init.zeros_(self.gate.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(self.gate(x))
+        top, picked = torch.topk(scores, k=2, dim=1)
+        return top / top.sum(-1, keepdim=True) * x[:, picked[0]].sum(), picked
+
+
+def test_topk_breaks_ties_as_eager() -> None:
+    """ONNX TopK puts the lower index first among equal values, PyTorch's CPU kernel does not
+    (indices [2, 3] of four equal scores): PyTorch runs topk."""
+    model = _ZeroGateRouter()
+    wrapped = ORTModule(_ZeroGateRouter(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    x = torch.randn(5, 8)
+    (want, want_picked), (got, got_picked) = model(x), wrapped(x)
+    assert torch.equal(got_picked, want_picked)
+    torch.testing.assert_close(got, want)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(wrapped.gate.weight.grad, model.gate.weight.grad)
+
+
+@torch.library.custom_op("ortmodule_test::scaled_in", mutates_args=())
+def _scaled_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    assert isinstance(dtype, torch.dtype), dtype  # a dtype, not its scalar-type code
+    return (x.to(dtype) * 3).to(x.dtype)
+
+
+@_scaled_in.register_fake
+def _scaled_in_fake(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_scaled_in.register_autograd(lambda ctx, grad: (grad * 3, None))
+
+
+def test_custom_operator_gets_its_dtype_argument_as_a_dtype() -> None:
+    """A ScalarType argument of a custom operator has the JIT type int: the executor reads it by
+    its real type (OpInfo's linear_cross_entropy chunked_none passes acc_dtype)."""
+    _trains_as_eager(lambda t: _scaled_in(t, torch.float64))

@@ -18,7 +18,10 @@ tensors; the operator's schema says how to read each one back.
 
 Besides ``aten::`` operators the executor runs a few of our own (:func:`register_aten_function`),
 such as the generic backward ``_ortmodule_vjp`` used for operators without a gradient formula.
-Nothing is ever imported by name: ``aten::`` names resolve in ``torch.ops.aten`` only.
+Custom operators (``torch.library.custom_op``, named ``ns::op``: the ``torch_export``
+frontend's ATen route writes them) run too, and train through their registered autograd.
+Nothing is ever imported by name: a name resolves in ``torch.ops`` among the operators this
+process registered.
 """
 
 from __future__ import annotations
@@ -145,20 +148,31 @@ def _kind(jit_type: Any) -> tuple[str, bool]:
     return names.get(kind, "other"), optional
 
 
+#: namespaces of PyTorch's own operators: ``aten`` runs; ``prim``/``prims`` (TorchScript's and
+#: the decompositions' primitives) never name an ATen node
+_BUILTIN_NAMESPACES = frozenset({"aten", "prim", "prims"})
+
+
 @functools.lru_cache(maxsize=1024)
 def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenOperator:
-    """Resolve ``aten::op_name.overload_name``. An empty overload name (what the exporter
+    """Resolve ``aten::op_name.overload_name`` (``op_name`` without a namespace is aten's), or
+    ``ns::op_name.overload_name``, a custom operator (``torch.library.custom_op``) that is
+    registered in this process: ``torch.ops.<ns>`` holds only registered operators, so nothing
+    is imported by name. An empty overload name (what the exporter
     writes when it does not know it) picks ``default`` when it takes ``n_inputs`` arguments,
     else the overload that does (``Tensor`` first, then ``Scalar``; ``out`` variants aside)."""
     namespace, _, name = op_name.rpartition("::")
-    if namespace not in ("", "aten"):
+    namespace = namespace or "aten"
+    if namespace in _BUILTIN_NAMESPACES - {"aten"}:
         raise UnsupportedAtenOperatorError(
-            f"ATen node names {op_name!r}; only aten:: operators run"
+            f"ATen node names {op_name!r}; only aten:: and custom operators run"
         )
     try:
-        packet = getattr(torch.ops.aten, name)
+        packet = getattr(getattr(torch.ops, namespace), name)
     except (AttributeError, RuntimeError):
-        raise UnsupportedAtenOperatorError(f"PyTorch has no operator aten::{name}") from None
+        raise UnsupportedAtenOperatorError(f"PyTorch has no operator {namespace}::{name}") from None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise UnsupportedAtenOperatorError(f"{namespace}::{name} is not an operator")
     overloads = list(packet.overloads())
 
     def takes(o: str) -> bool:
@@ -167,7 +181,7 @@ def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenO
     if overload_name:
         if overload_name not in overloads:
             raise UnsupportedAtenOperatorError(
-                f"aten::{name} has no overload {overload_name!r} ({overloads})"
+                f"{namespace}::{name} has no overload {overload_name!r} ({overloads})"
             )
         chosen = overload_name
     elif "default" in overloads and takes("default"):
@@ -178,7 +192,7 @@ def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenO
         ]
         if not fitting:
             raise UnsupportedAtenOperatorError(
-                f"aten::{name}: no overload takes {n_inputs} arguments (it has {overloads})"
+                f"{namespace}::{name}: no overload takes {n_inputs} arguments (it has {overloads})"
             )
         # scalars reach the executor as tensors: a Tensor overload takes them as they are
         fitting.sort(key=lambda o: (o != "Tensor", o != "Scalar", o))
@@ -186,7 +200,9 @@ def aten_operator(op_name: str, overload_name: str, n_inputs: int = -1) -> AtenO
     op = getattr(packet, chosen)
     args = []
     for a in op._schema.arguments:
-        kind, optional = _kind(a.type)
+        # a custom operator's ScalarType argument has the JIT type int (its real type says
+        # ScalarType): read it as a dtype, which its Python kernel expects (aten's take the int)
+        kind, optional = _kind(a.type if namespace == "aten" else a.real_type)
         has_default = a.has_default_value()
         default = a.default_value if has_default else None
         args.append(_Arg(a.name, kind, optional, has_default, default, bool(a.kwarg_only)))

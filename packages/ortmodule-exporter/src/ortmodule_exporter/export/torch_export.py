@@ -168,6 +168,36 @@ def _recording_functions(seen: list[str]) -> Iterator[None]:
         function.apply = original  # type: ignore[method-assign]
 
 
+def _custom_operator_functions(program: torch.export.ExportedProgram) -> set[str]:
+    """The Functions that are the autograd of custom operators the graph holds as nodes.
+
+    A custom operator's registered autograd (``torch.library.custom_op`` +
+    ``register_autograd``) runs as the Function ``torch._library.autograd.
+    GeneratedBackwardFor_<namespace>_<name>_<overload>``. Unlike a user's Function, torch.export
+    keeps the operator as one node (its OpOverload), which the ATen route hands to PyTorch with
+    its autograd: nothing is inlined, so the backward is kept. Only the operators found as
+    nodes count: one whose forward was traced through (its Function applied, no node of it)
+    stays refused."""
+    names: set[str] = set()
+    for module in program.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            target = node.target
+            if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+                names.add(
+                    f"{_GENERATED_BACKWARD}{target.namespace}_"
+                    f"{target._opname}_{target._overloadname}"
+                )
+    return names
+
+
+#: how torch names the Function of a custom operator's registered autograd
+#: (``torch._library.autograd.make_autograd_impl``)
+_GENERATED_BACKWARD = "torch._library.autograd.GeneratedBackwardFor_"
+
+
 def _dynamic_shapes(tensors: Sequence[torch.Tensor], static_shapes: bool) -> Any:
     if static_shapes:
         return None
@@ -231,7 +261,8 @@ def export_program(
             f"{_first_lines(str(err))}{hint}",
             module_path=where,
         ) from err
-    functions = [f for f in flat.functions if f not in _INLINE_SAFE_FUNCTIONS]
+    kept = _custom_operator_functions(program)
+    functions = [f for f in flat.functions if f not in _INLINE_SAFE_FUNCTIONS and f not in kept]
     if functions:
         raise ExportError(
             f"{where} applies the custom autograd.Function {', '.join(functions)}: torch.export "

@@ -5,7 +5,9 @@ nodes that PyTorch runs and differentiates inside the engine.
 The decision is the TorchScript frontend's (:mod:`ortmodule_exporter.aten.untrainable`), taken
 at the same place: that frontend wraps torch's per-node symbolic dispatch, this one wraps the
 dynamo translator's per-node lowering (``_core._handle_call_function_node_with_lowering``).
-For each ``aten`` operator node of the ExportedProgram:
+For each ``aten`` operator node of the ExportedProgram, and each custom operator's
+(``torch.library.custom_op``, which torch.export keeps as one node and the translator has no
+translation for: PyTorch runs it and differentiates it with its registered autograd):
 
 * its translation fails (torch_lib has none for it, or raises on its arguments): the node is an
   ATen node;
@@ -64,6 +66,17 @@ T = TypeVar("T")
 _REWRITTEN_AFTER_TRANSLATION = frozenset({"CastLike"})
 
 _LOCK = threading.Lock()
+
+#: operators whose ONNX translation is right but picks otherwise than PyTorch where the result
+#: is not unique, and the pick decides what follows: PyTorch runs them (the TorchScript
+#: frontend's answer for topk is ``aten/topk.py``)
+_PYTORCH_PICKS: dict[Any, str] = {
+    # ONNX TopK puts the lower index first among equal values, PyTorch's CPU kernel does not
+    # (``torch.topk(torch.full((4,), 0.5), 2)``: indices [2, 3]); a router with a zero gate
+    # (AFMoE) scores every expert the same, and the engine sent tokens to other experts than
+    # eager did (the first loss 4.8314 against 4.8422)
+    torch.ops.aten.topk.default: "PyTorch breaks ties as eager does (ONNX TopK: lower index first)",
+}
 
 
 @dataclass
@@ -166,7 +179,7 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
         **rest: Any,
     ) -> None:
         target = node.target
-        if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        if not _routable(target):
             original(model, node, node_name_to_values, graph_like=graph_like, **rest)
             return
         writer = _AtenWriter(
@@ -174,6 +187,9 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
         )
         if _canonical(target) in route.whole and writer.write(graph_like):
             route.routed.append(f"{_label(target)}: no translation, its decomposition fails")
+            return
+        if _canonical(target) in _PYTORCH_PICKS and writer.write(graph_like):
+            route.routed.append(f"{_label(target)}: {_PYTORCH_PICKS[_canonical(target)]}")
             return
         captured = _Captured()
         # the lowering keeps the Constant nodes it writes for Python values in this cache, for
@@ -244,8 +260,29 @@ def _canonical(target: Any) -> Any:
     return getattr(packet, target._overloadname, None) if packet is not None else None
 
 
+def _routable(target: Any) -> bool:
+    """Whether an FX node calling ``target`` may take the route: an ``aten`` operator, or a
+    custom one (``torch.library.custom_op``: torch.export keeps it as one node, which the
+    translator has no translation for; PyTorch runs it and its registered autograd)."""
+    return isinstance(target, torch._ops.OpOverload) and (
+        target.namespace == "aten" or _custom(target)
+    )
+
+
+def _custom(target: torch._ops.OpOverload) -> bool:
+    # (``torch._library.utils.is_builtin``'s test, which is private)
+    return target.namespace not in ("aten", "prim", "prims")
+
+
+def _operator_name(target: torch._ops.OpOverload) -> str:
+    """The ATen node's ``operator``: aten's without its namespace (as the TorchScript route
+    writes it), a custom operator's qualified (``ns::name``, which the executor looks up)."""
+    name = str(target._schema.name)
+    return name if _custom(target) else name.split("::")[-1]
+
+
 def _label(target: Any) -> str:
-    return f"aten::{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    return f"{target._schema.name}.{target._overloadname}"
 
 
 def _runnable(target: Any) -> bool:
@@ -382,7 +419,7 @@ class _AtenWriter:
             ATEN_DOMAIN,
             "ATen",
             inputs,
-            [ir.AttrString("operator", op.op._schema.name.split("::")[-1]),
+            [ir.AttrString("operator", _operator_name(op.op)),
              ir.AttrString("overload_name", op.overload)],
             num_outputs=count,
         )  # fmt: skip
