@@ -134,13 +134,15 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "torchscript or torch_export (any case)",
         _EXPORTER,
         "Which frontend writes the ONNX graph: torchscript, PyTorch's TorchScript exporter "
-        "(torch.onnx.export dynamo=False); torch_export (experimental, with known wrong "
-        "results on some programs, docs/frontends.md; warns once; needs onnxscript), "
+        "(torch.onnx.export dynamo=False); torch_export (experimental: trains fewer "
+        "programs than the default, docs/frontends.md; warns once; needs onnxscript), "
         "torch.export (non-strict, every input dim dynamic) lowered by the dynamo ONNX "
         "translator, at opset 18 or ORTMODULE_ONNX_OPSET_VERSION if higher: a branch on a "
         "tensor's value is an export error instead of a guard, in-place writes are "
-        "functionalized, no shape is baked in. Not yet with custom autograd.Functions "
-        "(an export error) or the ATen routes and the kernel choice (an error when set) "
+        "functionalized, no shape is baked in; operators without a translation or an "
+        "engine gradient, and torch.library custom operators, run in PyTorch. Not yet with "
+        "user autograd.Functions (an export error) or the opt-in ATen routes and the kernel "
+        "choice (an error when set) "
         "(docs/architecture.md, The torch_export frontend).",
         "torch_export",
         debug_field="exporter",
