@@ -43,19 +43,24 @@ NO_TRANSLATION = {
 }
 
 
-def _trains_as_eager(op: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    model = _Op(op)
-    wrapped = ORTModule(_Op(op), TORCH_EXPORT)
-    wrapped.load_state_dict(model.state_dict())
+def _two_steps_as_eager(model: torch.nn.Module, wrapped: ORTModule, shape: tuple[int, ...]) -> None:
+    """Two steps of ``model`` and ``wrapped`` on the same inputs: outputs and input gradients."""
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
-        x = torch.randn(4, 5, generator=gen, requires_grad=True)
+        x = torch.randn(shape, generator=gen, requires_grad=True)
         y = x.detach().clone().requires_grad_(True)
         want, got = model(x), wrapped(y)
         want.square().sum().backward()
         got.square().sum().backward()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(y.grad, x.grad, rtol=1e-4, atol=1e-5)
+
+
+def _trains_as_eager(op: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    model = _Op(op)
+    wrapped = ORTModule(_Op(op), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    _two_steps_as_eager(model, wrapped, (4, 5))
     torch.testing.assert_close(wrapped.weight.grad, model.weight.grad, rtol=1e-4, atol=1e-5)
     assert wrapped._runner.config.export_config.frontend == "torch_export"  # type: ignore[union-attr]
     # PyTorch ran it inside the engine: an ATen node, or a PythonOp running it (AtenOp)
@@ -121,15 +126,7 @@ def test_custom_operator_trains_with_its_registered_autograd() -> None:
     model = _CustomOp()
     wrapped = ORTModule(_CustomOp(), TORCH_EXPORT)
     wrapped.load_state_dict(model.state_dict())
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        x = torch.randn(3, 5, generator=gen, requires_grad=True)
-        y = x.detach().clone().requires_grad_(True)
-        want, got = model(x), wrapped(y)
-        want.square().sum().backward()
-        got.square().sum().backward()
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(y.grad, x.grad, rtol=1e-4, atol=1e-5)
+    _two_steps_as_eager(model, wrapped, (3, 5))
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(
             wrapped.get_parameter(name).grad, parameter.grad, rtol=1e-4, atol=1e-5
