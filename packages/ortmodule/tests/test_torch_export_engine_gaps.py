@@ -110,6 +110,12 @@ def test_zero_element_tensors(
         # flip (Slice with a negative step): SliceGrad's narrowing_error
         (lambda x: torch.flip(x, (0, 1, 2)) * torch.arange(60.0).view(5, 4, 3), [(5, 4, 3)]),
         (lambda x: torch.flip(x[1:, :3], (-1,)) * 2, [(5, 4, 3)]),
+        # a Where branch broadcast by the condition: the engine's Where gradient keeps the
+        # output's shape, and the backward of what computed the branch failed (HF umt5's
+        # position bias). (PyTorch sums a module input's gradient to its shape itself.)
+        (lambda b: torch.where(torch.arange(3).view(3, 1, 1) % 2 == 0, b[None], -1.0), [(2, 4)]),
+        (lambda b: torch.where(torch.arange(4) < 3, -1.0, b[:, None]), [(2,)]),
+        (lambda a, b: torch.where(torch.arange(3)[:, None] > 0, a[None], b[:, None]), [(4,), (3,)]),
     ],
 )
 def test_gradient_builder_gaps(

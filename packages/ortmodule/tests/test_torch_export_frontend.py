@@ -430,3 +430,42 @@ def test_gelu_is_the_engines_fused_node(approximate: str, fused: str) -> None:
     assert compiled is not None
     ops = [n.op_type for n in compiled.built.model.graph.node]
     assert fused in ops and f"{fused}Grad" in ops and "Erf" not in ops and "Tanh" not in ops, ops
+
+
+class _MaskedAttention(nn.Module):
+    """Attention of a broadcast, masked bias; ``transpose(1, 2).contiguous().reshape``
+    afterwards, as Hugging Face's attention code writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.bias = nn.Parameter(
+            torch.randn(1, 2, 1, 1, generator=torch.Generator().manual_seed(0))
+        )
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q(x).view(b, -1, 2, 8).transpose(1, 2)
+        bias = torch.where(mask[:, None, None, :], self.bias, torch.finfo(x.dtype).min)
+        a = F.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+        return self.o(a.transpose(1, 2).contiguous().reshape(b, n, -1))
+
+
+def test_contiguous_then_reshape_after_attention() -> None:
+    """torch.onnx keeps ``contiguous`` through its decomposition, whose retrace gave it its
+    input's strides: the reshape after it became a view of a transposed tensor, which the
+    retrace refused ("Cannot view a tensor", HF umt5). The mask's Where broadcasts the bias
+    parameter, whose gradient the engine left in the output's shape."""
+    torch.manual_seed(0)
+    model = _MaskedAttention()
+    ref, wrapped = clone_model(model), ORTModule(clone_model(model), TORCH_EXPORT)
+    for step, n in enumerate((5, 7)):
+        x = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(step))
+        m = torch.ones(2, n, dtype=torch.bool)
+        m[0, 3:] = False
+        want, got = ref(x, m), wrapped(x, m)
+        torch.testing.assert_close(got, want, msg=f"step {step}")
+        want.square().sum().backward()
+        got.square().sum().backward()
+        for (name, p), q in zip(ref.named_parameters(), wrapped.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, msg=f"step {step}: grad of {name}")

@@ -198,6 +198,30 @@ def _custom_operator_functions(program: torch.export.ExportedProgram) -> set[str
 _GENERATED_BACKWARD = "torch._library.autograd.GeneratedBackwardFor_"
 
 
+def _contiguous_as_clones(program: torch.export.ExportedProgram) -> None:
+    """Every ``aten.contiguous`` of ``program`` becomes a contiguous ``aten.clone``, in place.
+
+    torch.export keeps ``contiguous`` (a composite operator) in the graph, and torch.onnx
+    keeps it through its decomposition, as it translates it (an Identity). Retraced there with
+    size-oblivious shapes, its fake output keeps its input's strides, so a following
+    ``reshape`` of a transposed tensor becomes a ``view`` that the retrace then refuses
+    ("Cannot view a tensor with shape ..."; HF umt5's attention output). A clone in contiguous
+    format holds the same values, is translated to the same Identity, and its fake output is
+    contiguous.
+    """
+    contiguous = torch.ops.aten.contiguous.default
+    changed = False
+    for node in program.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target is contiguous:
+            fmt = node.kwargs.get("memory_format", node.args[1] if len(node.args) > 1 else None)
+            node.target = torch.ops.aten.clone.default
+            node.args = node.args[:1]
+            node.kwargs = {"memory_format": fmt or torch.contiguous_format}
+            changed = True
+    if changed:
+        program.graph_module.recompile()
+
+
 def _dynamic_shapes(tensors: Sequence[torch.Tensor], static_shapes: bool) -> Any:
     if static_shapes:
         return None
@@ -261,6 +285,7 @@ def export_program(
             f"{_first_lines(str(err))}{hint}",
             module_path=where,
         ) from err
+    _contiguous_as_clones(program)
     kept = _custom_operator_functions(program)
     functions = [f for f in flat.functions if f not in _INLINE_SAFE_FUNCTIONS and f not in kept]
     if functions:

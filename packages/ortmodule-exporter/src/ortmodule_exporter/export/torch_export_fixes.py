@@ -33,6 +33,7 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     _layer_norm_bias(model)
     _layer_norm_centered(model)
     _max_pool_values_gathered(model)
+    _where_branches_expanded(model)
 
 
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -633,6 +634,80 @@ def _integer_operands_as_float(model: onnx.ModelProto) -> None:
                         onnx.helper.make_node("Cast", [node.input[slot]], [cast], to=float_type)
                     )
                     node.input[slot] = cast
+        new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+_FLOAT_TYPES = frozenset(
+    {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.BFLOAT16,
+        onnx.TensorProto.DOUBLE,
+    }
+)
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]]:
+    """Each typed value's shape: a dim's value, its symbol, or None where unknown."""
+    graph = model.graph
+    return {
+        vi.name: [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in vi.type.tensor_type.shape.dim
+        ]
+        for vi in (*graph.input, *graph.value_info, *graph.output)
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")
+    }
+
+
+def _where_branches_expanded(model: onnx.ModelProto) -> None:
+    """A float branch of ``Where`` that may be smaller than the output is expanded to it.
+
+    The engine's gradient of ``Where`` (1.19.2) is ``Where(cond, dY, 0)`` for each branch, in
+    the output's shape: it never sums back over the dims a branch was broadcast along. T5's
+    relative position bias ``(1, heads, q, k)`` under a ``(batch, 1, q, k)`` padding mask got
+    a ``(batch, heads, q, k)`` gradient, and the backward failed further up (HF umt5). An
+    ``Expand`` to the output's shape first gives the branch a gradient of its own shape
+    (``Expand``'s gradient reduces). A branch that is a constant, or whose known shape is the
+    output's without a dim of 1, is left as it is. The TorchScript frontend does the same in
+    its ``where`` symbolic (``symbolics/mask.py``).
+    """
+    graph = model.graph
+    if not any(n.op_type == "Where" for n in graph.node):
+        return
+    types = _elem_types(model)
+    shapes = _shapes(model)
+    constant = {init.name for init in graph.initializer}
+    constant.update(o for n in graph.node if n.op_type == "Constant" for o in n.output)
+
+    def smaller(branch: str, out: str) -> bool:
+        if not branch or branch in constant or types.get(branch) not in _FLOAT_TYPES:
+            return False
+        have, want = shapes.get(branch), shapes.get(out)
+        if have is None or want is None:
+            return True
+        return have != want or any(d is None or d == 1 for d in have)
+
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        branches = []
+        if node.op_type == "Where" and node.domain in ("", "ai.onnx"):
+            branches = [slot for slot in (1, 2) if smaller(node.input[slot], node.output[0])]
+        if not branches:
+            new_nodes.append(node)
+            continue
+        tag = f"{node.name or 'Where'}_{index}_expanded"
+        # the output's shape from a copy of the node: Shape has no gradient
+        new_nodes.append(onnx.helper.make_node("Where", list(node.input), [f"{tag}_probe"]))
+        new_nodes.append(onnx.helper.make_node("Shape", [f"{tag}_probe"], [f"{tag}_shape"]))
+        for slot in branches:
+            wide = f"{tag}_{slot}"
+            new_nodes.append(
+                onnx.helper.make_node("Expand", [node.input[slot], f"{tag}_shape"], [wide])
+            )
+            node.input[slot] = wide
         new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)
