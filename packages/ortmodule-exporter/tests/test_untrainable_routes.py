@@ -32,6 +32,16 @@ def test_the_engine_is_asked_which_operators_have_gradients() -> None:
     assert probed()["ai.onnx::CumSum"] is False
 
 
+def test_sequence_operators_have_no_engine_gradient() -> None:
+    """The engine's builder does not follow a sequence-typed edge (torch_lib writes a
+    ``split_with_sizes`` of computed sizes as SplitToSequence + SequenceAt: the split input was
+    "unreachable", HF jetmoe on torch_export). The probe reads a sequence output through
+    SequenceAt and counts that answer as a no."""
+    for op_type in ("SplitToSequence", "SequenceAt", "SequenceConstruct", "ConcatFromSequence"):
+        assert not engine_has_gradient(op_type), op_type
+    assert engine_has_gradient("Split")
+
+
 CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "cumsum": lambda h: torch.cumsum(h, dim=1),
     "atan": torch.atan,

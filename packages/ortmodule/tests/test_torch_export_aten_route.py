@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ortmodule import DebugOptions, ORTModule
@@ -186,3 +187,37 @@ def test_custom_operator_gets_its_dtype_argument_as_a_dtype() -> None:
     """A ScalarType argument of a custom operator has the JIT type int: the executor reads it by
     its real type (OpInfo's linear_cross_entropy chunked_none passes acc_dtype)."""
     _trains_as_eager(lambda t: _scaled_in(t, torch.float64))
+
+
+class _Experts(nn.Module):
+    """Tokens grouped by expert with sizes read from the data (HF jetmoe's routing): torch_lib
+    writes the split as SplitToSequence + SequenceAt, which the engine does not differentiate
+    through (the projection before it was "unreachable")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.pre = nn.Linear(4, 4)
+        self.weight = nn.Parameter(torch.randn(3, 4, 4, generator=gen))
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        gates = torch.zeros(x.shape[0], 3).scatter(1, expert[:, None], 1)
+        sizes = gates.long().sum(0).tolist()
+        _, order = expert.sort(0)
+        parts = self.pre(x)[order].split(sizes, 0)
+        out = torch.cat([F.linear(p, w) for p, w in zip(parts, self.weight, strict=True)], 0)
+        return torch.zeros_like(x).index_add(0, order, out)
+
+
+def test_split_of_sizes_from_the_data_takes_the_aten_route() -> None:
+    model = _Experts()
+    wrapped = ORTModule(_Experts(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    for step, expert in enumerate(([2, 0, 1, 2, 0, 2], [1, 1, 0, 2, 2, 2])):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+        want, got = model(x, torch.tensor(expert)), wrapped(x, torch.tensor(expert))
+        torch.testing.assert_close(got, want)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), wrapped.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, msg=f"step {step}: grad of {name}")

@@ -29,6 +29,7 @@ __all__ = ["engine_has_gradient", "engine_version", "probed"]
 logger = logging.getLogger("ortmodule.exporter")
 
 _NOT_REGISTERED = "gradient builder has not been registered"
+_UNREACHABLE = "unreachable from the output node(s)"
 _LOCK = threading.Lock()
 _ANSWERS: dict[tuple[str, str, str, int], bool] = {}
 #: ONNX types a probe input takes when its schema allows them, best first
@@ -65,14 +66,34 @@ def _elem(schema: onnx.defs.OpSchema, formal: onnx.defs.OpSchema.FormalParameter
     return onnx.TensorProto.FLOAT
 
 
+def _is_sequence(schema: onnx.defs.OpSchema, formal: onnx.defs.OpSchema.FormalParameter) -> bool:
+    """Whether ``formal`` takes only sequences (``seq(tensor(...))``)."""
+    allowed = [formal.type_str]
+    for constraint in schema.type_constraints:
+        if constraint.type_param_str == formal.type_str:
+            allowed = list(constraint.allowed_type_strs)
+    return all(t.startswith("seq(") for t in allowed)
+
+
 def _probe_model(op_type: str, domain: str, opset: int) -> tuple[onnx.ModelProto, list[str]]:
+    """A one-node model whose loss reads the node's first output; a sequence (the sequence
+    operators: torch_lib writes ``split_with_sizes`` as ``SplitToSequence`` + ``SequenceAt``)
+    is typed as one of float tensors and read through ``SequenceAt``, so that the engine is
+    asked about the operator itself rather than refusing a malformed model."""
     schema = onnx.defs.get_schema(op_type, opset, domain)
     inputs, names, float_inputs = [], [], []
     for i, formal in enumerate(schema.inputs):
         if formal.option == onnx.defs.OpSchema.FormalParameterOption.Optional:
             break
-        elem = _elem(schema, formal)
         name = f"x{i}"
+        if _is_sequence(schema, formal):
+            inputs.append(
+                onnx.helper.make_tensor_sequence_value_info(name, onnx.TensorProto.FLOAT, None)
+            )
+            names.append(name)
+            float_inputs.append(name)
+            continue
+        elem = _elem(schema, formal)
         inputs.append(onnx.helper.make_tensor_value_info(name, elem, None))
         names.append(name)
         if elem == onnx.TensorProto.FLOAT:
@@ -82,10 +103,16 @@ def _probe_model(op_type: str, domain: str, opset: int) -> tuple[onnx.ModelProto
         kind = int(getattr(a.type, "value", 0))  # a pybind enum; its stub has no int()
         if a.required and kind in _ATTR_DEFAULTS:
             attrs[name] = _ATTR_DEFAULTS[kind]
-    node = onnx.helper.make_node(op_type, names, ["y"], domain=domain, **attrs)
-    loss = onnx.helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)
+    nodes = [onnx.helper.make_node(op_type, names, ["y"], domain=domain, **attrs)]
+    if schema.outputs and _is_sequence(schema, schema.outputs[0]):
+        zero = onnx.helper.make_tensor("zero", onnx.TensorProto.INT64, [], [0])
+        nodes.append(onnx.helper.make_node("Constant", [], ["first"], value=zero))
+        nodes.append(onnx.helper.make_node("SequenceAt", ["y", "first"], ["y0"]))
+        nodes.append(onnx.helper.make_node("ReduceSum", ["y0"], ["loss"], keepdims=0))
+    else:
+        nodes.append(onnx.helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0))
     graph = onnx.helper.make_graph(
-        [node, loss],
+        nodes,
         "probe",
         inputs,
         [onnx.helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])],
@@ -123,8 +150,18 @@ def _probe(op_type: str, domain: str, opset: int) -> bool:
         builder.initialize(model.SerializeToString(), config)
         builder.build(transformer)
     except Exception as err:  # noqa: BLE001 - the engine's answer is in the message
-        return _NOT_REGISTERED not in str(err)
+        if _NOT_REGISTERED in str(err):
+            return False
+        # the builder does not follow a sequence-typed edge: through SplitToSequence the
+        # input is "unreachable from the output node(s)", which is a no as well
+        return not (_takes_sequences(model) and _UNREACHABLE in str(err))
     return True
+
+
+def _takes_sequences(model: onnx.ModelProto) -> bool:
+    return any(
+        vi.type.HasField("sequence_type") for vi in (*model.graph.input, *model.graph.value_info)
+    ) or any(n.op_type == "SequenceAt" for n in model.graph.node)
 
 
 def engine_has_gradient(op_type: str, domain: str = "", opset: int = 17) -> bool:
