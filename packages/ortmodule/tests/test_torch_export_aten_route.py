@@ -186,3 +186,19 @@ def test_custom_operator_gets_its_dtype_argument_as_a_dtype() -> None:
     """A ScalarType argument of a custom operator has the JIT type int: the executor reads it by
     its real type (OpInfo's linear_cross_entropy chunked_none passes acc_dtype)."""
     _trains_as_eager(lambda t: _scaled_in(t, torch.float64))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        # Pad mode=edge / reflect: the engine's Pad gradient is for constant mode only; the
+        # negative pad (a crop) on one side as in OpInfo's replicate_negative
+        lambda t: nn.functional.pad(t, (-2, 3), mode="replicate"),
+        lambda t: nn.functional.pad(t, (2, 3), mode="reflect"),
+    ],
+    ids=["replicate_negative", "reflect"],
+)
+def test_pad_in_a_mode_without_engine_gradient_takes_the_aten_route(
+    op: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    _trains_as_eager(op)
