@@ -221,3 +221,19 @@ def test_split_of_sizes_from_the_data_takes_the_aten_route() -> None:
         got.square().sum().backward()
         for (name, p), q in zip(model.named_parameters(), wrapped.parameters(), strict=True):
             torch.testing.assert_close(q.grad, p.grad, msg=f"step {step}: grad of {name}")
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        # Pad mode=edge / reflect: the engine's Pad gradient is for constant mode only; the
+        # negative pad (a crop) on one side as in OpInfo's replicate_negative
+        lambda t: nn.functional.pad(t, (-2, 3), mode="replicate"),
+        lambda t: nn.functional.pad(t, (2, 3), mode="reflect"),
+    ],
+    ids=["replicate_negative", "reflect"],
+)
+def test_pad_in_a_mode_without_engine_gradient_takes_the_aten_route(
+    op: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    _trains_as_eager(op)

@@ -142,3 +142,81 @@ def test_norm_of_zeros_has_a_zero_gradient() -> None:
     x = torch.zeros(2, 3)
     x[1] = torch.tensor([3.0, 4.0, 0.0])
     _same_as_eager(lambda t: torch.linalg.vector_norm(t, dim=1), [x])
+
+
+# -- outputs, 0-d reductions (torch_export_fixes, exporter) ----------------------------------
+
+
+def _outputs_same_as_eager(
+    fn: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequence[torch.Tensor]
+) -> None:
+    """``fn(*inputs)``, a tuple, and the gradient of a weighted sum of its float outputs, eager
+    against the engine: every output's value and ``requires_grad``, every input's gradient."""
+    eager_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    ort_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    want = fn(*eager_in)
+    got = ORTModule(_Fn(fn), TORCH_EXPORT)(*ort_in)
+    assert len(got) == len(want)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for i, (o, e) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(o, e, equal_nan=True, msg=f"output {i}")
+        assert o.requires_grad == e.requires_grad, f"output {i}: requires_grad"
+        if e.requires_grad:
+            weights = torch.randn(e.shape, generator=gen)
+            losses.append(((e * weights).sum(), (o * weights).sum()))
+    sum(e for e, _ in losses).backward()  # type: ignore[union-attr]
+    sum(o for _, o in losses).backward()  # type: ignore[union-attr]
+    for i, (o, e) in enumerate(zip(ort_in, eager_in, strict=True)):
+        if e.grad is None:
+            assert o.grad is None or not o.grad.any(), f"input {i}: eager has no gradient"
+            continue
+        assert o.grad is not None, f"input {i}: no gradient, eager's is {e.grad}"
+        torch.testing.assert_close(o.grad, e.grad, equal_nan=True, msg=f"grad of input {i}")
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes"),
+    [
+        # an output computed from no input (torch.export traces fake tensors, so its value is
+        # computed from the graph; the engine folded it and refused it as an output): the
+        # index of the max of a 0-d tensor is a Constant 0
+        (lambda x: tuple(torch.max(x, 0)), [()]),
+        # the integer outputs of an empty input: frexp's exponent, solve_ex's info
+        (lambda x: tuple(torch.frexp(x)), [(1, 0, 3)]),
+        (lambda a, b: tuple(torch.linalg.solve_ex(a, b)), [(0, 5, 5), (0, 5)]),
+        # native_layer_norm's mean and rstd: from the input, but without grad in eager; the
+        # engine asked for the rstd's gradient, which LayerNormalizationGrad never reads
+        (
+            lambda x, w, b: tuple(torch.native_layer_norm(x, [2, 3], w, b, 0.5)),
+            [(4, 2, 3), (2, 3), (2, 3)],
+        ),
+    ],
+    ids=["max_of_0d", "frexp_empty", "solve_ex_empty", "native_layer_norm"],
+)
+def test_outputs_without_gradient(
+    fn: Callable[..., tuple[torch.Tensor, ...]], shapes: list[tuple[int, ...]]
+) -> None:
+    _outputs_same_as_eager(fn, [_randn(*s) for s in shapes])
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        # a reduction over dim 0 of a 0-d tensor: ONNX allows no axes for rank 0, and the
+        # engine's shape inference refused ReduceSum's
+        lambda x: nn.functional.normalize(x, p=1.2, dim=0),
+        lambda x: x.sum(0) * x,
+        lambda x: torch.amax(x, -1) + x.mean(0),
+    ],
+    ids=["normalize", "sum", "amax_mean"],
+)
+def test_reductions_of_0d_tensors(fn: Callable[..., torch.Tensor]) -> None:
+    _same_as_eager(fn, [torch.tensor(0.7)])
+
+
+def test_empty_output_with_a_dynamic_dim() -> None:
+    """cdist of an empty and a non-empty input: an ATen node kept for its output's shape
+    (``(0, s)``, the ``s`` dynamic) needs that output's type declared, and the output schema
+    holds the symbolic dim as dynamic."""
+    _same_as_eager(torch.cdist, [_randn(0, 5), _randn(4, 5)])

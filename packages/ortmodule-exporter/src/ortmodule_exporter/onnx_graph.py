@@ -267,3 +267,47 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
                 elif a.name in ("value_float", "value_int", "value_floats", "value_ints"):
                     found[node.output[0]] = np.array(onnx.helper.get_attribute_value(a))
     return found
+
+
+def evaluate_constants(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
+    """Value name -> array for each of ``names`` computed from no graph input, found by running
+    the nodes that compute it with ONNX's reference evaluator; a value whose nodes it cannot run
+    (an operator of another domain, say) is left out.
+
+    >>> evaluate_constants(model, ["output.1"])  # doctest: +SKIP
+    {'output.1': array(0)}
+    """
+    from onnx.reference import ReferenceEvaluator  # noqa: PLC0415 - rarely needed, slow import
+
+    graph = model.graph
+    producer = {o: k for k, node in enumerate(graph.node) for o in node.output if o}
+    found: dict[str, np.ndarray] = {}
+    for name in names:
+        needed: set[int] = set()
+        stack = [producer[name]] if name in producer else []
+        while stack:
+            k = stack.pop()
+            if k in needed:
+                continue
+            needed.add(k)
+            node = graph.node[k]
+            stack.extend(
+                producer[i] for i in (*node.input, *_subgraph_reads(node)) if i in producer
+            )
+        sub = onnx.helper.make_model(
+            onnx.helper.make_graph(
+                [graph.node[k] for k in sorted(needed)],
+                "constants",
+                [],
+                [onnx.helper.make_empty_tensor_value_info(name)],
+                list(graph.initializer),
+            ),
+            opset_imports=list(model.opset_import),
+            functions=list(model.functions),
+        )
+        try:
+            (value,) = ReferenceEvaluator(sub).run(None, {})
+        except Exception:  # noqa: BLE001 - what cannot be evaluated is left out
+            continue
+        found[name] = np.asarray(value)
+    return found

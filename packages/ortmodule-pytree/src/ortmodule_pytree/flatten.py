@@ -90,6 +90,11 @@ def _tensor_meta(leaf: torch.Tensor, static_shapes: bool) -> TensorMeta:
         # dims of size 1 count, the others are dynamic (-1): a graph may treat a size-1 dim as
         # a broadcast one, which a dynamic dim cannot tell it (see shape_pattern)
         shape = shape_pattern(size) if 1 in size else None
+    elif not all(type(d) is int for d in size):
+        # an empty fake tensor of torch.export with a symbolic dim beside the 0 (``cdist`` of
+        # an empty and a dynamic input: ``(0, s1)``): the symbolic dim is dynamic (-1), a
+        # SymInt in the schema would make it unhashable
+        shape = torch.Size(d if type(d) is int else -1 for d in size)
     return (leaf.dtype, leaf.dim(), leaf.device, leaf.requires_grad, shape)
 
 

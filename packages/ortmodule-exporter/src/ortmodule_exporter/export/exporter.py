@@ -46,6 +46,7 @@ from .shape_inference_values import large_values_hidden
 from .strided_views import strided_views_traced
 from .tensor_data import data_as_detach
 from .torch_export import TORCH_EXPORT_MIN_OPSET, TorchExportFlat, export_program
+from .torch_export_fixes import cut_gradients_of_outputs
 from .traced_sizes import remove_size_barriers, sizes_kept_dynamic
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -429,12 +430,16 @@ def _export(
     exported = _finish(
         model, input_schema, flat.output_schema, training, opset, flat.extra_output_names()
     )
-    exported.constant_outputs = _drop_constant_outputs(model, flat.traced_outputs)
+    exported.constant_outputs = _drop_constant_outputs(
+        model, flat.traced_outputs, flat.output_schema
+    )
     _keep_written_state(exported, flat, tensors, module_path(module))
     _keep_guards(exported, flat.guards, tensors)
     if isinstance(flat, TorchExportFlat):
         # torch.export's assumptions on the input sizes (fixed, bounded, equal dims)
         exported.shape_guards = (*exported.shape_guards, *flat.shape_guards)
+        if training:
+            cut_gradients_of_outputs(model, _outputs_cut_from_grad(exported, input_schema, tensors))
     exported.config = config
     exported.export_seconds = time.perf_counter() - start
     # the cache holds no tensors: a model with constant outputs is exported again next time,
@@ -805,26 +810,63 @@ def _report_trace_warnings(caught: Sequence[warnings.WarningMessage], where: str
 
 
 def _drop_constant_outputs(
-    model: onnx.ModelProto, traced: Sequence[torch.Tensor]
+    model: onnx.ModelProto, traced: Sequence[torch.Tensor], schema: Schema
 ) -> dict[int, torch.Tensor]:
-    """Remove the graph outputs that depend on no graph input; their traced values, by index.
+    """Remove the graph outputs that depend on no graph input; their values, by index.
 
     Such an output is a constant (a cache layer's window size kept as a tensor, say): the
     engine folds it into an initializer and then cannot build a gradient graph that has it as
-    an output.
+    an output. Its value is the traced one; the torch_export frontend traces fake tensors, so
+    there it is computed from the graph (``max(x, 0)`` of a 0-d ``x``: the index is a
+    ``Constant`` 0; an empty input's integer outputs, ``frexp``'s exponent, ``solve_ex``'s info).
     """
     graph = model.graph
     names = [vi.name for vi in graph.output]
-    constants = {
-        i: traced[i].clone()
+    specs = schema.tensor_specs
+    found = [
+        i
         for i, deps in enumerate(onnx_graph.output_dependencies(model, names))
-        if not deps and i < len(traced)
-    }
+        if not deps and i < max(len(traced), len(specs))
+    ]
+    computed = onnx_graph.evaluate_constants(model, [names[i] for i in found if i >= len(traced)])
+    constants: dict[int, torch.Tensor] = {}
+    for i in found:
+        if i < len(traced):
+            constants[i] = traced[i].clone()
+        elif names[i] in computed:
+            try:
+                value = torch.from_numpy(computed[names[i]].copy())
+            except TypeError:  # a type numpy holds and torch does not read (bfloat16)
+                continue
+            constants[i] = value.to(device=specs[i].device, dtype=specs[i].dtype)
+        # else an operator the reference evaluator lacks: it stays an output, which the
+        # engine refuses with its own error naming it
     if constants:
         kept = [vi for i, vi in enumerate(graph.output) if i not in constants]
         del graph.output[:]
         graph.output.extend(kept)
     return constants
+
+
+def _outputs_cut_from_grad(
+    exported: ExportedModel, input_schema: Schema, tensors: Sequence[torch.Tensor]
+) -> list[str]:
+    """The float user outputs that eager computed without grad, though the graph computes them
+    from a parameter or an input that requires grad (:func:`cut_gradients_of_outputs`)."""
+    names = exported.user_output_names
+    without = exported.outputs_without_grad
+    specs = [s for i, s in enumerate(exported.output_schema.tensor_specs)
+             if i not in exported.constant_outputs]  # fmt: skip
+    candidates = [
+        n for j, n in enumerate(names) if j in without and specs[j].dtype.is_floating_point
+    ]
+    if not candidates:
+        return []
+    trainable = set(exported.param_names) | {
+        n for n, t in zip(input_schema.names, tensors, strict=False) if t.requires_grad
+    }
+    deps = onnx_graph.output_dependencies(exported.model, candidates)
+    return [n for n, d in zip(candidates, deps, strict=True) if d & trainable]
 
 
 def _save(model: onnx.ModelProto, save: SaveOptions, stage: str, training: bool) -> None:

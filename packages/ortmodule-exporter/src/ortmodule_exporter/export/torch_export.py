@@ -80,7 +80,8 @@ class TorchExportFlat(torch.nn.Module):
         # finds is kept in this record, which it changes but never replaces
         self._found = _Found()
         # what the TorchScript wrapper also reports: export runs on fake tensors (no traced
-        # values to keep for constant outputs) and refuses data-dependent Python (no guards)
+        # values: constant outputs are computed from the graph, ``_drop_constant_outputs``)
+        # and refuses data-dependent Python (no guards)
         self.traced_outputs: tuple[torch.Tensor, ...] = ()
         self.guards: list[Any] = []
         #: what torch.export assumed of the input sizes (:func:`size_guards`), set after export

@@ -340,6 +340,8 @@ def _untrainable(nodes: Sequence[Any], derived: set[Any], model: Any) -> list[st
         if n.domain in ("", "ai.onnx"):
             if any(a.type in graphs for a in n.attributes.values()):
                 found.append("control flow")
+            elif (gap := _gradient_form_gap(n)) is not None:
+                found.append(gap)
             elif n.op_type not in _REWRITTEN_AFTER_TRANSLATION and not engine_has_gradient(
                 n.op_type
             ):
@@ -351,6 +353,24 @@ def _untrainable(nodes: Sequence[Any], derived: set[Any], model: Any) -> list[st
                 found.extend(_untrainable(list(function), inner, model))
         derived.update(o for o in n.outputs if _maybe_float(o))
     return found
+
+
+def _gradient_form_gap(node: Any) -> str | None:
+    """Why the engine's gradient builder (1.19.2) refuses this form of an ONNX node whose op
+    type it has a builder for, or None. The graph fixes (``torch_export_fixes``) rewrite the
+    forms they can (a Slice with a negative step, ReduceL2, an integer Pow exponent); these
+    they cannot, so the operator runs in PyTorch, as on the TorchScript frontend
+    (``aten/gradient_gaps.py``):
+
+    * ``Pad`` in ``edge``/``reflect``/``wrap`` mode (``pad(mode="replicate")``, ``"reflect"``,
+      ``"circular"``): "Pad gradient currently supports constant mode only".
+    """
+    if node.op_type == "Pad":
+        mode = node.attributes.get("mode")
+        value = mode.value if mode is not None else "constant"
+        if value != "constant":
+            return f"Pad mode={value} (the engine's gradient is for constant mode only)"
+    return None
 
 
 def _forget_new(farm: dict[Any, Any], cached: set[Any]) -> None:

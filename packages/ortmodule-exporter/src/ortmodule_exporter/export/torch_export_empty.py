@@ -161,11 +161,27 @@ def stub_zero_element_nodes(model: onnx.ModelProto) -> None:
     if not any(_is_empty(declared, name) for name in declared):
         return
     known = _known(model)
+    before = set(known)
     new_nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(graph.node):
         new_nodes += _rewrite(node, index, known)
     del graph.node[:]
     graph.node.extend(new_nodes)
+    _declare_kept_outputs(graph, {n: known[n] for n in known if n not in before})
+
+
+def _declare_kept_outputs(graph: onnx.GraphProto, kept: _Shapes) -> None:
+    """Declare the type of each renamed output of a node kept for its shapes (:func:`_replaced`):
+    the engine cannot infer the output types of an ``ATen`` node (or other custom operator)
+    and refuses the graph ("output arg ... type inference failed") without a declaration; the
+    node's original outputs were declared by the export."""
+    h = onnx.helper
+    for name, (elem, dims) in kept.items():
+        if not elem:
+            continue
+        shape = None if dims is None else [d if d is not None else f"{name}_dim{k}"
+                                           for k, d in enumerate(dims)]  # fmt: skip
+        graph.value_info.append(h.make_tensor_value_info(name, elem, shape))
 
 
 def _rewrite(node: onnx.NodeProto, index: int, known: _Shapes) -> list[onnx.NodeProto]:
@@ -261,6 +277,7 @@ def _replaced(
     # the node still runs forward for its outputs' shapes (the engine's forward kernels size
     # empty tensors right); only Shape reads it, so no gradient goes through it
     renamed = {o: f"{tag}_shape_of{k}" for k, o in enumerate(outputs)}
+    known.update({renamed[o]: known[o] for o in outputs if o in known})
     for slot, o in enumerate(node.output):
         if o:
             node.output[slot] = renamed[o]

@@ -8,14 +8,19 @@ symbolics do the same at export (``symbolics/``).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+
 import onnx
 import onnx.shape_inference
 
 from .. import onnx_graph
+from ..aten.executor import ATEN_DOMAIN
+from ..aten.stop_gradient import STOP_GRADIENT as ATEN_STOP_GRADIENT
 from ..errors import ExportError
 from .torch_export_empty import stub_zero_element_nodes
 
-__all__ = ["fix_for_engine"]
+__all__ = ["cut_gradients_of_outputs", "fix_for_engine"]
 
 
 def fix_for_engine(model: onnx.ModelProto) -> None:
@@ -26,6 +31,7 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     _integer_operands_as_float(model)
     _top_k_of_scalar(model)
     _l2_norms_by_sums(model)
+    _reductions_of_scalars(model)
     _reversed_slices_as_gathers(model)
     _matmul_vectors_as_matrices(model)
     _scatter_add_onto_zeros(model)
@@ -450,6 +456,82 @@ def _top_k_of_scalar(model: onnx.ModelProto) -> None:
     graph.node.extend(new_nodes)
 
 
+#: ONNX reductions whose ``axes`` must lie in [-rank, rank - 1]
+_REDUCTIONS = frozenset(
+    {
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceProd",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceSumSquare",
+    }
+)
+
+
+def _reductions_of_scalars(model: onnx.ModelProto) -> None:
+    """A reduction of a 0-d tensor over given axes reduces it made 1-D over axis 0, without
+    keeping dims: a 0-d result, as PyTorch's.
+
+    PyTorch takes dim 0 (or -1) of a 0-d tensor (``normalize(x, dim=0)``, ``x.sum(0)``), and
+    torch_lib passes it on as the axes; ONNX allows none for rank 0, and the engine's shape
+    inference refuses the graph ("axis must be in [-rank, rank-1]. input rank was 0"). Axes
+    computed in the graph stay unread: with ``noop_with_empty_axes=0`` (torch_lib's) any axes of
+    a 0-d tensor, empty ones too, reduce its one element. With ``noop_with_empty_axes=1``
+    only a constant, non-empty axes is rewritten (empty ones are the identity).
+    """
+    graph = model.graph
+    found = [n for n in graph.node if _is_default(n, *_REDUCTIONS) and _has_axes(n)]
+    if not found:
+        return
+    ranks = _ranks(model)
+    if any(n.input[0] not in ranks for n in found):
+        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    values = onnx_graph.constant_values(graph)
+    h = onnx.helper
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        if node not in found or ranks.get(node.input[0]) != 0:
+            new_nodes.append(node)
+            continue
+        if onnx_graph.attribute(node, "noop_with_empty_axes", 0):
+            axes = values.get(node.input[1]) if len(node.input) > 1 else None
+            if axes is None or axes.size == 0:
+                new_nodes.append(node)
+                continue
+        tag = f"{node.name or node.op_type}_{index}"
+        zero = f"{tag}_axis0"
+        new_nodes += [
+            h.make_node(
+                "Constant", [], [zero], value=h.make_tensor(zero, onnx.TensorProto.INT64, [1], [0])
+            ),
+            h.make_node("Unsqueeze", [node.input[0], zero], [f"{tag}_vector"]),
+        ]
+        node.input[0] = f"{tag}_vector"
+        if len(node.input) > 1:
+            node.input[1] = zero
+        kept = [a for a in node.attribute if a.name not in ("keepdims", "axes")]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        node.attribute.append(h.make_attribute("keepdims", 0))
+        if not (len(node.input) > 1 and node.input[1]):
+            node.attribute.append(h.make_attribute("axes", [0]))  # the attribute form (opset < 18)
+        new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+
+def _has_axes(node: onnx.NodeProto) -> bool:
+    """Whether a reduction is given axes (an input, or the attribute of older opsets)."""
+    return (len(node.input) > 1 and bool(node.input[1])) or any(
+        a.name == "axes" and len(a.ints) for a in node.attribute
+    )
+
+
 def _reversed_slices_as_gathers(model: onnx.ModelProto) -> None:
     """A ``Slice`` with a negative step (torch_lib's ``flip``) on a float tensor: each such
     axis a ``Gather`` of the indices ``Range(start, end, step)``, clamped as Slice clamps them;
@@ -711,3 +793,91 @@ def _where_branches_expanded(model: onnx.ModelProto) -> None:
         new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)
+
+
+def cut_gradients_of_outputs(model: onnx.ModelProto, names: Sequence[str]) -> None:
+    """Each graph output of ``names`` becomes a stop-gradient copy of its value; the graph's
+    other reads of the value keep their gradient.
+
+    For the float outputs that eager computes without grad though from a trainable input
+    (``native_layer_norm``'s mean and rstd; its derivative declares them non-differentiable).
+    The engine (1.19.2) sees a path from a trainable input to them, so takes them for
+    differentiable outputs and asks for their gradient; where no gradient builder reads one
+    (LayerNormalizationGrad reads none for the inverse standard deviation), the build fails
+    ("Differentiable param grad node arg should exist"). Cut, they are outputs without a
+    gradient for the engine as they are for eager. The TorchScript frontend cuts the same way
+    (``gradient_cuts.py``): the ``BatchNormalization`` trick for float32 and float16, the
+    ATen copy otherwise.
+    """
+    graph = model.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in graph.output}
+    producer = {o: n for n in graph.node for o in n.output if o}
+    h = onnx.helper
+    count = Counter(vi.name for vi in graph.output)
+    for k, name in enumerate(names):
+        dtype = types.get(name, 0)
+        if name not in producer or dtype not in onnx_graph.FLOAT_TYPES or count[name] > 1:
+            # a value output twice may be another output's too, one that needs its gradient
+            continue
+        tag = f"{name}_stop_gradient{k}"
+        value = f"{tag}_value"
+        onnx_graph.rename_values(graph, {name: value})
+        # the graph output keeps its name: it is written by the copy below
+        for vi in graph.output:
+            if vi.name == value:
+                vi.name = name
+        if dtype in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+            nodes = _batch_norm_copy(value, name, dtype, tag)
+        else:
+            nodes = [
+                h.make_node(
+                    "ATen",
+                    [value],
+                    [name],
+                    domain=ATEN_DOMAIN,
+                    operator=ATEN_STOP_GRADIENT,
+                    overload_name="",
+                )
+            ]
+        graph.node.extend(nodes)
+
+
+def _batch_norm_copy(x: str, out: str, dtype: int, tag: str) -> list[onnx.NodeProto]:
+    """``out``: ``x``'s value with no gradient path back (``symbolics.helpers._stop_gradient``:
+    the engine never differentiates BatchNormalization through its running-mean input, and a
+    training-mode node with momentum 1 hands that input back as its new running mean)."""
+    h = onnx.helper
+    i64 = onnx.TensorProto.INT64
+
+    def filled(shape: str, value: float, name: str) -> onnx.NodeProto:
+        return h.make_node(
+            "ConstantOfShape",
+            [shape],
+            [name],
+            value=h.make_tensor(f"{name}_v", dtype, [1], [value]),
+        )
+
+    flat, n, rows = f"{tag}_flat", f"{tag}_n", f"{tag}_rows"
+    return [
+        h.make_node(
+            "Constant", [], [f"{tag}_minus_one"], value=h.make_tensor(f"{tag}_m", i64, [1], [-1])
+        ),
+        h.make_node("Reshape", [x, f"{tag}_minus_one"], [flat]),
+        h.make_node("Shape", [flat], [n]),
+        # two zero rows: a one-row batch has no variance, which some kernels reject
+        h.make_node("Constant", [], [f"{tag}_two"], value=h.make_tensor(f"{tag}_t", i64, [1], [2])),
+        h.make_node("Concat", [f"{tag}_two", n], [rows], axis=0),
+        filled(rows, 0.0, f"{tag}_zeros_x"),
+        filled(n, 1.0, f"{tag}_ones"),
+        filled(n, 0.0, f"{tag}_zeros"),
+        h.make_node(
+            "BatchNormalization",
+            [f"{tag}_zeros_x", f"{tag}_ones", f"{tag}_zeros", flat, f"{tag}_ones"],
+            [f"{tag}_y", f"{tag}_running_mean", f"{tag}_running_var"],
+            epsilon=1e-5,
+            momentum=1.0,
+            training_mode=1,
+        ),
+        h.make_node("Shape", [x], [f"{tag}_shape"]),
+        h.make_node("Reshape", [f"{tag}_running_mean", f"{tag}_shape"], [out]),
+    ]
