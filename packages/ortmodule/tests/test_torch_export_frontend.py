@@ -188,11 +188,19 @@ class _Quantized(nn.Module):
         return _RoundSTE.apply(self.fc(x))  # type: ignore[no-any-return]
 
 
-def test_custom_function_is_a_clear_error() -> None:
-    """Not a silent zero gradient: the Function and the other frontend are named."""
+def test_custom_function_trains_with_its_backward() -> None:
+    """Not a silent zero gradient (round's derivative): the Function is a PythonOp whose
+    backward is its own (test_torch_export_pythonop.py has the rest)."""
+    model = _Quantized()
     wrapped = ORTModule(_Quantized(), TORCH_EXPORT)
-    with pytest.raises(ExportError, match=r"_RoundSTE.*drops its backward.*torchscript"):
-        wrapped(torch.randn(2, 3))
+    wrapped.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3)
+    want, got = model(x).square().sum(), wrapped(x).square().sum()
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(wrapped.module.fc.weight.grad, model.fc.weight.grad)
+    assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
 
 
 def test_torchscript_only_options_are_refused_when_set(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -52,6 +52,7 @@ from ..aten import executor as aten_executor
 from ..aten.engine_gradients import engine_has_gradient
 from ..aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError
 from ..torchscript_onnx import type_utils
+from .torch_export_python_op import is_python_op, write_python_op
 
 __all__ = ["AtenRoute", "translated_with_aten_route"]
 
@@ -148,7 +149,7 @@ def _installed(route: AtenRoute) -> Iterator[None]:
         yield
         return
     original = getattr(_core, "_handle_call_function_node_with_lowering", None)
-    if original is None or not aten_executor.installed():
+    if original is None:
         yield
         return
     with _LOCK:  # one translation at a time patches the module
@@ -179,7 +180,11 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
         **rest: Any,
     ) -> None:
         target = node.target
-        if not _routable(target):
+        if is_python_op(target):
+            # a custom autograd.Function's call (torch_export_python_op): its PythonOp
+            write_python_op(core, node, node_name_to_values, graph_like, route.training)
+            return
+        if not _routable(target) or not aten_executor.installed():
             original(model, node, node_name_to_values, graph_like=graph_like, **rest)
             return
         writer = _AtenWriter(
@@ -232,6 +237,7 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
             source = _canonical(node.meta.get("original_aten"))
             if (
                 source is not None
+                and aten_executor.installed()
                 and source is not _canonical(node.target)
                 and source not in route.whole
                 and _runnable(source)
