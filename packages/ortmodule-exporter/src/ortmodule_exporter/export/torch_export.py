@@ -46,6 +46,7 @@ from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX
 from .shape_guards import Dim, ShapeGuard, _Step
 from .torch_export_aten import translated_with_aten_route
 from .torch_export_fixes import fix_for_engine
+from .torch_export_numbers import numbers_as_tensors
 from .torch_export_python_op import (
     inside_routed_forward,
     python_op_calls,
@@ -314,6 +315,7 @@ def _export_program(
             f"{_first_lines(str(err))}{hint}",
             module_path=where,
         ) from err
+    numbers_as_tensors(program)
     kept = _custom_operator_functions(program)
     functions = [f for f in flat.functions if f not in _INLINE_SAFE_FUNCTIONS and f not in kept]
     if functions:
