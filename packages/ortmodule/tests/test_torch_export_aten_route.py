@@ -186,3 +186,35 @@ def test_custom_operator_gets_its_dtype_argument_as_a_dtype() -> None:
     """A ScalarType argument of a custom operator has the JIT type int: the executor reads it by
     its real type (OpInfo's linear_cross_entropy chunked_none passes acc_dtype)."""
     _trains_as_eager(lambda t: _scaled_in(t, torch.float64))
+
+
+class _Gumbel(nn.Module):
+    """Gumbel sampling of experts (PhiMoE's router in training): ``exponential_`` noise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.gate(x)
+        noise = torch.empty_like(scores).exponential_().log()
+        picked = (scores - noise).argmax(-1, keepdim=True)
+        return scores.softmax(-1).gather(-1, picked)
+
+
+def test_exponential_draws_from_pytorchs_generator() -> None:
+    """torch_lib draws it from the engine's generator (another sample than eager's under the
+    same seed); PyTorch runs it, as on the TorchScript frontend: same seed, same experts."""
+    model = _Gumbel()
+    wrapped = ORTModule(_Gumbel(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(2))
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        want = model(x)
+        torch.manual_seed(seed)
+        got = wrapped(x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        want.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(wrapped.gate.weight.grad, model.gate.weight.grad)

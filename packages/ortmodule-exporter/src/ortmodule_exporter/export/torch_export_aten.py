@@ -77,7 +77,15 @@ _PYTORCH_PICKS: dict[Any, str] = {
     # (AFMoE) scores every expert the same, and the engine sent tokens to other experts than
     # eager did (the first loss 4.8314 against 4.8422)
     torch.ops.aten.topk.default: "PyTorch breaks ties as eager does (ONNX TopK: lower index first)",
+    # torch_lib draws it from the engine's generator (-log of a RandomUniformLike): another
+    # sample than eager's under the same seed. The TorchScript frontend has no symbolic for it
+    # and runs it in PyTorch, from PyTorch's generator as eager; PhiMoE's router samples its
+    # experts with it in training
+    torch.ops.aten.exponential.default: "PyTorch draws it from its generator, as eager does",
 }
+#: those of PyTorch's picks the translator decomposes (no torch_lib function of their own): kept
+#: whole from the first translation, else they never reach the route as themselves
+_DECOMPOSED_PICKS = frozenset({torch.ops.aten.exponential.default})
 
 
 @dataclass
@@ -114,7 +122,7 @@ def translated_with_aten_route(
     Without the ATen executor (``aten.executor.install``, which ORTModule does) nothing is
     routed, as for the TorchScript frontend (``operator_export_type``).
     """
-    whole: set[Any] = set()
+    whole: set[Any] = set(_DECOMPOSED_PICKS) if aten_executor.installed() else set()
     while True:
         route = AtenRoute(training, frozenset(whole))
         with _installed(route):
@@ -190,11 +198,11 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
         writer = _AtenWriter(
             core, node, node_name_to_values, rest["node_name_to_local_functions"], route
         )
-        if _canonical(target) in route.whole and writer.write(graph_like):
-            route.routed.append(f"{_label(target)}: no translation, its decomposition fails")
-            return
         if _canonical(target) in _PYTORCH_PICKS and writer.write(graph_like):
             route.routed.append(f"{_label(target)}: {_PYTORCH_PICKS[_canonical(target)]}")
+            return
+        if _canonical(target) in route.whole and writer.write(graph_like):
+            route.routed.append(f"{_label(target)}: no translation, its decomposition fails")
             return
         captured = _Captured()
         # the lowering keeps the Constant nodes it writes for Python values in this cache, for
