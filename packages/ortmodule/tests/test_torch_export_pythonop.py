@@ -205,3 +205,61 @@ def test_switched_off_custom_autograd_is_refused(monkeypatch: pytest.MonkeyPatch
     wrapped = ORTModule(_Twice(), TORCH_EXPORT)
     with pytest.raises(ExportError, match=r"_Squash.*ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0"):
         wrapped(torch.randn(3, 4))
+
+
+class _TimesRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.rows = rows
+        return x * rows
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.rows * 2, None
+
+
+class _SizeArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _TimesRows.apply(self.fc(x), x.shape[0]).sum()  # type: ignore[no-any-return]
+
+
+def test_size_argument_is_guarded() -> None:
+    """``x.shape[0]`` as an argument is a SymInt under torch.export: passed as the traced int,
+    which fixes the dim, so another batch size exports again (not the old size, silently)."""
+    model = _SizeArgument()
+    wrapped = ORTModule(_SizeArgument(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    for rows in (2, 5, 2):
+        x = torch.randn(rows, 3)
+        want, got = model(x), wrapped(x)
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(wrapped.module.fc.weight.grad, model.fc.weight.grad)
+    assert wrapped._runner.transitions.builds == 2
+
+
+class _ScaledBySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * float(x.sum())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def test_forward_reading_a_value_is_refused() -> None:
+    """Its output shapes come from its forward on fake tensors, which have no values."""
+
+    class _ReadsValue(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _ScaledBySum.apply(x)  # type: ignore[no-any-return]
+
+    wrapped = ORTModule(_ReadsValue(), TORCH_EXPORT)
+    with pytest.raises(ExportError, match=r"_ScaledBySum could not run on torch.export's fake"):
+        wrapped(torch.randn(2, 3, requires_grad=True))
