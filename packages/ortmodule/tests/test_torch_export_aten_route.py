@@ -237,3 +237,35 @@ def test_pad_in_a_mode_without_engine_gradient_takes_the_aten_route(
     op: Callable[[torch.Tensor], torch.Tensor],
 ) -> None:
     _trains_as_eager(op)
+
+
+class _Gumbel(nn.Module):
+    """Gumbel sampling of experts (PhiMoE's router in training): ``exponential_`` noise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.gate(x)
+        noise = torch.empty_like(scores).exponential_().log()
+        picked = (scores - noise).argmax(-1, keepdim=True)
+        return scores.softmax(-1).gather(-1, picked)
+
+
+def test_exponential_draws_from_pytorchs_generator() -> None:
+    """torch_lib draws it from the engine's generator (another sample than eager's under the
+    same seed); PyTorch runs it, as on the TorchScript frontend: same seed, same experts."""
+    model = _Gumbel()
+    wrapped = ORTModule(_Gumbel(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(2))
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        want = model(x)
+        torch.manual_seed(seed)
+        got = wrapped(x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        want.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(wrapped.gate.weight.grad, model.gate.weight.grad)

@@ -188,11 +188,44 @@ class _Quantized(nn.Module):
         return _RoundSTE.apply(self.fc(x))  # type: ignore[no-any-return]
 
 
-def test_custom_function_is_a_clear_error() -> None:
-    """Not a silent zero gradient: the Function and the other frontend are named."""
+def test_custom_function_trains_with_its_backward() -> None:
+    """Not a silent zero gradient (round's derivative): the Function is a PythonOp whose
+    backward is its own (test_torch_export_pythonop.py has the rest)."""
+    model = _Quantized()
     wrapped = ORTModule(_Quantized(), TORCH_EXPORT)
-    with pytest.raises(ExportError, match=r"_RoundSTE.*drops its backward.*torchscript"):
-        wrapped(torch.randn(2, 3))
+    wrapped.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3)
+    want, got = model(x).square().sum(), wrapped(x).square().sum()
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(wrapped.module.fc.weight.grad, model.fc.weight.grad)
+    assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
+
+
+def test_python_number_in_a_tensor_argument() -> None:
+    """``torch.add(0.25, mask, alpha=0.5)`` (PhiMoE's router): export records the bare number
+    as ``aten.add.Tensor``'s self, and the translator's type promotion, re-running the node to
+    cast the bool mask, found no overload for it (the translation failed)."""
+
+    class _Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            return torch.add(0.25, h > 0, alpha=0.5) * h - torch.sub(2, (x > 0).int())
+
+    model = _Masked()
+    wrapped = ORTModule(_Masked(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3)
+    want, got = model(x), wrapped(x)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(wrapped.module.fc.weight.grad, model.fc.weight.grad)
 
 
 def test_torchscript_only_options_are_refused_when_set(monkeypatch: pytest.MonkeyPatch) -> None:

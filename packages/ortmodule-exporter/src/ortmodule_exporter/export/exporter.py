@@ -600,7 +600,8 @@ def _torch_export(
     if was_training != training:
         target.train(training)
     try:
-        with _preserved_state(target):
+        # a custom Function given a module by reference gets the original, not this copy
+        with _preserved_state(target), python_op.exporting_copy_of(module, target):
             model = export_program(
                 flat,
                 [_traced_input(t) for t in tensors],

@@ -39,12 +39,20 @@ from ortmodule_pytree import Schema, flatten, unflatten
 
 from .. import onnx_graph
 from ..errors import ExportError
+from ..python_op.symbolic import custom_autograd_enabled
 from .calls import call_bound, writable_buffers
 from .guards import Guard
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX
 from .shape_guards import Dim, ShapeGuard, _Step
 from .torch_export_aten import translated_with_aten_route
 from .torch_export_fixes import fix_for_engine
+from .torch_export_numbers import numbers_as_tensors
+from .torch_export_python_op import (
+    inside_routed_forward,
+    python_op_calls,
+    routed_apply,
+    routing,
+)
 from .torch_lib_training import training_translations
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -147,17 +155,31 @@ _INLINE_SAFE_FUNCTIONS = ("torch.utils.checkpoint.CheckpointFunction",)
 
 @contextlib.contextmanager
 def _recording_functions(seen: list[str]) -> Iterator[None]:
-    """Record every ``torch.autograd.Function.apply`` while torch.export runs the forward.
+    """Route or record every ``torch.autograd.Function.apply`` while torch.export runs the
+    forward.
 
     torch.export inlines a Function's forward and drops its backward: the engine would then
-    differentiate the forward (a straight-through estimator's round() has a zero gradient),
-    so the caller refuses the graph instead (:func:`export_program`).
+    differentiate the forward (a straight-through estimator's round() has a zero gradient).
+    A user's Function becomes one operator written as a PythonOp
+    (:mod:`.torch_export_python_op`) when the export makes PythonOps (``custom_autograd``);
+    else, and for the Functions torch applies below the traced level (a custom operator's
+    autograd), the call is recorded and the caller refuses the graph unless it is safe
+    (:func:`export_program`). Functions applied inside a routed Function's forward run as they
+    are: at run time that forward runs in PyTorch.
     """
     function = torch.autograd.Function
     original = function.__dict__["apply"]
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if inside_routed_forward():
+            return original.__func__(cls, *args, **kwargs)
         name = f"{cls.__module__}.{cls.__qualname__}"
+        if (
+            routing()
+            and name not in _INLINE_SAFE_FUNCTIONS
+            and not name.startswith(_GENERATED_BACKWARD)
+        ):
+            return routed_apply(cls, args, kwargs)
         if name not in seen:
             seen.append(name)
         return original.__func__(cls, *args, **kwargs)
@@ -223,6 +245,20 @@ def _contiguous_as_clones(program: torch.export.ExportedProgram) -> None:
         program.graph_module.recompile()
 
 
+def _why_not_routed() -> str:
+    if not custom_autograd_enabled():
+        return (
+            "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0 turns off the PythonOp that runs its backward: "
+            "turn it on, or use ORTMODULE_EXPORTER=torchscript."
+        )
+    # a custom operator's autograd whose forward torch.export traced through (no node of the
+    # operator), or a Function torch applied below the traced level
+    return (
+        "It was applied below the level torch.export traces, where it cannot be routed to a "
+        "PythonOp: use ORTMODULE_EXPORTER=torchscript."
+    )
+
+
 def _dynamic_shapes(tensors: Sequence[torch.Tensor], static_shapes: bool) -> Any:
     if static_shapes:
         return None
@@ -254,7 +290,21 @@ def export_program(
     """``flat`` (already in the mode to export in) -> the ONNX model, inputs named ``names``
     then every parameter and buffer the graph reads, without data. Operators the translator
     cannot lower, or (``training``) lowers to ONNX the engine cannot differentiate, take the
-    ATen route (:mod:`.torch_export_aten`)."""
+    ATen route (:mod:`.torch_export_aten`); custom autograd.Functions are PythonOps
+    (:mod:`.torch_export_python_op`) when the export config's ``custom_autograd`` is on."""
+    with python_op_calls(enabled=custom_autograd_enabled()):
+        return _export_program(flat, tensors, names, opset, static_shapes, where, training)
+
+
+def _export_program(
+    flat: TorchExportFlat,
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    opset: int,
+    static_shapes: bool,
+    where: str,
+    training: bool,
+) -> onnx.ModelProto:
     try:
         import onnxscript  # noqa: F401, PLC0415
     except ImportError as err:
@@ -273,6 +323,10 @@ def export_program(
     except Exception as err:
         if flat.output_error is not None:
             raise
+        refused = _refusal(err)
+        if refused is not None:
+            # a custom Function that cannot be a PythonOp here (torch_export_python_op)
+            raise ExportError(f"{where}: {refused}", module_path=where) from err
         hint = ""
         if _data_dependent(err):
             hint = (
@@ -287,15 +341,14 @@ def export_program(
             module_path=where,
         ) from err
     _contiguous_as_clones(program)
+    numbers_as_tensors(program)
     kept = _custom_operator_functions(program)
     functions = [f for f in flat.functions if f not in _INLINE_SAFE_FUNCTIONS and f not in kept]
     if functions:
         raise ExportError(
             f"{where} applies the custom autograd.Function {', '.join(functions)}: torch.export "
             "keeps its forward and drops its backward, so the engine would differentiate the "
-            "forward instead (wrong gradients). ORTMODULE_EXPORTER=torch_export does not run "
-            "custom Functions yet: use ORTMODULE_EXPORTER=torchscript (PythonOp runs the "
-            "backward).",
+            f"forward instead (wrong gradients). {_why_not_routed()}",
             module_path=where,
         )
     try:

@@ -52,6 +52,7 @@ from ..aten import executor as aten_executor
 from ..aten.engine_gradients import engine_has_gradient
 from ..aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError
 from ..torchscript_onnx import type_utils
+from .torch_export_python_op import is_python_op, write_python_op
 
 __all__ = ["AtenRoute", "translated_with_aten_route"]
 
@@ -76,7 +77,15 @@ _PYTORCH_PICKS: dict[Any, str] = {
     # (AFMoE) scores every expert the same, and the engine sent tokens to other experts than
     # eager did (the first loss 4.8314 against 4.8422)
     torch.ops.aten.topk.default: "PyTorch breaks ties as eager does (ONNX TopK: lower index first)",
+    # torch_lib draws it from the engine's generator (-log of a RandomUniformLike): another
+    # sample than eager's under the same seed. The TorchScript frontend has no symbolic for it
+    # and runs it in PyTorch, from PyTorch's generator as eager; PhiMoE's router samples its
+    # experts with it in training
+    torch.ops.aten.exponential.default: "PyTorch draws it from its generator, as eager does",
 }
+#: those of PyTorch's picks the translator decomposes (no torch_lib function of their own): kept
+#: whole from the first translation, else they never reach the route as themselves
+_DECOMPOSED_PICKS = frozenset({torch.ops.aten.exponential.default})
 
 
 @dataclass
@@ -113,7 +122,7 @@ def translated_with_aten_route(
     Without the ATen executor (``aten.executor.install``, which ORTModule does) nothing is
     routed, as for the TorchScript frontend (``operator_export_type``).
     """
-    whole: set[Any] = set()
+    whole: set[Any] = set(_DECOMPOSED_PICKS) if aten_executor.installed() else set()
     while True:
         route = AtenRoute(training, frozenset(whole))
         with _installed(route):
@@ -148,7 +157,7 @@ def _installed(route: AtenRoute) -> Iterator[None]:
         yield
         return
     original = getattr(_core, "_handle_call_function_node_with_lowering", None)
-    if original is None or not aten_executor.installed():
+    if original is None:
         yield
         return
     with _LOCK:  # one translation at a time patches the module
@@ -179,17 +188,21 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
         **rest: Any,
     ) -> None:
         target = node.target
-        if not _routable(target):
+        if is_python_op(target):
+            # a custom autograd.Function's call (torch_export_python_op): its PythonOp
+            write_python_op(core, node, node_name_to_values, graph_like, route.training)
+            return
+        if not _routable(target) or not aten_executor.installed():
             original(model, node, node_name_to_values, graph_like=graph_like, **rest)
             return
         writer = _AtenWriter(
             core, node, node_name_to_values, rest["node_name_to_local_functions"], route
         )
-        if _canonical(target) in route.whole and writer.write(graph_like):
-            route.routed.append(f"{_label(target)}: no translation, its decomposition fails")
-            return
         if _canonical(target) in _PYTORCH_PICKS and writer.write(graph_like):
             route.routed.append(f"{_label(target)}: {_PYTORCH_PICKS[_canonical(target)]}")
+            return
+        if _canonical(target) in route.whole and writer.write(graph_like):
+            route.routed.append(f"{_label(target)}: no translation, its decomposition fails")
             return
         captured = _Captured()
         # the lowering keeps the Constant nodes it writes for Python values in this cache, for
@@ -232,6 +245,7 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
             source = _canonical(node.meta.get("original_aten"))
             if (
                 source is not None
+                and aten_executor.installed()
                 and source is not _canonical(node.target)
                 and source not in route.whole
                 and _runnable(source)
