@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ortmodule_testing.hf_coverage.report import cause, coverage, render
 from ortmodule_testing.hf_coverage.run_one import Result
@@ -227,3 +228,30 @@ def test_sweep_two_model_types_end_to_end(tmp_path: Path) -> None:
         "bert": ("causal-lm", "parity"),
     }, {t: r.error for t, r in results.items()}
     assert "**2 / 2 = 100.0 %**" in out.read_text()
+
+
+class _Sampling(torch.nn.Module):
+    """Draws from the global generator in training, as phimoe's router does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        noise = torch.rand(3)
+        return {"loss": (self.weight * x * noise).sum()}
+
+
+def test_eager_and_engine_runs_draw_the_same_random_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each training run starts from one random state: the engine's run does not see what the
+    eager run left (phimoe's 'parity' or 'wrong' depended on it)."""
+    from ortmodule_testing.hf_coverage import run_one
+    from ortmodule_testing.hf_coverage.tasks import Task
+
+    monkeypatch.setattr(run_one, "build_model", lambda model_type, task: _Sampling())
+    task = Task("sampling", "unused", lambda step: ((torch.ones(3),), {}))
+    monkeypatch.setattr(Task, "class_name", lambda self, model_type: "_Sampling")
+    result = run_one.run_model_type("sampling", task, engine=lambda model: model)
+    assert (result.status, result.detail) == ("parity", ""), result.error

@@ -119,6 +119,15 @@ def build_model(model_type: str, task: Task) -> torch.nn.Module:
         return model_cls(config)  # type: ignore[no-any-return]
 
 
+def _seeded(run: Callable[[], TrainRecord]) -> TrainRecord:
+    """``run()`` from the same global random state each time, restored afterwards: a model
+    that samples in training (phimoe's router draws experts) then draws the same numbers in
+    eager and under the engine, instead of whatever the earlier run left."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return run()
+
+
 def run_model_type(
     model_type: str,
     task: Task,
@@ -149,7 +158,7 @@ def run_model_type(
 
     on_phase("eager")
     try:
-        eager = train_steps(clone_model(model), case, STEPS, adamw)
+        eager = _seeded(lambda: train_steps(clone_model(model), case, STEPS, adamw))
     except Exception as err:  # noqa: BLE001
         return result("eager-error", first_line(err), _trace(err))
 
@@ -159,7 +168,8 @@ def run_model_type(
             from ortmodule import ORTModule
 
             engine = ORTModule
-        record = train_steps(engine(clone_model(model)), case, STEPS, adamw)
+        wrapped = engine(clone_model(model))
+        record = _seeded(lambda: train_steps(wrapped, case, STEPS, adamw))
     except Exception as err:  # noqa: BLE001
         return result("engine-error", first_line(err), _trace(err))
     try:
@@ -186,7 +196,7 @@ def _against_float64(
 
     case64 = float64_case(case)
     try:
-        reference = train_steps(clone_model(model).double(), case64, STEPS, adamw)
+        reference = _seeded(lambda: train_steps(clone_model(model).double(), case64, STEPS, adamw))
     except Exception:  # noqa: BLE001 - no reference: the float32 comparison stands
         return None
     return against_float64(eager, record, reference)
