@@ -136,3 +136,26 @@ def test_norm_of_zeros_has_a_zero_gradient() -> None:
     x = torch.zeros(2, 3)
     x[1] = torch.tensor([3.0, 4.0, 0.0])
     _same_as_eager(lambda t: torch.linalg.vector_norm(t, dim=1), [x])
+
+
+# -- CPU kernels for narrow integer types (torch_export_kernels) ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes"),
+    [
+        # torch.eye of a fixed size decomposes into iota(uint8) and Equal of them: the CPU
+        # engine has no Equal (nor Less, Add, ...) on uint8 and refused the session
+        (lambda x: x * torch.eye(4) + x, [(4, 4)]),
+        (lambda x: torch.linalg.matrix_power(x, 0) * x + x, [(3, 3)]),
+        # narrow integer arithmetic cast back: the low bits are kept (uint8 wraps around)
+        (
+            lambda x: x * (torch.arange(5, dtype=torch.uint8) * 60 + 100 < 128).float(),
+            [(3, 5)],
+        ),
+    ],
+)
+def test_narrow_integer_operands(
+    fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]]
+) -> None:
+    _same_as_eager(fn, [_randn(*s) for s in shapes])

@@ -14,6 +14,7 @@ import onnx.shape_inference
 from .. import onnx_graph
 from ..errors import ExportError
 from .torch_export_empty import stub_zero_element_nodes
+from .torch_export_kernels import widen_narrow_integer_operands
 
 __all__ = ["fix_for_engine"]
 
@@ -33,6 +34,7 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     _layer_norm_bias(model)
     _layer_norm_centered(model)
     _max_pool_values_gathered(model)
+    widen_narrow_integer_operands(model)
 
 
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
