@@ -285,3 +285,32 @@ def test_aten_node_with_an_empty_integer_output_runs() -> None:
         )
     for name, buffer in model.named_buffers():
         torch.testing.assert_close(wrapped.state_dict()[name], buffer, rtol=1e-4, atol=1e-5)
+
+
+class _MaskedSelect(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 5, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.masked_select(x * self.weight, x > 0) * 1.5
+
+
+def test_output_of_data_dependent_size() -> None:
+    """masked_select's output size depends on the mask (an unbacked size for torch.export):
+    the output schema leaves it dynamic instead of asking whether it is 0 or 1 (export failed:
+    "Could not guard on data-dependent expression"); each step's own size comes back."""
+    model = _MaskedSelect()
+    wrapped = ORTModule(_MaskedSelect(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    sizes = set()
+    for _ in range(3):
+        x = torch.randn(4, 5, generator=gen)
+        want, got = model(x), wrapped(x)
+        sizes.add(want.numel())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        torch.testing.assert_close(wrapped.weight.grad, model.weight.grad, rtol=1e-4, atol=1e-5)
+    assert len(sizes) > 1, sizes
