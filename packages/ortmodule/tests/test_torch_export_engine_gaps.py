@@ -148,6 +148,13 @@ def test_norm_of_zeros_has_a_zero_gradient() -> None:
         # engine has no Equal (nor Less, Add, ...) on uint8 and refused the session
         (lambda x: x * torch.eye(4) + x, [(4, 4)]),
         (lambda x: torch.linalg.matrix_power(x, 0) * x + x, [(3, 3)]),
+        # copy(clone(x), eye): torch_lib's copy drops x, so the output was a constant the
+        # gradient builder could not find ("couldn't find the producer node"); eager's output
+        # requires grad and gives x zeros
+        (lambda x: torch.linalg.matrix_power(x, 0), [(1, 1)]),
+        (lambda x: torch.linalg.matrix_power(x, 0), [(3, 3)]),
+        # copy_ broadcasts its source
+        (lambda x, y: x.clone().copy_(y) * x, [(3, 4), (4,)]),
         # narrow integer arithmetic cast back: the low bits are kept (uint8 wraps around)
         (
             lambda x: x * (torch.arange(5, dtype=torch.uint8) * 60 + 100 < 128).float(),
