@@ -44,6 +44,15 @@ NO_TRANSLATION = {
 }
 
 
+class _Fn(nn.Module):
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.fn(*xs)
+
+
 def _two_steps_as_eager(model: torch.nn.Module, wrapped: ORTModule, shape: tuple[int, ...]) -> None:
     """Two steps of ``model`` and ``wrapped`` on the same inputs: outputs and input gradients."""
     gen = torch.Generator().manual_seed(1)
@@ -269,3 +278,122 @@ def test_exponential_draws_from_pytorchs_generator() -> None:
         want.sum().backward()
         got.sum().backward()
         torch.testing.assert_close(wrapped.gate.weight.grad, model.gate.weight.grad)
+
+
+# -- operators whose decomposition checks its result (with_effects) ----------------------------
+
+
+def _positive_definite(t: torch.Tensor) -> torch.Tensor:
+    return t @ t.mT + torch.eye(t.shape[-1])
+
+
+#: operators decomposed into an ``_ex`` variant and ``_linalg_check_errors(info)``, an effectful
+#: operator that the translator cannot lower (``with_effects`` and its token)
+CHECKED_DECOMPOSITIONS = {
+    "cholesky": lambda t: torch.linalg.cholesky(_positive_definite(t[:, :4])),
+    "tensorsolve": lambda t: torch.linalg.tensorsolve(
+        _positive_definite(t[:, :4]).reshape(2, 2, 4), t[:2, :2]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKED_DECOMPOSITIONS))
+def test_op_decomposed_with_an_error_check_runs_whole(name: str) -> None:
+    """linalg_cholesky decomposes into linalg_cholesky_ex and with_effects(token,
+    aten._linalg_check_errors, info): the operator is kept whole and PyTorch runs it."""
+    _trains_as_eager(CHECKED_DECOMPOSITIONS[name])
+
+
+def test_error_check_of_a_decomposition_still_raises() -> None:
+    """Kept whole, the check runs: a matrix that is not positive definite fails as in eager,
+    not a silent result of cholesky_ex."""
+    wrapped = ORTModule(_Fn(torch.linalg.cholesky), TORCH_EXPORT)
+    good = _positive_definite(torch.randn(3, 3))
+    torch.testing.assert_close(wrapped(good), torch.linalg.cholesky(good))
+    with pytest.raises(Exception, match="positive-definite"):
+        wrapped(-good)
+
+
+# -- gradients the engine's CPU build cannot run, or gets wrong -------------------------------
+
+
+#: the engine has a gradient builder, but its ResizeGrad has no CPU kernel (the session was
+#: refused); its AveragePoolGrad sizes the input's gradient from static shapes ([0, 0, 0] for a
+#: dynamic [4, 5, 9] input)
+ENGINE_GRADIENT_UNUSABLE = {
+    "interpolate_nearest": lambda t: nn.functional.interpolate(
+        t.unsqueeze(0), scale_factor=2.0, mode="nearest"
+    )[0],
+    "avg_pool1d": lambda t: nn.functional.avg_pool1d(t.unsqueeze(0), 2)[0],
+    "avg_pool2d_ceil": lambda t: nn.functional.avg_pool2d(
+        t.unsqueeze(0), 2, ceil_mode=True, count_include_pad=False, padding=1
+    )[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_GRADIENT_UNUSABLE))
+def test_op_whose_engine_gradient_is_unusable_takes_the_aten_route(name: str) -> None:
+    _trains_as_eager(ENGINE_GRADIENT_UNUSABLE[name])
+
+
+class _BatchNormWithUpdate(nn.Module):
+    """``aten._batch_norm_with_update`` (what ``F.batch_norm`` in training calls inside
+    torch.export), called directly: its decomposition does not translate, so it is kept whole,
+    and on CPU it writes an empty uint8 ``reserve`` beside its non-empty outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(0)))
+        self.bias = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(1)))
+        self.register_buffer("running_mean", torch.zeros(5))
+        self.register_buffer("running_var", torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, mean, invstd, _reserve = torch.ops.aten._batch_norm_with_update(
+            x, self.weight, self.bias, self.running_mean, self.running_var, 0.1, 1e-5
+        )
+        return out * 2 + (mean * invstd).sum()
+
+
+def test_aten_node_with_an_empty_integer_output_runs() -> None:
+    """An ATen node's empty integer values carry no gradient: the zero-element rewrite keeps
+    it (it refused the graph: "writes a zero-element tensor beside a non-empty one")."""
+    model = _BatchNormWithUpdate()
+    wrapped = ORTModule(_BatchNormWithUpdate(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    _two_steps_as_eager(model, wrapped, (4, 5, 3))
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(
+            wrapped.get_parameter(name).grad, parameter.grad, rtol=1e-4, atol=1e-5
+        )
+    for name, buffer in model.named_buffers():
+        torch.testing.assert_close(wrapped.state_dict()[name], buffer, rtol=1e-4, atol=1e-5)
+
+
+class _MaskedSelect(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 5, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.masked_select(x * self.weight, x > 0) * 1.5
+
+
+def test_output_of_data_dependent_size() -> None:
+    """masked_select's output size depends on the mask (an unbacked size for torch.export):
+    the output schema leaves it dynamic instead of asking whether it is 0 or 1 (export failed:
+    "Could not guard on data-dependent expression"); each step's own size comes back."""
+    model = _MaskedSelect()
+    wrapped = ORTModule(_MaskedSelect(), TORCH_EXPORT)
+    wrapped.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    sizes = set()
+    for _ in range(3):
+        x = torch.randn(4, 5, generator=gen)
+        want, got = model(x), wrapped(x)
+        sizes.add(want.numel())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        torch.testing.assert_close(wrapped.weight.grad, model.weight.grad, rtol=1e-4, atol=1e-5)
+    assert len(sizes) > 1, sizes

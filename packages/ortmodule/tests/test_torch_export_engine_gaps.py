@@ -220,3 +220,33 @@ def test_empty_output_with_a_dynamic_dim() -> None:
     (``(0, s)``, the ``s`` dynamic) needs that output's type declared, and the output schema
     holds the symbolic dim as dynamic."""
     _same_as_eager(torch.cdist, [_randn(0, 5), _randn(4, 5)])
+
+
+# -- CPU kernels for narrow integer types (torch_export_kernels) ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes"),
+    [
+        # torch.eye of a fixed size decomposes into iota(uint8) and Equal of them: the CPU
+        # engine has no Equal (nor Less, Add, ...) on uint8 and refused the session
+        (lambda x: x * torch.eye(4) + x, [(4, 4)]),
+        (lambda x: torch.linalg.matrix_power(x, 0) * x + x, [(3, 3)]),
+        # copy(clone(x), eye): torch_lib's copy drops x, so the output was a constant the
+        # gradient builder could not find ("couldn't find the producer node"); eager's output
+        # requires grad and gives x zeros
+        (lambda x: torch.linalg.matrix_power(x, 0), [(1, 1)]),
+        (lambda x: torch.linalg.matrix_power(x, 0), [(3, 3)]),
+        # copy_ broadcasts its source
+        (lambda x, y: x.clone().copy_(y) * x, [(3, 4), (4,)]),
+        # narrow integer arithmetic cast back: the low bits are kept (uint8 wraps around)
+        (
+            lambda x: x * (torch.arange(5, dtype=torch.uint8) * 60 + 100 < 128).float(),
+            [(3, 5)],
+        ),
+    ],
+)
+def test_narrow_integer_operands(
+    fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]]
+) -> None:
+    _same_as_eager(fn, [_randn(*s) for s in shapes])

@@ -86,6 +86,12 @@ def flatten(
 def _tensor_meta(leaf: torch.Tensor, static_shapes: bool) -> TensorMeta:
     size = leaf.shape
     shape: torch.Size | None = size
+    if any(_unbacked(d) for d in size):
+        # a size torch.export cannot know (masked_select's, nonzero's: an unbacked SymInt);
+        # asking whether it is 0 or 1 would make export fail ("Could not guard on
+        # data-dependent expression"): it is dynamic, as any other dim is without
+        # static shapes (the real tensors' schema is taken from a real run)
+        return (leaf.dtype, leaf.dim(), leaf.device, leaf.requires_grad, None)
     if not (static_shapes or not leaf.numel()):  # an empty tensor's shape always counts
         # dims of size 1 count, the others are dynamic (-1): a graph may treat a size-1 dim as
         # a broadcast one, which a dynamic dim cannot tell it (see shape_pattern)
@@ -96,6 +102,14 @@ def _tensor_meta(leaf: torch.Tensor, static_shapes: bool) -> TensorMeta:
         # SymInt in the schema would make it unhashable
         shape = torch.Size(d if type(d) is int else -1 for d in size)
     return (leaf.dtype, leaf.dim(), leaf.device, leaf.requires_grad, shape)
+
+
+def _unbacked(dim: Any) -> bool:
+    """Whether ``dim`` is a size without a value to guard on (a data-dependent SymInt)."""
+    if not isinstance(dim, torch.SymInt):
+        return False
+    node = dim.node
+    return bool(getattr(node, "has_hint", lambda: True)() is False)
 
 
 def shape_pattern(shape: Sequence[int]) -> torch.Size:

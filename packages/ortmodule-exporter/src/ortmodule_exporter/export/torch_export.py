@@ -380,7 +380,78 @@ def _export_program(
     if not static_shapes:
         flat.shape_guards = size_guards(program, names, tensors)
     model = onnx_program.model_proto
+    # the signature after the translator's decompositions, which make in-place writes functional
+    decomposed = getattr(onnx_program, "exported_program", None) or program
+    _writes_of_aten_nodes(model, decomposed, flat, names, where)
     return _as_training_graph(model, program, names, where, canonical_state_names(flat))
+
+
+def _writes_of_aten_nodes(
+    model: onnx.ModelProto,
+    program: torch.export.ExportedProgram,
+    flat: TorchExportFlat,
+    names: Sequence[str],
+    where: str,
+) -> None:
+    """The buffers and inputs that an ATen node's operator writes in place become written
+    ones (graph outputs the runtime copies back), as those the wrapper found are.
+
+    The wrapper finds writes by version counters, which some kernels do not move:
+    ``aten._batch_norm_with_update`` updates its running statistics without (nor does
+    ``F.batch_norm`` in eager). torch.export knows the write from the operator's schema (its
+    functional form returns the new values, the graph signature says whose) but the translator
+    drops those outputs: the running statistics would silently stay as they were. Where the
+    translator lowers the operator, our translations write what the engine computes
+    (``BatchNormalization``, whose running statistics the BatchNorm pass writes back); where an
+    ATen node computes them (PyTorch's kernel), they are written back here.
+    """
+    from ..aten.executor import ATEN_DOMAIN  # noqa: PLC0415 - the ATen route's domain
+
+    sig = program.graph_signature
+    produced = {o: n for n in model.graph.node if n.domain == ATEN_DOMAIN for o in n.output}
+    prefix = f"{flat._wrapped_name}."
+    user_inputs = list(sig.user_inputs)
+    found = flat._found
+    new_inputs: list[tuple[int, str]] = []
+    new_buffers: list[tuple[str, str]] = []
+    for value, buffer in sig.buffers_to_mutate.items():
+        name = buffer[len(prefix) :] if buffer.startswith(prefix) else buffer
+        if value in produced and name not in found.written_buffers:
+            new_buffers.append((name, value))
+    for value, placeholder in sig.user_inputs_to_mutate.items():
+        index = user_inputs.index(placeholder) if placeholder in user_inputs else -1
+        if value in produced and index >= 0 and index not in found.written_inputs:
+            new_inputs.append((index, value))
+    if not new_buffers and not new_inputs:
+        return
+    graph = model.graph
+    types = {vi.name: vi for vi in (*graph.value_info, *graph.output)}
+    outputs = list(graph.output)
+    user = len(outputs) - len(found.written_inputs) - len(found.written_buffers)
+    h = onnx.helper
+
+    def output(value: str, out: str) -> onnx.ValueInfoProto:
+        graph.node.append(h.make_node("Identity", [value], [out]))
+        made = onnx.ValueInfoProto()
+        if value in types:
+            made.CopyFrom(types[value])
+        made.name = out
+        return made
+
+    inputs = [
+        output(value, f"{INPUT_WRITE_PREFIX}{names[index]}_aten") for index, value in new_inputs
+    ]
+    buffers = [output(value, f"{BUFFER_WRITE_PREFIX}{name}_aten") for name, value in new_buffers]
+    split = user + len(found.written_inputs)
+    del graph.output[:]
+    graph.output.extend([*outputs[:split], *inputs, *outputs[split:], *buffers])
+    found.written_inputs.extend(index for index, _ in new_inputs)
+    found.written_buffers.extend(name for name, _ in new_buffers)
+    logger.debug(
+        "%s: ATen nodes write %s in place",
+        where,
+        ", ".join([*(names[i] for i, _ in new_inputs), *(n for n, _ in new_buffers)]),
+    )
 
 
 def size_guards(

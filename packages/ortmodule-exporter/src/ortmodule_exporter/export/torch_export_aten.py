@@ -46,10 +46,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
+import onnx
 import torch
 
 from ..aten import executor as aten_executor
 from ..aten.engine_gradients import engine_has_gradient
+from ..aten.engine_kernels import cpu_kernel_exists
 from ..aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError
 from ..torchscript_onnx import type_utils
 from .torch_export_python_op import is_python_op, write_python_op
@@ -242,7 +244,7 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
         except Exception:
             # a decomposition's node (prims) that does not translate: its operator is kept
             # whole on the next translation when the executor runs it
-            source = _canonical(node.meta.get("original_aten"))
+            source = _canonical(node.meta.get("original_aten")) or _effect_source(node)
             if (
                 source is not None
                 and aten_executor.installed()
@@ -255,6 +257,35 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
 
     lower_or_note.__wrapped__ = original  # type: ignore[attr-defined]
     return lower_or_note
+
+
+def _effect_source(node: torch.fx.Node) -> Any:
+    """The aten operator whose decomposition wrote ``node``, a ``with_effects`` node, or None.
+
+    A decomposition may call an effectful operator: ``linalg_cholesky`` is ``linalg_cholesky_ex``
+    then ``_linalg_check_errors(info)``, which raises on a matrix that is not positive definite;
+    functionalized, it is ``with_effects(token, aten._linalg_check_errors, ...)``, threading an
+    effect token through the graph, which the translator cannot lower (it has no notion of
+    tokens). Dropping the check would turn eager's error into a silent result; kept whole, the
+    decomposed operator is one ATen node and PyTorch runs it, check included. The node carries
+    no ``original_aten``; its provenance (``from_node``, written by the decomposition's
+    interpreter) names the node it was decomposed from, by its target's name."""
+    if node.target is not torch.ops.higher_order.with_effects:
+        return None
+    for source in node.meta.get("from_node") or ():
+        found = _aten_named(str(getattr(source, "target", "")))
+        if found is not None:
+            return found
+    return None
+
+
+def _aten_named(name: str) -> Any:
+    """``torch.ops.aten.<op>.<overload>`` for its name ``aten.<op>.<overload>``, else None."""
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        return None
+    packet = getattr(torch.ops.aten, parts[1], None)
+    return _canonical(getattr(packet, parts[2], None)) if packet is not None else None
 
 
 def _cause(err: BaseException) -> str:
@@ -360,6 +391,10 @@ def _untrainable(nodes: Sequence[Any], derived: set[Any], model: Any) -> list[st
                 n.op_type
             ):
                 found.append(f"no engine gradient for {n.op_type}")
+            elif (gradient := _gradient_without_cpu_kernel(n.op_type)) is not None:
+                found.append(f"the engine's gradient {gradient} has no CPU kernel")
+            elif n.op_type in _WRONG_GRADIENTS:
+                found.append(_WRONG_GRADIENTS[n.op_type])
         else:
             function = model.functions.get(n.op_identifier())
             if function is not None:
@@ -385,6 +420,37 @@ def _gradient_form_gap(node: Any) -> str | None:
         if value != "constant":
             return f"Pad mode={value} (the engine's gradient is for constant mode only)"
     return None
+
+
+#: ONNX ops whose engine gradient (1.19.2) is wrong where torch_lib writes them, and why
+_WRONG_GRADIENTS = {
+    # the CPU AveragePoolGrad sizes its output from the node's static output shape, which has
+    # no value for a dynamic dim: the input's gradient came back of shape [0, 0, 0] for a
+    # [2, 3, 9] input (avg_pool1d), and it ignores ceil_mode. The TorchScript frontend writes
+    # a window-sum Conv instead (symbolics.pooling._avg_pool)
+    "AveragePool": "the engine's AveragePoolGrad sizes its output from static shapes",
+}
+
+#: op -> the engine's gradient operator for it (domain, type, its input count), where the
+#: engine's CPU build may have the gradient builder but no kernel for what it writes
+_GRADIENT_OPERATORS = {
+    # 1.19.2: ResizeGrad is a CUDA kernel only; the session refuses a CPU training graph of
+    # Resize ("Could not find an implementation for ResizeGrad(1)": interpolate nearest, whose
+    # torch_lib lowering is Resize; the TorchScript frontend writes Gathers, symbolics.upsampling)
+    "Resize": ("com.microsoft", "ResizeGrad", 2),
+}
+
+
+def _gradient_without_cpu_kernel(op_type: str) -> str | None:
+    """The engine's gradient operator of ``op_type`` when its CPU build cannot run it (asked of
+    the engine), else None. The route then runs the operator in PyTorch on every device: a
+    CUDA engine would have the kernel, but the export does not know where the graph runs."""
+    gradient = _GRADIENT_OPERATORS.get(op_type)
+    if gradient is None:
+        return None
+    domain, name, count = gradient
+    floats = (onnx.TensorProto.FLOAT,) * count
+    return None if cpu_kernel_exists(name, floats, domain=domain) else name
 
 
 def _forget_new(farm: dict[Any, Any], cached: set[Any]) -> None:

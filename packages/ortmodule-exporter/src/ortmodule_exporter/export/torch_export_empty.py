@@ -39,6 +39,7 @@ import onnx
 import onnx.shape_inference
 
 from ..aten.empty_tensors import SAFE_ON_EMPTY
+from ..aten.executor import ATEN_DOMAIN
 from ..errors import ExportError
 from ..onnx_graph import FLOAT_TYPES, value_shapes
 
@@ -198,6 +199,12 @@ def _rewrite(node: onnx.NodeProto, index: int, known: _Shapes) -> list[onnx.Node
     outputs = [o for o in node.output if o]
     if not any(elem(o) in FLOAT_TYPES for o in outputs) and all(elem(o) for o in outputs):
         return [node]  # Shape, Size, comparisons, indices: no gradient goes through them
+    if node.domain == ATEN_DOMAIN and _empty_values_without_gradient(values, known, elem):
+        # PyTorch runs an ATen node, forward and backward, and handles empty tensors; its
+        # empty values here are integer ones, which carry no gradient into the engine: an
+        # int[] argument given as [] (avg_pool2d's stride), the uint8 reserve that
+        # _batch_norm_with_update writes on CPU beside its non-empty outputs
+        return [node]
     where = f"{node.op_type} node {node.name or index} of the torch_export graph"
     if _has_subgraphs(node):
         raise ExportError(
@@ -257,6 +264,14 @@ def _rewrite(node: onnx.NodeProto, index: int, known: _Shapes) -> list[onnx.Node
         f"the {where} computes a non-empty output from a zero-element tensor, which the engine "
         "mishandles, and ORTModule knows no rewrite for it: use ORTMODULE_EXPORTER=torchscript"
     )
+
+
+def _empty_values_without_gradient(
+    values: list[str], known: _Shapes, elem: Callable[[str], int]
+) -> bool:
+    """Whether every empty one of ``values`` is of a known type that is not float."""
+    empty = [v for v in values if _is_empty(known, v)]
+    return all(elem(v) and elem(v) not in FLOAT_TYPES for v in empty)
 
 
 def _replaced(

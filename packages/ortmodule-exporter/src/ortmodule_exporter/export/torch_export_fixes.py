@@ -19,6 +19,7 @@ from ..aten.executor import ATEN_DOMAIN
 from ..aten.stop_gradient import STOP_GRADIENT as ATEN_STOP_GRADIENT
 from ..errors import ExportError
 from .torch_export_empty import stub_zero_element_nodes
+from .torch_export_kernels import widen_narrow_integer_operands
 
 __all__ = ["cut_gradients_of_outputs", "fix_for_engine"]
 
@@ -40,6 +41,8 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     _layer_norm_centered(model)
     _max_pool_values_gathered(model)
     _where_branches_expanded(model)
+
+    widen_narrow_integer_operands(model)
 
 
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:

@@ -215,6 +215,31 @@ def _clamps_by_tensor(opset: int) -> tuple[Any, Any, Any]:
     return clamp_min, clamp_max, clamp
 
 
+def _copy_keeping_destination(opset: int) -> Any:
+    """``copy(self, src)`` (functionalized ``self.copy_(src)``) as ``Where(True, src, self)``, src
+    cast to self's type and broadcast to self's shape.
+
+    torch_lib writes ``CastLike(src, self)``: the result no longer depends on ``self``, whose
+    gradient eager gives zeros, and when ``src`` is a constant the whole output is one
+    (``linalg.matrix_power(x, 0)`` is ``copy(clone(x), eye)``): eager's output requires grad,
+    the engine's gradient builder fails on an output it has folded away ("couldn't find the
+    producer node"). Where keeps ``self`` an input with a zero gradient, exactly, whatever its
+    values (``self * 0`` would be NaN for an infinite one), and broadcasts ``src`` as copy_
+    does (torch_lib does not).
+    """
+    import onnxscript  # noqa: PLC0415 - optional: only this frontend needs it
+
+    op = onnxscript.values.Opset("", opset)
+
+    def copy(self: Any, src: Any, non_blocking: bool = False) -> Any:
+        shape = op.Shape(self)
+        value = op.Expand(op.CastLike(src, self), shape)
+        everywhere = op.Expand(op.Constant(value_ints=[1]), shape)
+        return op.Where(op.Cast(everywhere, to=9), value, self)  # 9: BOOL
+
+    return copy
+
+
 def _refused(operator: str, why: str) -> Any:
     """A translation that refuses ``operator``, whose torch_lib lowering is wrong: the ATen route
     (``torch_export_aten``) takes an operator whose translation fails to PyTorch, and where it
@@ -243,6 +268,7 @@ def training_translations(opset: int) -> dict[Any, Any]:
         aten.clamp_min.Tensor: clamp_min,
         aten.clamp_max.Tensor: clamp_max,
         aten.clamp.Tensor: clamp,
+        aten.copy.default: _copy_keeping_destination(opset),
         # torch_lib writes exp(x**2) * (1 - erf(x)): 1 - erf(x) is 0 in float32 from x = 4
         # on, where erfcx(x) is about 1 / (x sqrt(pi)) (0.06 at x = 9: ours was 0)
         aten.special_erfcx.default: _refused(
