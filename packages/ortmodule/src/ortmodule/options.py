@@ -140,8 +140,8 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "translator, at opset 18 or ORTMODULE_ONNX_OPSET_VERSION if higher: a branch on a "
         "tensor's value is an export error instead of a guard, in-place writes are "
         "functionalized, no shape is baked in; operators without a translation or an "
-        "engine gradient, and torch.library custom operators, run in PyTorch. Not yet with "
-        "user autograd.Functions (an export error) or the opt-in ATen routes and the kernel "
+        "engine gradient, torch.library custom operators and custom autograd.Functions (as "
+        "PythonOps) run in PyTorch. Not yet with the opt-in ATen routes and the kernel "
         "choice (an error when set) "
         "(docs/architecture.md, The torch_export frontend).",
         "torch_export",
