@@ -77,3 +77,14 @@ def test_results_of_another_sample_are_not_carried() -> None:
     old = _part("day 1", {"torchscript": {"a": "parity"}, "torch_export": {"a": "x"}}, every=8)
     with pytest.raises(SystemExit, match="every differ"):
         carry_other_frontends(old, _part("day 2", {"torch_export": {"b": "parity"}}, every=4))
+
+
+def test_committed_torchscript_opinfo_column_is_read_for_a_new_sample() -> None:
+    """``--frontends torch_export --opinfo-torchscript committed`` over a new ``--opinfo-every``
+    holds the committed TorchScript column: nothing to carry, so nothing is refused after the
+    sweep (a whole-sweep run of torch_export was lost that way)."""
+    from ortmodule_testing.frontends.__main__ import opinfo_frontends
+
+    assert opinfo_frontends(("torch_export",), True) == ("torchscript", "torch_export")
+    assert opinfo_frontends(("torch_export",), False) == ("torch_export",)
+    assert opinfo_frontends(FRONTENDS, True) == FRONTENDS

@@ -70,13 +70,28 @@ def _measure(part: str, args: argparse.Namespace, command: str, work: Path) -> d
         ops = measure.opinfo_sample(root, args.opinfo_every)
         committed = args.opinfo_torchscript == "committed"
         return measure.opinfo(
-            root, command, ops, args.opinfo_every, args.opinfo_workers, committed, frontends
+            root,
+            command,
+            ops,
+            args.opinfo_every,
+            args.opinfo_workers,
+            committed,
+            opinfo_frontends(frontends, committed),
         )
     if part == "fuzz":
         return measure.fuzz(
             command, args.fuzz_seed, args.fuzz_programs, args.fuzz_timeout, frontends
         )
     return measure.timing(root, command, args.timing_models, args.timing_steps, frontends)
+
+
+def opinfo_frontends(frontends: tuple[str, ...], torchscript_committed: bool) -> tuple[str, ...]:
+    """The frontends an OpInfo part holds: the committed TorchScript column is read (it costs
+    nothing) even when only ``torch_export`` is run, so a new sample (``--opinfo-every``) of one
+    frontend has both columns instead of being refused after the sweep."""
+    if torchscript_committed and "torchscript" not in frontends:
+        return ("torchscript", *frontends)
+    return frontends
 
 
 #: what picks a part's sample: results are carried from an earlier run only over the same sample
@@ -136,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         for part in args.parts:
             print(f"measuring {part} ...", flush=True)
             value = _measure(part, args, command, work)
+            # kept in the scratch folder first: a refusal to store it loses no measurement
+            (work / f"{part}-result.json").write_text(json.dumps(value, indent=1) + "\n")
             _store(args.json, part, value)
             print(f"{part}: {value['seconds']} s", flush=True)
     data = json.loads(args.json.read_text())
