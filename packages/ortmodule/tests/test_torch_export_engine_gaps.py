@@ -137,6 +137,26 @@ def test_erfcx_runs_in_pytorch_not_wrong() -> None:
     _same_as_eager(torch.special.erfcx, [torch.tensor([1.0, 9.0])])
 
 
+@pytest.mark.parametrize(
+    ("fn", "x"),
+    [
+        # torch_lib's log_sigmoid lost precision far below zero: -8.4787 for eager's -8.4786
+        (nn.functional.logsigmoid, [-8.48, -20.0, 0.5, 3.0]),
+        # log_ndtr's gradient was NaN in the tail
+        (torch.special.log_ndtr, [-10.0, -5.0, 0.5, 3.0]),
+        # _safe_softmax's gradient was NaN on a row that is all -inf (eager: 0)
+        (
+            lambda t: torch.ops.aten._safe_softmax(t.view(2, 2), -1),
+            [float("-inf"), float("-inf"), 1.0, 2.0],
+        ),
+    ],
+    ids=["logsigmoid", "log_ndtr", "safe_softmax"],
+)
+def test_wrong_translations_run_in_pytorch(fn: Callable[..., torch.Tensor], x: list[float]) -> None:
+    """Found by the full OpInfo sweep of 2026-11-27: each runs in PyTorch (the ATen route)."""
+    _same_as_eager(fn, [torch.tensor(x)])
+
+
 def test_norm_of_zeros_has_a_zero_gradient() -> None:
     """PyTorch's norm backward masks a zero norm (gradient 0, not Sqrt's NaN)."""
     x = torch.zeros(2, 3)

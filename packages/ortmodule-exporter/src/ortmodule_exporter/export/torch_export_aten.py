@@ -84,10 +84,24 @@ _PYTORCH_PICKS: dict[Any, str] = {
     # and runs it in PyTorch, from PyTorch's generator as eager; PhiMoE's router samples its
     # experts with it in training
     torch.ops.aten.exponential.default: "PyTorch draws it from its generator, as eager does",
+    # wrong through torch_lib and the engine (the full OpInfo sweep of 2026-11-27): log_sigmoid
+    # lost precision far below zero (-8.4787 for eager's -8.4786 at x = -8.48; OpInfo's
+    # multilabel_soft_margin_loss off by 3e-4); log_ndtr's and _safe_softmax's gradients were
+    # NaN where eager's are finite (far in the tail; a row that is all -inf)
+    torch.ops.aten.log_sigmoid.default: "torch_lib's log_sigmoid loses precision",
+    torch.ops.aten.special_log_ndtr.default: "its gradient through torch_lib is NaN in the tail",
+    torch.ops.aten._safe_softmax.default: "its gradient through the engine is NaN on -inf rows",
 }
 #: those of PyTorch's picks the translator decomposes (no torch_lib function of their own): kept
 #: whole from the first translation, else they never reach the route as themselves
-_DECOMPOSED_PICKS = frozenset({torch.ops.aten.exponential.default})
+_DECOMPOSED_PICKS = frozenset(
+    {
+        torch.ops.aten.exponential.default,
+        torch.ops.aten.log_sigmoid.default,
+        torch.ops.aten.special_log_ndtr.default,
+        torch.ops.aten._safe_softmax.default,
+    }
+)
 
 
 @dataclass
