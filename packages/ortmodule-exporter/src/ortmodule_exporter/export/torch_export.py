@@ -38,6 +38,7 @@ import torch
 from ortmodule_pytree import Schema, flatten, unflatten
 
 from .. import onnx_graph
+from ..aten.executor import ATEN_DOMAIN
 from ..errors import ExportError
 from ..python_op.symbolic import custom_autograd_enabled
 from .calls import call_bound, writable_buffers
@@ -405,8 +406,6 @@ def _writes_of_aten_nodes(
     (``BatchNormalization``, whose running statistics the BatchNorm pass writes back); where an
     ATen node computes them (PyTorch's kernel), they are written back here.
     """
-    from ..aten.executor import ATEN_DOMAIN  # noqa: PLC0415 - the ATen route's domain
-
     sig = program.graph_signature
     produced = {o: n for n in model.graph.node if n.domain == ATEN_DOMAIN for o in n.output}
     prefix = f"{flat._wrapped_name}."
