@@ -159,6 +159,19 @@ def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[froz
     ]
 
 
+def declared_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Value name -> ONNX element type, as the graph declares them (inputs, value_info,
+    outputs, initializers), without inference."""
+    graph = model.graph
+    types = {
+        vi.name: vi.type.tensor_type.elem_type
+        for vi in (*graph.input, *graph.value_info, *graph.output)
+        if vi.type.HasField("tensor_type")
+    }
+    types.update({init.name: init.data_type for init in graph.initializer})
+    return types
+
+
 def value_types(model: onnx.ModelProto) -> dict[str, int]:
     """Value name -> ONNX element type, for every value whose type is declared or inferred.
 

@@ -46,14 +46,7 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
 
 
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    graph = model.graph
-    types = {
-        vi.name: vi.type.tensor_type.elem_type
-        for vi in (*graph.input, *graph.value_info, *graph.output)
-        if vi.type.HasField("tensor_type")
-    }
-    types.update({init.name: init.data_type for init in graph.initializer})
-    return types
+    return onnx_graph.declared_types(model)
 
 
 #: op -> how many outputs the engine's gradient builder reads (1.19.2): torch_lib writes only
@@ -347,6 +340,21 @@ def _scatter_add_onto_zeros(model: onnx.ModelProto) -> None:
     graph.node.extend(new_nodes)
 
 
+def _as_vector(node: onnx.NodeProto, slot: int, tag: str, axes: str) -> list[onnx.NodeProto]:
+    """Nodes making ``node``'s input ``slot`` (a 0-d tensor) 1-D: the node reads
+    ``{tag}_vector`` from then on."""
+    h = onnx.helper
+    vector = f"{tag}_vector"
+    made = [
+        h.make_node(
+            "Constant", [], [axes], value=h.make_tensor(axes, onnx.TensorProto.INT64, [1], [0])
+        ),
+        h.make_node("Unsqueeze", [node.input[slot], axes], [vector]),
+    ]
+    node.input[slot] = vector
+    return made
+
+
 def _zeros_like(like: str, out: str, dtype: int) -> list[onnx.NodeProto]:
     """Nodes writing ``out``: zeros of ``like``'s shape and element type ``dtype``."""
     h = onnx.helper
@@ -440,13 +448,7 @@ def _top_k_of_scalar(model: onnx.ModelProto) -> None:
             continue
         tag = f"{node.name or 'TopK'}_{index}"
         axes = f"{tag}_axes"
-        new_nodes += [
-            h.make_node(
-                "Constant", [], [axes], value=h.make_tensor(axes, onnx.TensorProto.INT64, [1], [0])
-            ),
-            h.make_node("Unsqueeze", [node.input[0], axes], [f"{tag}_vector"]),
-        ]
-        node.input[0] = f"{tag}_vector"
+        new_nodes += _as_vector(node, 0, tag, axes)
         for attr in node.attribute:
             if attr.name == "axis":
                 attr.i = 0
@@ -508,13 +510,7 @@ def _reductions_of_scalars(model: onnx.ModelProto) -> None:
                 continue
         tag = f"{node.name or node.op_type}_{index}"
         zero = f"{tag}_axis0"
-        new_nodes += [
-            h.make_node(
-                "Constant", [], [zero], value=h.make_tensor(zero, onnx.TensorProto.INT64, [1], [0])
-            ),
-            h.make_node("Unsqueeze", [node.input[0], zero], [f"{tag}_vector"]),
-        ]
-        node.input[0] = f"{tag}_vector"
+        new_nodes += _as_vector(node, 0, tag, zero)
         if len(node.input) > 1:
             node.input[1] = zero
         kept = [a for a in node.attribute if a.name not in ("keepdims", "axes")]

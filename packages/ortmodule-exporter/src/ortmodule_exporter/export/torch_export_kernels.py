@@ -23,6 +23,7 @@ from __future__ import annotations
 import onnx
 import onnx.shape_inference
 
+from .. import onnx_graph
 from ..aten.engine_kernels import cpu_kernel_exists
 
 __all__ = ["widen_narrow_integer_operands"]
@@ -37,14 +38,8 @@ _SAME_LOW_BITS = frozenset({"Min", "Max", "Where", "Add", "Sub", "Mul", "Neg", "
 
 
 def _types(model: onnx.ModelProto) -> dict[str, int]:
-    graph = model.graph
-    types = {
-        vi.name: vi.type.tensor_type.elem_type
-        for vi in (*graph.input, *graph.value_info, *graph.output)
-        if vi.type.HasField("tensor_type")
-    }
-    types.update({init.name: init.data_type for init in graph.initializer})
-    for node in graph.node:
+    types = onnx_graph.declared_types(model)
+    for node in model.graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             types[node.output[0]] = node.attribute[0].t.data_type
     return types
