@@ -221,6 +221,65 @@ def test_outputs_without_gradient(
 
 
 @pytest.mark.parametrize(
+    ("fn", "shapes"),
+    [
+        # Pow with an exponent on a float path: the engine differentiates the base only
+        (torch.pow, [(3, 4), (3, 4)]),
+        (lambda x: 2**x, [(5,)]),
+        (torch.exp2, [(5,)]),
+        # x ** 2: a constant exponent stays in the engine (checked below)
+        (lambda x: x**2, [(5,)]),
+        # Mish is new in opset 18: an opset-17 probe of its gradient could not ask the engine
+        (nn.functional.mish, [(6,)]),
+        # permute of a 0-d tensor: a Transpose without perm, whose engine gradient failed
+        (lambda x: x.sum().permute(()), [(2, 3)]),
+        (lambda x: x.permute(2, 0, 1), [(2, 3, 4)]),
+    ],
+    ids=["pow", "rpow", "exp2", "square", "mish", "permute_0d", "permute"],
+)
+def test_engine_gradient_gaps(
+    fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]]
+) -> None:
+    """Each failed the gradient build on torch_export (the full OpInfo sweep of 2026-11-27)."""
+    _same_as_eager(fn, [_randn(*s).abs() + 0.5 for s in shapes])
+
+
+def test_constant_exponent_stays_in_the_engine() -> None:
+    model = ORTModule(_Fn(lambda x: x**2), TORCH_EXPORT)
+    model(torch.randn(4, requires_grad=True)).sum().backward()
+    graph = model._runner.transitions.current(True, True).built.exported.model.graph
+    assert any(n.op_type == "Pow" for n in graph.node)
+
+
+def test_scan_of_an_untyped_value_runs_in_pytorch() -> None:
+    """cumsum of a where (OpInfo's masked.cumsum): the where's ONNX value was untyped while
+    translating, so the CumSum (no engine gradient) was not seen on a float path; and its
+    ``dtype`` argument (a ScalarType, an int to the executor) kept it from the ATen route."""
+    mask = torch.tensor([[True, False, True], [False, True, True]])
+    _same_as_eager(lambda x: torch.masked.cumsum(x, 1, mask=mask), [_randn(2, 3)])
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        # a real tensor's angle: Where(x < 0, pi, 0), from no float input
+        lambda x: (torch.angle(x),),
+        # fill: an Expand of the value to the input's shape (the input read by CastLike and
+        # Shape only)
+        lambda x: (torch.fill(x, 2.5), x * 3),
+    ],
+    ids=["angle", "fill"],
+)
+def test_outputs_eager_differentiates_with_zero_gradient(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+) -> None:
+    """Eager's output requires grad and its inputs get a zero gradient; the translation
+    computes it from no float input, so the engine gave an output without ``requires_grad``
+    and no gradient (the full OpInfo sweep of 2026-11-27). PyTorch runs the operator."""
+    _outputs_same_as_eager(fn, [torch.tensor([-1.5, 0.0, 2.0])])
+
+
+@pytest.mark.parametrize(
     "fn",
     [
         # a reduction over dim 0 of a 0-d tensor: ONNX allows no axes for rank 0, and the

@@ -159,6 +159,15 @@ def output_dependencies(model: onnx.ModelProto, outputs: list[str]) -> list[froz
     ]
 
 
+#: ONNX's reductions: each takes ``axes`` that must lie in [-rank, rank - 1]
+REDUCTIONS = frozenset(
+    {
+        *("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1"),
+        *("ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"),
+    }
+)
+
+
 def declared_types(model: onnx.ModelProto) -> dict[str, int]:
     """Value name -> ONNX element type, as the graph declares them (inputs, value_info,
     outputs, initializers), without inference."""

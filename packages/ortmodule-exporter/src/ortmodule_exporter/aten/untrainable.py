@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import onnx_graph
 from ..torchscript_onnx import GLOBALS, export_utils, jit_utils, type_utils
 from . import executor as aten_executor
 from .engine_gradients import engine_has_gradient
@@ -67,15 +68,7 @@ _AXIS_OPS = frozenset(
         "Softmax",
         "LogSoftmax",
         "Hardmax",
-        "ReduceSum",
-        "ReduceMean",
-        "ReduceMax",
-        "ReduceMin",
-        "ReduceProd",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceLogSumExp",
-        "ReduceSumSquare",
+        *onnx_graph.REDUCTIONS,
         "TopK",
         "Gather",
         "GatherElements",

@@ -233,11 +233,13 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
                 route.routed.append(f"{_label(target)}: its translation failed ({_cause(err)})")
                 return
             raise
-        reasons = (
-            _untrainable(captured.nodes, _float_inputs(node, node_name_to_values), model)
-            if route.training
-            else []
-        )
+        reasons: list[str] = []
+        if route.training:
+            inputs = _float_inputs(node, node_name_to_values)
+            reasons = _untrainable(captured.nodes, set(inputs), model)
+            reached = _reached(captured.nodes, inputs, model, reasons)
+            if not reasons and inputs and _cuts_gradient(node, node_name_to_values, reached):
+                reasons = ["its translation computes an output eager differentiates from no input"]
         if reasons and writer.write(graph_like):
             _detach(captured.nodes)
             _forget_new(farm, cached)
@@ -375,13 +377,148 @@ def _maybe_float(value: Any) -> bool:
 
 
 def _float_inputs(node: torch.fx.Node, node_name_to_values: Mapping[str, Any]) -> set[Any]:
-    """The ONNX values of ``node``'s float tensor inputs (the start of its float paths)."""
+    """The ONNX values of ``node``'s float tensor inputs (the start of its float paths). A
+    value the translator left untyped (the output of a torch_lib function it inlines later)
+    counts by the FX node's traced dtype: ``cumsum`` of a ``where`` went unrouted, and the
+    engine then had no CumSum gradient (OpInfo's ``masked.cumsum``)."""
     found: set[Any] = set()
     for source in node.all_input_nodes:
         value = node_name_to_values.get(source.name)
         values = value if isinstance(value, Sequence) else [value]
-        found.update(v for v in values if v is not None and hasattr(v, "dtype") and _is_float(v))
+        traced = source.meta.get("val")
+        traced_float = isinstance(traced, torch.Tensor) and traced.dtype.is_floating_point
+        found.update(
+            v
+            for v in values
+            if v is not None
+            and hasattr(v, "dtype")
+            and (_is_float(v) or (v.dtype is None and traced_float))
+        )
     return found
+
+
+def _cuts_gradient(
+    node: torch.fx.Node, node_name_to_values: Mapping[str, Any], reached: set[Any]
+) -> bool:
+    """Whether the translation of ``node`` computes a float output from none of its float
+    inputs (it is not in ``reached``: :func:`_reached`) where eager's
+    autograd differentiates that output from them (with a zero gradient): ``angle`` of a real
+    tensor (``Where(x < 0, pi, 0)``), ``fill`` (an ``Expand`` of the value to the input's
+    shape). The engine then hands the output back without ``requires_grad`` and the inputs
+    no gradient, where eager's are zeros; PyTorch runs such a node and its autograd."""
+    value = node_name_to_values.get(node.name)
+    values = list(value) if isinstance(value, Sequence) else [value]
+    cut = [
+        i
+        for i, v in enumerate(values)
+        if v is not None and hasattr(v, "dtype") and _is_float(v) and v not in reached
+    ]
+    if not cut:
+        return False
+    eager = _eager_requires_grad(node)
+    return eager is not None and any(i < len(eager) and eager[i] for i in cut)
+
+
+#: ONNX ops whose outputs carry no gradient whatever their inputs (comparisons, logic, sizes,
+#: indices): the translator leaves their outputs untyped while it lowers
+_NO_GRADIENT_OUTPUTS = frozenset(
+    {
+        *("Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Equal", "Not", "And", "Or"),
+        *("Xor", "IsNaN", "IsInf", "Shape", "Size", "ArgMax", "ArgMin", "NonZero"),
+        *("ConstantOfShape", "EyeLike", "RandomUniformLike", "RandomNormalLike", "Bernoulli"),
+    }
+)
+
+
+#: ONNX op -> its inputs that carry no gradient to its outputs: CastLike reads only the type
+#: of its second input (torch_lib writes ``CastLike(value, self)`` for every Python scalar)
+_NO_GRADIENT_INPUTS = {"CastLike": (1,), "Where": (0,), "Expand": (1,), "Reshape": (1,)}
+
+
+def _reached(
+    nodes: Sequence[Any], start: set[Any], model: Any, gaps: list[str] | None = None
+) -> set[Any]:
+    """The values of ``nodes`` (one translation, in order) a gradient could flow to from
+    ``start``: every output of a node reading one through an input that carries a gradient,
+    except those of ops whose outputs carry none and those typed as not float. An untyped
+    output counts as reached (the translator types few of a lowering's intermediate values),
+    so a cut is claimed only where one is certain.
+
+    ``gaps`` gets a reason for each ``Pow`` whose exponent is reached: the engine (1.19.2)
+    differentiates Pow for its base only ("GradientBuilder is not implemented for ... Pow's
+    input exponent"; ``pow(x, y)``, ``2 ** x``, ``exp2``, ``ldexp``), as the TorchScript
+    frontend's ``aten/gradient_gaps.py`` finds. A constant exponent (``x ** 2``: a
+    ``CastLike`` of the constant, which reads ``x`` only for its type) is not reached."""
+    reached = set(start)
+    for n in nodes:
+        if (
+            gaps is not None
+            and n.op_type == "Pow"
+            and n.domain in ("", "ai.onnx")
+            and len(n.inputs) > 1
+            and n.inputs[1] in reached
+        ):
+            gaps.append("Pow's exponent (the engine has no gradient for it)")
+        if n.domain not in ("", "ai.onnx"):
+            function = model.functions.get(n.op_identifier())
+            if function is not None:
+                # a call of a local function (torch_lib's scripted ones): looked into
+                inner = {p for p, a in zip(function.inputs, n.inputs, strict=False) if a in reached}
+                inside = _reached(list(function), inner, model, gaps)
+                reached.update(
+                    o for o, r in zip(n.outputs, function.outputs, strict=False) if r in inside
+                )
+                continue
+            carrying = list(n.inputs)
+        elif n.op_type in _NO_GRADIENT_OUTPUTS:
+            continue
+        else:
+            skipped = _NO_GRADIENT_INPUTS.get(n.op_type, ())
+            carrying = [v for i, v in enumerate(n.inputs) if i not in skipped]
+        if any(v is not None and v in reached for v in carrying):
+            reached.update(o for o in n.outputs if _maybe_float(o))
+    return reached
+
+
+def _eager_requires_grad(node: torch.fx.Node) -> list[bool] | None:
+    """Whether each output of ``node``'s operator requires grad in eager when its float tensor
+    arguments do: the operator run on meta tensors of the traced shapes (the FX node's values
+    carry no ``requires_grad``); None where that cannot be run."""
+    try:
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _meta_argument)
+        with torch.enable_grad():
+            out = node.target(*args, **kwargs)  # type: ignore[operator]
+    except Exception:  # an operator without a meta kernel, an unknown size: no answer
+        return None
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    return [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+
+
+def _meta_argument(source: torch.fx.Node) -> Any:
+    val = source.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        made = torch.empty_strided(
+            [_hint(s) for s in val.shape],
+            [_hint(s) for s in val.stride()],
+            dtype=val.dtype,
+            device="meta",
+        )
+        return made.requires_grad_(val.dtype.is_floating_point or val.dtype.is_complex)
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _hint(val)
+    if isinstance(val, (int, float, bool)):
+        return val
+    raise TypeError(f"{source.name}: no value to run the operator on")
+
+
+def _hint(size: Any) -> Any:
+    """A concrete size for a symbolic one: its traced value (never a guard)."""
+    if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = size.node.hint
+        if hint is None:
+            raise TypeError("a size without a traced value")
+        return hint
+    return size
 
 
 def _untrainable(nodes: Sequence[Any], derived: set[Any], model: Any) -> list[str]:
@@ -402,7 +539,7 @@ def _untrainable(nodes: Sequence[Any], derived: set[Any], model: Any) -> list[st
             elif (gap := _gradient_form_gap(n)) is not None:
                 found.append(gap)
             elif n.op_type not in _REWRITTEN_AFTER_TRANSLATION and not engine_has_gradient(
-                n.op_type
+                n.op_type, opset=_opset(model)
             ):
                 found.append(f"no engine gradient for {n.op_type}")
             elif (gradient := _gradient_without_cpu_kernel(n.op_type)) is not None:
@@ -416,6 +553,12 @@ def _untrainable(nodes: Sequence[Any], derived: set[Any], model: Any) -> list[st
                 found.extend(_untrainable(list(function), inner, model))
         derived.update(o for o in n.outputs if _maybe_float(o))
     return found
+
+
+def _opset(model: Any) -> int:
+    """The default domain's opset the translation writes (18 and newer): the engine is asked
+    about that version of an op (Mish, new in 18, is unknown to an opset-17 probe)."""
+    return int(model.opset_imports.get("", 18))
 
 
 def _gradient_form_gap(node: Any) -> str | None:
@@ -633,7 +776,8 @@ class _AtenWriter:
             sequence = ir.Node("", "SequenceConstruct", [self._value(v) for v in value])
             self.extra.append(sequence)
             return sequence.outputs[0]
-        if kind == "ScalarType" and isinstance(value, torch.dtype):
+        if kind in ("ScalarType", "int") and isinstance(value, torch.dtype):
+            # the executor's schema reads a ScalarType argument as an int (its code)
             code = int(type_utils.JitScalarType.from_dtype(value))  # type: ignore[call-overload]
             return self._constant(np.array(code, dtype=np.int64))
         if kind in ("int", "float", "bool", "Scalar") and isinstance(value, (bool, int, float)):

@@ -31,6 +31,7 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     _pow_exponent_as_base_type(model)
     _integer_operands_as_float(model)
     _top_k_of_scalar(model)
+    _transposes_with_perm(model)
     _l2_norms_by_sums(model)
     _reductions_of_scalars(model)
     _reversed_slices_as_gathers(model)
@@ -43,6 +44,31 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     _where_branches_expanded(model)
 
     widen_narrow_integer_operands(model)
+
+
+def _transposes_with_perm(model: onnx.ModelProto) -> None:
+    """A ``Transpose`` without ``perm`` (torch_lib's ``permute(())`` of a 0-d tensor: an empty
+    ``perm`` is not written) gets its default, the reversed axes; of a 0-d input it is an
+    Identity.
+
+    The engine's Transpose gradient (1.19.2) reads the ``perm`` attribute and fails the build
+    with ``unordered_map::at`` when there is none."""
+    found = [
+        n
+        for n in model.graph.node
+        if _is_default(n, "Transpose") and not any(a.name == "perm" for a in n.attribute)
+    ]
+    if not found:
+        return
+    ranks = _ranks(model)
+    if any(n.input[0] not in ranks for n in found):
+        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    for node in found:
+        rank = ranks.get(node.input[0])
+        if rank == 0:
+            node.op_type = "Identity"
+        elif rank is not None:
+            node.attribute.append(onnx.helper.make_attribute("perm", list(range(rank))[::-1]))
 
 
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -461,23 +487,6 @@ def _top_k_of_scalar(model: onnx.ModelProto) -> None:
     graph.node.extend(new_nodes)
 
 
-#: ONNX reductions whose ``axes`` must lie in [-rank, rank - 1]
-_REDUCTIONS = frozenset(
-    {
-        "ReduceSum",
-        "ReduceMean",
-        "ReduceMax",
-        "ReduceMin",
-        "ReduceProd",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceLogSum",
-        "ReduceLogSumExp",
-        "ReduceSumSquare",
-    }
-)
-
-
 def _reductions_of_scalars(model: onnx.ModelProto) -> None:
     """A reduction of a 0-d tensor over given axes reduces it made 1-D over axis 0, without
     keeping dims: a 0-d result, as PyTorch's.
@@ -490,7 +499,7 @@ def _reductions_of_scalars(model: onnx.ModelProto) -> None:
     only a constant, non-empty axes is rewritten (empty ones are the identity).
     """
     graph = model.graph
-    found = [n for n in graph.node if _is_default(n, *_REDUCTIONS) and _has_axes(n)]
+    found = [n for n in graph.node if _is_default(n, *onnx_graph.REDUCTIONS) and _has_axes(n)]
     if not found:
         return
     ranks = _ranks(model)
