@@ -294,6 +294,21 @@ def test_reductions_of_0d_tensors(fn: Callable[..., torch.Tensor]) -> None:
     _same_as_eager(fn, [torch.tensor(0.7)])
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [
+        # ScatterElements of 0-d tensors: the CPU kernel refused rank 0 at run time
+        lambda x: torch.scatter(x, 0, torch.tensor(0), x * 2),
+        lambda x: torch.scatter_add(x, 0, torch.tensor(0), x * 3),
+        # Tile of a 0-d tensor: "must be atleast 1 dimensional"
+        lambda x: torch.tile(x, ()) * x,
+    ],
+    ids=["scatter", "scatter_add", "tile"],
+)
+def test_scalar_operands(fn: Callable[..., torch.Tensor]) -> None:
+    _same_as_eager(fn, [torch.tensor(0.7)])
+
+
 def test_empty_output_with_a_dynamic_dim() -> None:
     """cdist of an empty and a non-empty input: an ATen node kept for its output's shape
     (``(0, s)``, the ``s`` dynamic) needs that output's type declared, and the output schema

@@ -30,7 +30,7 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     stub_zero_element_nodes(model)
     _pow_exponent_as_base_type(model)
     _integer_operands_as_float(model)
-    _top_k_of_scalar(model)
+    _scalar_operands_as_vectors(model)
     _transposes_with_perm(model)
     _l2_norms_by_sums(model)
     _reductions_of_scalars(model)
@@ -455,26 +455,47 @@ def _pow_exponent_as_base_type(model: onnx.ModelProto) -> None:
     graph.node.extend(new_nodes)
 
 
-def _top_k_of_scalar(model: onnx.ModelProto) -> None:
-    """``TopK`` of a 0-d tensor runs on it made 1-D, its outputs squeezed back: ONNX's TopK
-    needs rank 1 or more, and the engine's shape inference refuses the graph ("Invalid value
-    for attribute axis"); torch.topk of a 0-d tensor (k = 1) is the tensor and index 0."""
+#: ONNX op -> its inputs that must be at least 1-D: where the first is 0-d, the op runs on
+#: those of them that are 0-d made 1-D (axis 0), and its outputs are squeezed back
+_VECTOR_OPERANDS = {
+    # TopK needs rank 1 or more; the engine's shape inference refused the graph ("Invalid
+    # value for attribute axis"); torch.topk of a 0-d tensor (k = 1) is the tensor, index 0
+    "TopK": (0,),
+    # data, indices and updates share a rank; the CPU kernel refused rank 0 at run time
+    # ("axis 0 is not in valid range [-0,-1]"; scatter/scatter_add of 0-d tensors)
+    "ScatterElements": (0, 1, 2),
+    "GatherElements": (0, 1),
+}
+
+
+def _scalar_operands_as_vectors(model: onnx.ModelProto) -> None:
+    """Each op of :data:`_VECTOR_OPERANDS` on 0-d operands runs on them made 1-D, its outputs
+    squeezed back; a ``Tile`` of a 0-d tensor (its repeats empty: their length is the rank) is
+    an Identity: the CPU kernel refused it ("must be atleast 1 dimensional")."""
     graph = model.graph
-    tops = [n for n in graph.node if _is_default(n, "TopK")]
-    if not tops:
+    found = [n for n in graph.node if _is_default(n, "Tile", *_VECTOR_OPERANDS)]
+    if not found:
         return
     ranks = _ranks(model)
-    if any(n.input[0] not in ranks for n in tops):
+    if any(n.input[0] not in ranks for n in found):
         ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
     h = onnx.helper
     new_nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(graph.node):
-        if node not in tops or ranks.get(node.input[0]) != 0:
+        if node not in found or ranks.get(node.input[0]) != 0:
             new_nodes.append(node)
             continue
-        tag = f"{node.name or 'TopK'}_{index}"
+        if node.op_type == "Tile":
+            node.op_type = "Identity"
+            del node.input[1:]
+            new_nodes.append(node)
+            continue
+        tag = f"{node.name or node.op_type}_{index}"
         axes = f"{tag}_axes"
-        new_nodes += _as_vector(node, 0, tag, axes)
+        slots = [s for s in _VECTOR_OPERANDS[node.op_type] if ranks.get(node.input[s]) == 0]
+        for n, slot in enumerate(slots):
+            made = _as_vector(node, slot, f"{tag}_{slot}", axes)
+            new_nodes += made if n == 0 else made[1:]  # one Constant of the axes
         for attr in node.attribute:
             if attr.name == "axis":
                 attr.i = 0
