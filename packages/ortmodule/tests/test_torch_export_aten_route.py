@@ -317,8 +317,8 @@ def test_error_check_of_a_decomposition_still_raises() -> None:
 # -- gradients the engine's CPU build cannot run, or gets wrong -------------------------------
 
 
-#: the engine has a gradient builder, but its ResizeGrad has no CPU kernel (the session was
-#: refused); its AveragePoolGrad sizes the input's gradient from static shapes ([0, 0, 0] for a
+#: the engine has a gradient builder, but its ResizeGrad and ConvTransposeGrad have no CPU kernel
+#: (the session was refused); its AveragePoolGrad sizes the input's gradient from static shapes ([0, 0, 0] for a
 #: dynamic [4, 5, 9] input)
 ENGINE_GRADIENT_UNUSABLE = {
     "interpolate_nearest": lambda t: nn.functional.interpolate(
@@ -327,6 +327,10 @@ ENGINE_GRADIENT_UNUSABLE = {
     "avg_pool1d": lambda t: nn.functional.avg_pool1d(t.unsqueeze(0), 2)[0],
     "avg_pool2d_ceil": lambda t: nn.functional.avg_pool2d(
         t.unsqueeze(0), 2, ceil_mode=True, count_include_pad=False, padding=1
+    )[0],
+    # ConvTransposeGrad is CUDA-only: the CPU session was refused
+    "conv_transpose1d": lambda t: nn.functional.conv_transpose1d(
+        t.unsqueeze(0), t[:, :2].unsqueeze(1) * 0.5
     )[0],
 }
 

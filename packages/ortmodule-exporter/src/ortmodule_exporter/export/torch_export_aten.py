@@ -595,6 +595,9 @@ _GRADIENT_OPERATORS = {
     # Resize ("Could not find an implementation for ResizeGrad(1)": interpolate nearest, whose
     # torch_lib lowering is Resize; the TorchScript frontend writes Gathers, symbolics.upsampling)
     "Resize": ("com.microsoft", "ResizeGrad", 2),
+    # ConvTransposeGrad is CUDA-only too ("Could not find an implementation for
+    # ConvTransposeGrad(1)": conv_transpose1d/2d/3d)
+    "ConvTranspose": ("com.microsoft", "ConvTransposeGrad", 3),
 }
 
 
