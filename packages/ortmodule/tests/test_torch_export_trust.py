@@ -68,3 +68,41 @@ def test_an_input_written_in_place_is_written_on_every_step() -> None:
     for p, q in zip(ref.parameters(), wrapped.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
     assert wrapped._runner.transitions.builds == 1, wrapped._runner.transitions.history
+
+
+class _Detached(nn.Module):
+    """Reads of a layer's output without grad (``detach``, ``torch.no_grad``,
+    ``set_grad_enabled(False)``) beside one with grad."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "detach":
+            cut = self.a(x).detach()
+        elif self.how == "no_grad":
+            with torch.no_grad():
+                cut = torch.tanh(self.a(x))
+        else:
+            with torch.set_grad_enabled(False):
+                cut = self.a(x) * 2
+        return self.b(cut * self.a(x) + cut).sum()
+
+
+@pytest.mark.parametrize("how", ["detach", "no_grad", "set_grad_enabled"])
+def test_a_value_read_without_grad_cuts_the_gradient(how: str) -> None:
+    """The translator's decompositions drop ``detach`` and inline a no-grad body: the engine
+    differentiated through both (``a.weight``'s gradient was twice eager's)."""
+    torch.manual_seed(0)
+    model = _Detached(how)
+    wrapped = ORTModule(clone_model(model), TORCH_EXPORT)
+    x = torch.randn(2, 3)
+    for _ in range(2):
+        model(x).backward()
+        wrapped(x).backward()
+    for name, parameter in model.named_parameters():
+        got = wrapped.module.get_parameter(name).grad
+        torch.testing.assert_close(got, parameter.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -39,7 +39,13 @@ from ..symbolics.helpers import Value, _stop_gradient
 from ..symbolics.registry import register_symbolic
 from .lowering_hooks import before_lowering
 
-__all__ = ["STOP_GRADIENT", "cut_gradients", "cutting_gradients"]
+__all__ = [
+    "DETACHING_OPERATORS",
+    "STOP_GRADIENT",
+    "VALUE_FREE_OPERATORS",
+    "cut_gradients",
+    "cutting_gradients",
+]
 
 #: the marker op the cut inserts into the traced graph
 STOP_GRADIENT = "ortmodule::stop_gradient"
@@ -48,7 +54,7 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # ops whose result depends on the input's shape, dtype or device only, never on its values:
 # their result carries no gradient path even when they read a trainable tensor
-_VALUE_FREE = frozenset(
+VALUE_FREE_OPERATORS = frozenset(
     f"aten::{name}"
     for name in (
         "zeros_like",
@@ -110,7 +116,7 @@ def _is_float(v: Any) -> bool:
 
 
 #: ops whose result never requires grad, whatever the grad mode
-_DETACHING = frozenset({"aten::detach", "aten::detach_"})
+DETACHING_OPERATORS = frozenset({"aten::detach", "aten::detach_"})
 
 
 #: the text of the grad-mode marks written into the trace
@@ -147,7 +153,7 @@ def cut_gradients(graph: torch._C.Graph, grad_enabled: bool = True) -> int:
         inputs = list(node.inputs())
         outputs_grad = (
             mode
-            and node.kind() not in _DETACHING
+            and node.kind() not in DETACHING_OPERATORS
             and any(v in requires_grad for v in inputs)
             and any(_is_float(o) for o in node.outputs())
         )
@@ -176,7 +182,7 @@ def cut_gradients(graph: torch._C.Graph, grad_enabled: bool = True) -> int:
                     made.output().setType(v.type())
                     cut = cuts[v] = made.output()
                 node.replaceInput(i, cut)
-        if node.kind() not in _VALUE_FREE and any(v in trainable for v in inputs):
+        if node.kind() not in VALUE_FREE_OPERATORS and any(v in trainable for v in inputs):
             trainable.update(o for o in node.outputs() if _is_float(o))
     if _marks_in_blocks(graph.nodes()):
         raise RuntimeError(

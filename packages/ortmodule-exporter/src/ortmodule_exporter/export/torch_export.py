@@ -47,6 +47,7 @@ from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX
 from .shape_guards import Dim, ShapeGuard, _Step
 from .torch_export_aten import translated_with_aten_route
 from .torch_export_fixes import fix_for_engine
+from .torch_export_grad_cuts import cut_detached_gradients
 from .torch_export_numbers import numbers_as_tensors
 from .torch_export_python_op import (
     inside_routed_forward,
@@ -343,6 +344,8 @@ def _export_program(
         ) from err
     _contiguous_as_clones(program)
     numbers_as_tensors(program)
+    if training:
+        cut_detached_gradients(program, tensors)
     kept = _custom_operator_functions(program)
     functions = [f for f in flat.functions if f not in _INLINE_SAFE_FUNCTIONS and f not in kept]
     if functions:
