@@ -36,8 +36,15 @@ def write_kernel_choice(
     choice = fx_kernel_choice(node)
     if choice is None:
         return False
-    _Writer(core, node, values, local_functions).write(choice, graph_like, written)
+    try:
+        _Writer(core, node, values, local_functions).write(choice, graph_like, written)
+    except _NotOneValue:
+        return False  # nothing was written: the translator lowers it
     return True
+
+
+class _NotOneValue(Exception):
+    """An input of the chosen ATen node is not one ONNX value."""
 
 
 class _Writer:
@@ -51,7 +58,9 @@ class _Writer:
         from onnxscript import ir  # noqa: PLC0415 - optional frontend
 
         node = self.node
+        # every input first: a failure leaves the graph and the value table untouched
         inputs = [self._input(v) for v in choice.inputs]
+        like = self._input(choice.reshape_like[0]) if choice.reshape_like is not None else None
         given = max(choice.listed, 1)
         aten = ir.Node(
             ATEN_DOMAIN,
@@ -78,7 +87,7 @@ class _Writer:
         if choice.listed:
             self.values[node.name] = outputs[: choice.listed]
         elif choice.reshape_like is not None:
-            self.values[node.name] = self._reshaped(outputs[0], *choice.reshape_like)
+            self.values[node.name] = self._reshaped(outputs[0], like, choice.reshape_like[1])
         else:
             outputs[0].name = node.name
             self.values[node.name] = outputs[0]
@@ -88,10 +97,11 @@ class _Writer:
         graph_like.extend(self.made)
         written.append((aten, len(inputs)))
 
-    def _reshaped(self, out: Any, like: torch.fx.Node, dim: int) -> Any:
+    def _reshaped(self, out: Any, like: Any, dim: int) -> Any:
+        """``out`` reshaped to the shape of ``like`` (an ONNX value) + ``[dim]``."""
         from onnxscript import ir  # noqa: PLC0415 - optional frontend
 
-        shape = ir.Node("", "Shape", [self._input(like)])
+        shape = ir.Node("", "Shape", [like])
         self.made.append(shape)
         last = self._input(np.array([dim], np.int64))
         concat = ir.Node("", "Concat", [shape.outputs[0], last], [ir.AttrInt64("axis", 0)])
@@ -118,7 +128,7 @@ class _Writer:
             return out
         converted = self.core._convert_fx_arg_to_onnx_arg(value, self.values, self.functions)
         if isinstance(converted, Sequence) or not hasattr(converted, "dtype"):
-            raise TypeError(f"kernel choice: {value} is not one ONNX value")
+            raise _NotOneValue(f"{value} is not one ONNX value")
         return converted
 
 

@@ -185,8 +185,10 @@ _EXAMPLES: contextvars.ContextVar[dict[str, torch.Tensor] | None] = contextvars.
 @contextlib.contextmanager
 def fx_example_inputs(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     """While an ExportedProgram is translated: the example tensors of its user inputs, by
-    placeholder name (a cross-entropy's label density is read from them)."""
-    token = _EXAMPLES.set(dict(zip(names, tensors, strict=True)))
+    placeholder name (a cross-entropy's label density is read from them); none where the two
+    do not pair up."""
+    paired = dict(zip(names, tensors, strict=True)) if len(names) == len(tensors) else None
+    token = _EXAMPLES.set(paired)
     try:
         yield
     finally:
