@@ -169,3 +169,30 @@ def test_what_the_torchscript_side_keeps_on_the_engine_stays(
             torch.testing.assert_close(p_ours.grad, p_eager.grad, rtol=1e-4, atol=1e-5)
     found = _aten_operators(ours)
     assert not {kernel_choice.CONV, kernel_choice.LAYER_NORM, kernel_choice.CROSS_ENTROPY} & found
+
+
+def test_auto_asks_what_the_torchscript_frontend_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same decisions, by the same (operator, dtype, size class) keys, on both frontends:
+    each family's FX-side decision reads the sizes the TorchScript trace records. Row sums are
+    decided on the built gradient graph, which differs between the frontends."""
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "AUTO")
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 20, (3, 4), generator=gen)
+    labels = torch.randint(0, 5, (3, 4), generator=gen)
+    asked = []
+    for options in (DebugOptions(exporter="torchscript"), TORCH_EXPORT):
+        monkeypatch.setattr(choice, "_DECISIONS", {})
+        monkeypatch.setattr(choice, "_SECONDS", {})
+        torch.manual_seed(0)
+        ORTModule(Covered(None), options)(tokens, labels).backward()
+        asked.append({k for k in kernel_choice.decisions() if not k[0].startswith("row_sum")})
+    assert asked[1] == asked[0]
+    assert {k[0].split("(")[0] for k in asked[0]} >= {
+        "gelu",
+        "relu_backward",
+        "layer_norm",
+        "cross_entropy",
+        "embedding",
+        "conv",
+        "max_pool2d",
+    }
