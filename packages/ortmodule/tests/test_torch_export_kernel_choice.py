@@ -196,3 +196,47 @@ def test_auto_asks_what_the_torchscript_frontend_asks(monkeypatch: pytest.Monkey
         "conv",
         "max_pool2d",
     }
+
+
+class OtherForms(nn.Module):
+    """The covered families' other FX forms: ``conv1d``, ``max_pool2d_with_indices`` (its
+    indices an output of the ATen node) and ``native_layer_norm`` (its three outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 12)
+        self.conv = nn.Conv1d(2, 3, 3, padding=1)
+        self.weight = nn.Parameter(torch.randn(18))
+        self.bias = nn.Parameter(torch.randn(18))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(self.up(x).reshape(-1, 2, 6))  # (batch, 3, 6)
+        pooled, indices = F.max_pool2d(h.reshape(-1, 1, 3, 6), 2, return_indices=True)
+        y, mean, rstd = torch.ops.aten.native_layer_norm(
+            h.flatten(1), [18], self.weight, self.bias, 1e-5
+        )
+        return (
+            pooled.square().mean()
+            + (indices % 3).sum()
+            + y.square().mean()
+            + mean.sum()
+            + rstd.mean()
+        )
+
+
+def test_torch_routes_the_other_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
+    torch.manual_seed(0)
+    eager = OtherForms()
+    ours = ORTModule(clone_model(eager), TORCH_EXPORT)
+    x = torch.randn(4, 6)
+    losses = [model(x) for model in (eager, ours)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for (name, p_ours), p_eager in zip(
+        ours.module.named_parameters(), eager.parameters(), strict=True
+    ):
+        torch.testing.assert_close(p_ours.grad, p_eager.grad, rtol=1e-4, atol=1e-5, msg=name)
+    found = _aten_operators(ours)
+    assert {kernel_choice.CONV, kernel_choice.MAX_POOL2D, kernel_choice.LAYER_NORM} <= found
