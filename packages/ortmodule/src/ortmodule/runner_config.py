@@ -55,13 +55,13 @@ def kernel_choice_threads(value: str) -> int:
 
 
 #: options the torch_export frontend cannot honour yet: they work through TorchScript symbolics
-#: (the ATen routes, the kernel choice) -> the value that means "not used"
+#: (the ATen routes) -> the value that means "not used". The kernel choice works on both
+#: frontends (its families decide per FX node there: ``aten/kernel_choice/fx_nodes.py``).
 TORCHSCRIPT_ONLY: dict[str, Any] = {
     "aten_sdpa_fallback": False,
     "use_efficient_attention": False,
     "aten_dropout": False,
     "fused_attention": False,
-    "kernel_choice": "ENGINE",
 }
 
 

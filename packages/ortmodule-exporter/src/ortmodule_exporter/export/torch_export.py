@@ -39,6 +39,7 @@ from ortmodule_pytree import Schema, flatten, unflatten
 
 from .. import onnx_graph
 from ..aten.executor import ATEN_DOMAIN
+from ..aten.kernel_choice import fx_example_inputs
 from ..errors import ExportError
 from ..python_op.symbolic import custom_autograd_enabled
 from .calls import call_bound, writable_buffers
@@ -356,7 +357,11 @@ def _export_program(
             module_path=where,
         )
     try:
-        with warnings.catch_warnings():
+        with (
+            warnings.catch_warnings(),
+            # a cross-entropy's label density is the example batch's (aten.kernel_choice)
+            fx_example_inputs(program.graph_signature.user_inputs, tensors),
+        ):
             warnings.simplefilter("ignore")
             onnx_program, _route = translated_with_aten_route(
                 lambda routed: torch.onnx.export(

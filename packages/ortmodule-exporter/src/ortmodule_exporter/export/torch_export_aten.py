@@ -54,6 +54,7 @@ from ..aten.engine_gradients import engine_has_gradient
 from ..aten.engine_kernels import cpu_kernel_exists
 from ..aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError
 from ..torchscript_onnx import type_utils
+from .torch_export_kernel_choice import write_kernel_choice
 from .torch_export_python_op import is_python_op, write_python_op
 
 __all__ = ["AtenRoute", "translated_with_aten_route"]
@@ -211,9 +212,12 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
         if not _routable(target) or not aten_executor.installed():
             original(model, node, node_name_to_values, graph_like=graph_like, **rest)
             return
-        writer = _AtenWriter(
-            core, node, node_name_to_values, rest["node_name_to_local_functions"], route
-        )
+        functions = rest["node_name_to_local_functions"]
+        if write_kernel_choice(
+            core, node, node_name_to_values, functions, graph_like, route.written
+        ):
+            return  # PyTorch's kernel, where the kernel choice chose it (aten.kernel_choice)
+        writer = _AtenWriter(core, node, node_name_to_values, functions, route)
         if _canonical(target) in _PYTORCH_PICKS and writer.write(graph_like):
             route.routed.append(f"{_label(target)}: {_PYTORCH_PICKS[_canonical(target)]}")
             return

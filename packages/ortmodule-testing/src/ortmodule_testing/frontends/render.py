@@ -402,8 +402,9 @@ def _timing(part: dict[str, Any]) -> list[str]:
         "",
         f"Zoo models {', '.join(f'`{m}`' for m in part['models'])} (the parity tests' small "
         f"sizes), {part['steps']} SGD steps{threads}, each in a fresh process per frontend "
-        f"(frontends in turn for each model), with `{settings}` on both (torch_export cannot honour the "
-        "TorchScript-only defaults, so both run the same kind of graph). *export*, *graph build*, "
+        f"(frontends in turn for each model), with `{settings}` on both (torch_export cannot honour fused "
+        "attention, and both keep the engine's kernels, so both run the same kind of graph). "
+        "*export*, *graph build*, "
         "*session creation*: ORTModule's phase timer of the first step. *first step*: its wall "
         "time, everything included except *onnxscript import* (torch_export only, paid once per "
         "process at its first export, done before the first step here). *median step*: of steps "

@@ -53,6 +53,8 @@ all, the families in the order they register, and keeps every name importable fr
 ``registry``           :class:`CoveredOperator`, :func:`register_kernel_choice`,
                        :func:`configure_kernel_choice` (installs the covered symbolics)
 ``traced``             :func:`recording_traced_sizes`: the sizes each operator was traced with
+``fx_nodes``           the torch_export frontend's side: :func:`register_fx_kernel_choice`,
+                       :func:`fx_kernel_choice` (a family's decision for one FX node)
 ``measuring``          timing a few engine nodes against PyTorch's kernels (``_engine_us``,
                        ``_torch_us``)
 ``helpers``            what the families' ATen functions and symbolics share
@@ -76,6 +78,13 @@ here changes nothing inside the submodules.
 from __future__ import annotations
 
 from .choice import CALIBRATION_NUMEL, calibration_seconds, choose, decisions
+from .fx_nodes import (
+    AtenChoice,
+    fx_covered_operators,
+    fx_example_inputs,
+    fx_kernel_choice,
+    register_fx_kernel_choice,
+)
 from .measuring import ATEN_NODE_US
 from .modes import MODES, current_mode, current_torch_threads
 from .registry import (
@@ -148,6 +157,7 @@ __all__ = [
     "RELU",
     "RELU_BACKWARD",
     "ROW_SUM",
+    "AtenChoice",
     "CoveredOperator",
     "aten_cross_entropy",
     "calibration_seconds",
@@ -161,6 +171,9 @@ __all__ = [
     "decisions_from_json",
     "decisions_to_json",
     "embedding_route",
+    "fx_covered_operators",
+    "fx_example_inputs",
+    "fx_kernel_choice",
     "machine_fingerprint",
     "machine_key",
     "measure_conv",
@@ -174,6 +187,7 @@ __all__ = [
     "measure_row_sum",
     "pool_layout",
     "recording_traced_sizes",
+    "register_fx_kernel_choice",
     "register_kernel_choice",
     "row_sum_route",
 ]

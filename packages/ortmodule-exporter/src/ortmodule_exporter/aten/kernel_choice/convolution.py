@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...torchscript_onnx import symbolic_helper as sh
@@ -21,6 +22,15 @@ from ...torchscript_onnx import symbolic_opset9
 from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
 from .choice import _decide
+from .fx_nodes import (
+    AtenChoice,
+    fx_arg,
+    fx_float32,
+    fx_ints,
+    fx_needs_grad,
+    fx_sizes,
+    register_fx_kernel_choice,
+)
 from .helpers import _all_tensors, _dtype, _ints_const, _per_dim
 from .measuring import _engine_us, _randn, _seeded, _torch_us
 from .registry import CoveredOperator, register_kernel_choice
@@ -183,6 +193,39 @@ def measure_conv(
     return engine_us, _torch_us(torch_route)
 
 
+def _conv_route(
+    input_shape: Sequence[int] | None,
+    weight_sizes: Sequence[int],
+    settings: _ConvSettings,
+    has_bias: bool,
+) -> str:
+    """The decision for one float32 convolution (both frontends ask it)."""
+    n = len(weight_sizes) - 2
+    op = (
+        f"conv(weight={'x'.join(map(str, weight_sizes))},stride={settings.stride},"
+        f"padding={settings.padding},dilation={settings.dilation},groups={settings.groups},"
+        f"bias={int(has_bias)})"
+    )
+    if input_shape is None or len(input_shape) != n + 2:
+        # the cost depends on the spatial sizes: without them nothing can be measured
+        return _decide(op, "Float", None, lambda: (0.0, math.inf))
+    shape = tuple(input_shape)
+    return _decide(
+        op,
+        "Float",
+        shape,
+        lambda: measure_conv(
+            shape,
+            weight_sizes,
+            settings.stride,
+            settings.padding,
+            settings.dilation,
+            settings.groups,
+            has_bias,
+        ),
+    )
+
+
 def _convolution_symbolic(default: Callable[..., Any], g: Any, *args: Any) -> Any:
     x, weight, bias, stride, padding, dilation, transposed = args[:7]
     groups = args[8]
@@ -212,30 +255,7 @@ def _convolution_symbolic(default: Callable[..., Any], g: Any, *args: Any) -> An
     if traced is None or not traced.input_needs_grad:
         return default(g, *args)
     input_shape = traced.sizes[0] if traced.sizes else None
-    op = (
-        f"conv(weight={'x'.join(map(str, weight_sizes))},stride={settings.stride},"
-        f"padding={settings.padding},dilation={settings.dilation},groups={settings.groups},"
-        f"bias={int(has_bias)})"
-    )
-    if input_shape is None or len(input_shape) != n + 2:
-        # the cost depends on the spatial sizes: without them nothing can be measured
-        route = _decide(op, dtype, None, lambda: (0.0, math.inf))
-    else:
-        route = _decide(
-            op,
-            dtype,
-            tuple(input_shape),
-            lambda: measure_conv(
-                input_shape,
-                weight_sizes,
-                settings.stride,
-                settings.padding,
-                settings.dilation,
-                settings.groups,
-                has_bias,
-            ),
-        )
-    if route != "torch":
+    if _conv_route(input_shape, tuple(weight_sizes), settings, has_bias) != "torch":
         return default(g, *args)
     params = _ints_const(g, settings.params())
     inputs = [x, weight, bias, params] if has_bias else [x, weight, params]
@@ -255,4 +275,56 @@ def _default_convolution() -> Callable[..., Any]:
 
 register_kernel_choice(
     CoveredOperator("aten::_convolution", _convolution_symbolic, _default_convolution)
+)
+
+
+def _conv_fx(node: torch.fx.Node) -> AtenChoice | None:
+    """The torch_export side of :func:`_convolution_symbolic` (``conv1d``/``2d``/``3d`` and
+    ``convolution``), sized by the example inputs."""
+    x, weight, bias = fx_arg(node, 0, "input"), fx_arg(node, 1, "weight"), fx_arg(node, 2, "bias")
+    general = node.target == torch.ops.aten.convolution.default
+    weight_sizes = fx_sizes(weight, symbolic=False)
+    if (
+        not fx_float32(x)
+        or not fx_float32(weight)
+        or (general and fx_arg(node, 6, "transposed") is not False)
+        or weight_sizes is None
+        or len(weight_sizes) < 3
+        or not fx_needs_grad(x)
+    ):
+        return None
+    n = len(weight_sizes) - 2
+    stride, padding, dilation = (fx_arg(node, i, name) for i, name in _CONV_SETTINGS)
+    groups = fx_arg(node, 8 if general else 6, "groups", 1)
+    ints = [fx_ints(v) if v is not None else [] for v in (stride, padding, dilation)]
+    if any(v is None for v in ints) or not isinstance(groups, int):
+        return None  # a setting only known at run time
+    try:
+        settings = _ConvSettings(
+            tuple(_per_dim(ints[0], n, 1)),
+            tuple(_per_dim(ints[1], n, 0)),
+            tuple(_per_dim(ints[2], n, 1)),
+            groups,
+        )
+    except ValueError:
+        return None
+    has_bias = bias is not None
+    if _conv_route(fx_sizes(x), weight_sizes, settings, has_bias) != "torch":
+        return None
+    params = np.array(settings.params(), np.int64)
+    inputs = (x, weight, bias, params) if has_bias else (x, weight, params)
+    return AtenChoice(CONV, "xwb" if has_bias else "xw", inputs)
+
+
+#: (position, name) of stride, padding and dilation in ``conv<n>d`` and ``convolution``
+_CONV_SETTINGS = ((3, "stride"), (4, "padding"), (5, "dilation"))
+
+register_fx_kernel_choice(
+    [
+        torch.ops.aten.convolution.default,
+        torch.ops.aten.conv1d.default,
+        torch.ops.aten.conv2d.default,
+        torch.ops.aten.conv3d.default,
+    ],
+    _conv_fx,
 )

@@ -25,6 +25,15 @@ from ...torchscript_onnx import symbolic_helper as sh
 from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
 from .choice import _decide, _size_class
+from .fx_nodes import (
+    AtenChoice,
+    fx_arg,
+    fx_float32,
+    fx_label_density,
+    fx_needs_grad,
+    fx_sizes,
+    register_fx_kernel_choice,
+)
 from .helpers import _all_tensors, _dtype, _ints_const
 from .measuring import ATEN_NODE_US, _engine_us, _randn, _seeded, _torch_us
 from .registry import CoveredOperator, register_kernel_choice
@@ -216,3 +225,45 @@ register_kernel_choice(
         lambda: losses.cross_entropy_loss,
     )
 )
+
+
+def _cross_entropy_fx(node: torch.fx.Node) -> AtenChoice | None:
+    """The torch_export side of :func:`_cross_entropy_symbolic`. The label density is the
+    example batch's, read where the labels are an example input or a view of one (else
+    unknown, and the engine's node stays)."""
+    logits, target = fx_arg(node, 0, "self"), fx_arg(node, 1, "target")
+    weight, mode = fx_arg(node, 2, "weight"), fx_arg(node, 3, "reduction", _MEAN)
+    ignored, smoothing = (
+        fx_arg(node, 4, "ignore_index", -100),
+        fx_arg(node, 5, "label_smoothing", 0.0),
+    )
+    sizes, label_sizes = fx_sizes(logits), fx_sizes(target)
+    if (
+        not fx_float32(logits)
+        or weight is not None
+        or mode not in (_MEAN, _SUM)
+        or not isinstance(ignored, int)
+        or smoothing != 0.0
+        or not fx_needs_grad(logits)
+        or sizes is None
+        or len(sizes) != 2
+        or label_sizes is None
+        or len(label_sizes) != 1
+    ):
+        return None
+    density = fx_label_density(target, ignored)
+    # label sparsity would shrink this loss to its labelled rows: the engine's node stays
+    if density is None or density < DENSITY_THRESHOLD:
+        return None
+    rows, classes = sizes
+    if cross_entropy_route(rows, classes) != "torch":
+        return None
+    return AtenChoice(
+        CROSS_ENTROPY,
+        "",
+        (logits, target, np.array([mode, ignored], np.int64)),
+        extra_outputs=((torch.float32, 2), (torch.float32, 0)),
+    )
+
+
+register_fx_kernel_choice([torch.ops.aten.cross_entropy_loss.default], _cross_entropy_fx)

@@ -12,12 +12,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...symbolics import embedding as embedding_symbolic
 from ...torchscript_onnx import symbolic_helper as sh
 from ..routes import embedding_node
 from .choice import _decide, _size_class
+from .fx_nodes import (
+    AtenChoice,
+    fx_arg,
+    fx_float32,
+    fx_needs_grad,
+    fx_sizes,
+    register_fx_kernel_choice,
+)
 from .helpers import _dtype, _ints_const
 from .measuring import _engine_us, _randn, _seeded, _torch_us
 from .modes import current_mode
@@ -101,3 +110,36 @@ def embedding_route(
 
 
 embedding_symbolic.LOOKUP_ROUTE[0] = embedding_route
+
+
+def _embedding_fx(node: torch.fx.Node) -> AtenChoice | None:
+    """The torch_export side of :func:`embedding_route`: the same ATen ``embedding`` node, and
+    the same Reshape to the indices' shape after it."""
+    weight, indices = fx_arg(node, 0, "weight"), fx_arg(node, 1, "indices")
+    padding_idx = fx_arg(node, 2, "padding_idx", -1)
+    by_freq = fx_arg(node, 3, "scale_grad_by_freq", False)
+    weight_sizes, index_sizes = fx_sizes(weight, symbolic=False), fx_sizes(indices)
+    if (
+        not fx_float32(weight)
+        or weight_sizes is None
+        or len(weight_sizes) != 2
+        # the table's gradient must be wanted
+        or not fx_needs_grad(weight)
+        or index_sizes is None
+        or not isinstance(padding_idx, int)
+        or not isinstance(by_freq, bool)
+        or fx_arg(node, 4, "sparse", False) is not False
+    ):
+        return None
+    rows, dim = weight_sizes
+    lookups = _size_class(math.prod(index_sizes))
+    route = _decide(
+        f"embedding({rows}x{dim})", "Float", lookups, lambda: measure_embedding(rows, dim, lookups)
+    )
+    if route != "torch":
+        return None
+    constants = (np.array(padding_idx, np.int64), np.array(by_freq), np.array(False))
+    return AtenChoice("embedding", "", (weight, indices, *constants), reshape_like=(indices, dim))
+
+
+register_fx_kernel_choice([torch.ops.aten.embedding.default], _embedding_fx)

@@ -20,6 +20,7 @@ from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient
 from ..parallel import elementwise
 from .choice import choose
+from .fx_nodes import AtenChoice, fx_arg, fx_float32, fx_sizes, register_fx_kernel_choice
 from .helpers import _all_tensors, _dtype
 from .measuring import _engine_us, _randn, _seeded, _torch_us
 from .registry import CoveredOperator, _opset9, register_kernel_choice
@@ -101,3 +102,22 @@ def _gelu_symbolic(default: Callable[..., Any], g: Any, self: Any, approximate: 
 
 
 register_kernel_choice(CoveredOperator("aten::gelu", _gelu_symbolic, _opset9("gelu")))
+
+
+def _gelu_fx(node: torch.fx.Node) -> AtenChoice | None:
+    """The torch_export side of :func:`_gelu_symbolic`: sized by the exported value's static
+    sizes (a dynamic dim: unknown, as the TorchScript graph's are)."""
+    x, approx = fx_arg(node, 0, "self"), fx_arg(node, 1, "approximate", "none")
+    if approx not in ("none", "tanh") or not fx_float32(x):
+        return None
+    numel = _static_numel(x)
+    route = choose(f"gelu({approx})", "Float", numel, lambda n: measure_gelu(n, approximate=approx))
+    return AtenChoice(GELU, approx, (x,)) if route == "torch" else None
+
+
+def _static_numel(value: Any) -> int | None:
+    sizes = fx_sizes(value, symbolic=False)
+    return math.prod(sizes) if sizes is not None else None
+
+
+register_fx_kernel_choice([torch.ops.aten.gelu.default], _gelu_fx)

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...torchscript_onnx import symbolic_helper as sh
@@ -19,6 +20,15 @@ from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
 from ..output_shapes import Shape, register_output_shapes
 from .choice import _decide, _size_class
+from .fx_nodes import (
+    AtenChoice,
+    fx_arg,
+    fx_float32,
+    fx_ints,
+    fx_needs_grad,
+    fx_sizes,
+    register_fx_kernel_choice,
+)
 from .helpers import _all_tensors, _dtype, _ints_const
 from .measuring import _engine_us, _randn, _seeded, _torch_us
 from .registry import CoveredOperator, _opset9, register_kernel_choice
@@ -169,4 +179,42 @@ def _layer_norm_symbolic(
 
 register_kernel_choice(
     CoveredOperator("aten::layer_norm", _layer_norm_symbolic, _opset9("layer_norm"), opset=17)
+)
+
+
+def _layer_norm_fx(node: torch.fx.Node) -> AtenChoice | None:
+    """The torch_export side of :func:`_layer_norm_symbolic` (``layer_norm`` and
+    ``native_layer_norm``, whose three outputs are the ATen node's)."""
+    x, weight, bias = fx_arg(node, 0, "input"), fx_arg(node, 2, "weight"), fx_arg(node, 3, "bias")
+    shape = fx_ints(fx_arg(node, 1, "normalized_shape"))
+    eps = fx_arg(node, 4, "eps", 1e-5)
+    sizes = fx_sizes(x)
+    if (
+        not fx_float32(x)
+        or not isinstance(weight, torch.fx.Node)
+        or not isinstance(bias, torch.fx.Node)
+        or shape is None
+        or not isinstance(eps, float)
+        # input, weight and bias all need their gradient (a frozen LayerNorm stays on the engine)
+        or not all(fx_needs_grad(v) for v in (x, weight, bias))
+        or sizes is None
+    ):
+        return None
+    cols = math.prod(shape)
+    rows = _size_class(math.prod(sizes) // max(cols, 1))
+    label = f"layer_norm({'x'.join(map(str, shape))})"
+    if _decide(label, "Float", rows, lambda: measure_layer_norm(rows, shape)) != "torch":
+        return None
+    native = node.target == torch.ops.aten.native_layer_norm.default
+    return AtenChoice(
+        LAYER_NORM,
+        "",
+        (x, weight, bias, np.array(shape, np.int64), np.array(eps, np.float64)),
+        extra_outputs=() if native else ((torch.float32, len(sizes)),) * 2,
+        listed=3 if native else 0,
+    )
+
+
+register_fx_kernel_choice(
+    [torch.ops.aten.layer_norm.default, torch.ops.aten.native_layer_norm.default], _layer_norm_fx
 )

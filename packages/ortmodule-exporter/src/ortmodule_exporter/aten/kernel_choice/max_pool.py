@@ -16,12 +16,22 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...torchscript_onnx import symbolic_helper as sh
 from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
 from .choice import _decide
+from .fx_nodes import (
+    AtenChoice,
+    fx_arg,
+    fx_float32,
+    fx_ints,
+    fx_needs_grad,
+    fx_sizes,
+    register_fx_kernel_choice,
+)
 from .helpers import _all_tensors, _dtype, _ints_const, _per_dim
 from .measuring import _engine_us, _randn, _seeded, _torch_us
 from .registry import CoveredOperator, _no_previous, register_kernel_choice
@@ -172,6 +182,22 @@ def measure_max_pool2d(
     return engine_us, _torch_us(torch_route)
 
 
+def _max_pool2d_route(
+    input_shape: Sequence[int] | None,
+    k: list[int],
+    s: list[int],
+    p: list[int],
+    d: list[int],
+    ceil: bool,
+) -> str:
+    """The decision for one float32 2-d max pooling (both frontends ask it)."""
+    op = f"max_pool2d(kernel={k},stride={s},padding={p},dilation={d},ceil_mode={int(ceil)})"
+    if input_shape is None or len(input_shape) not in (3, 4):
+        return _decide(op, "Float", None, lambda: (0.0, math.inf))
+    shape = tuple(input_shape)
+    return _decide(op, "Float", shape, lambda: measure_max_pool2d(shape, k, s, p, d, ceil))
+
+
 def _max_pool2d_symbolic(with_indices: bool) -> Callable[..., Any]:
     def symbolic(
         default: Callable[..., Any],
@@ -201,13 +227,7 @@ def _max_pool2d_symbolic(with_indices: bool) -> Callable[..., Any]:
         if traced is None or not traced.input_needs_grad:
             return default(g, *args)
         input_shape = traced.sizes[0] if traced.sizes else None
-        op = f"max_pool2d(kernel={k},stride={s},padding={p},dilation={d},ceil_mode={int(ceil)})"
-        if input_shape is None or len(input_shape) not in (3, 4):
-            route = _decide(op, dtype, None, lambda: (0.0, math.inf))
-        else:
-            shape = tuple(input_shape)
-            route = _decide(op, dtype, shape, lambda: measure_max_pool2d(shape, k, s, p, d, ceil))
-        if route != "torch":
+        if _max_pool2d_route(input_shape, k, s, p, d, ceil) != "torch":
             return default(g, *args)
         settings = [*k, *s, *p, *d, int(ceil)]
         layout = pool_layout(tuple(input_shape), settings) if input_shape else ""
@@ -242,4 +262,51 @@ register_kernel_choice(
         _max_pool2d_symbolic(True),
         _no_previous("aten::max_pool2d_with_indices"),
     )
+)
+
+
+def _max_pool2d_fx(node: torch.fx.Node) -> AtenChoice | None:
+    """The torch_export side of :func:`_max_pool2d_symbolic` (``max_pool2d`` and
+    ``max_pool2d_with_indices``), sized by the example inputs."""
+    x = fx_arg(node, 0, "self")
+    settings = [
+        fx_ints(fx_arg(node, i, name, default))
+        for i, name, default in ((1, "kernel_size", []), (2, "stride", []), (3, "padding", 0))
+    ]
+    dilation = fx_ints(fx_arg(node, 4, "dilation", 1))
+    ceil = fx_arg(node, 5, "ceil_mode", False)
+    if (
+        not fx_float32(x)
+        or any(v is None for v in (*settings, dilation))
+        or not isinstance(ceil, bool)
+        or not fx_needs_grad(x)
+    ):
+        return None
+    try:
+        k = _per_dim(settings[0], 2, 1)
+        s = _per_dim(settings[1], 2, 0)
+        if not any(s):  # eager: an empty stride is the kernel
+            s = list(k)
+        p = _per_dim(settings[2], 2, 0)
+        d = _per_dim(dilation, 2, 1)
+    except ValueError:
+        return None
+    input_shape = fx_sizes(x)
+    if _max_pool2d_route(input_shape, k, s, p, d, ceil) != "torch":
+        return None
+    flat = [*k, *s, *p, *d, int(ceil)]
+    layout = pool_layout(input_shape, flat) if input_shape else ""
+    with_indices = node.target == torch.ops.aten.max_pool2d_with_indices.default
+    return AtenChoice(
+        MAX_POOL2D,
+        layout,
+        (x, np.array(flat, np.int64)),
+        extra_outputs=() if with_indices else ((torch.int64, x.meta["val"].dim()),),
+        listed=2 if with_indices else 0,
+    )
+
+
+register_fx_kernel_choice(
+    [torch.ops.aten.max_pool2d.default, torch.ops.aten.max_pool2d_with_indices.default],
+    _max_pool2d_fx,
 )

@@ -18,6 +18,14 @@ import torch
 from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient
 from .choice import choose
+from .fx_nodes import (
+    AtenChoice,
+    fx_arg,
+    fx_float32,
+    fx_needs_grad,
+    fx_sizes,
+    register_fx_kernel_choice,
+)
 from .helpers import _all_tensors, _dtype
 from .measuring import _engine_us, _randn, _seeded, _torch_us
 from .registry import CoveredOperator, _opset9, register_kernel_choice
@@ -103,3 +111,19 @@ def _relu_symbolic(default: Callable[..., Any], g: Any, self: Any) -> Any:
 
 
 register_kernel_choice(CoveredOperator("aten::relu", _relu_symbolic, _opset9("relu")))
+
+
+def _relu_fx(node: torch.fx.Node) -> AtenChoice | None:
+    """The torch_export side of :func:`_relu_symbolic`, sized by the example inputs."""
+    x = fx_arg(node, 0, "self")
+    if not fx_float32(x) or not fx_needs_grad(x):
+        return None
+    sizes = fx_sizes(x)
+    numel = math.prod(sizes) if sizes is not None else None
+    if choose("relu_backward", "Float", numel, measure_relu_backward) != "torch":
+        return None
+    forward = choose("relu", "Float", numel, measure_relu)
+    return AtenChoice(RELU, ENGINE_FORWARD if forward == "engine" else "", (x,))
+
+
+register_fx_kernel_choice([torch.ops.aten.relu.default], _relu_fx)
