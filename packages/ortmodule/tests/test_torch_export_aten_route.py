@@ -13,6 +13,7 @@ from torch import nn
 
 from ortmodule import DebugOptions, ORTModule
 from ortmodule_exporter.aten.executor import ATEN_DOMAIN
+from ortmodule_testing.parity import clone_model
 
 pytest.importorskip("onnxscript")
 
@@ -401,3 +402,28 @@ def test_output_of_data_dependent_size() -> None:
         got.square().sum().backward()
         torch.testing.assert_close(wrapped.weight.grad, model.weight.grad, rtol=1e-4, atol=1e-5)
     assert len(sizes) > 1, sizes
+
+
+@pytest.mark.parametrize(
+    "embedding",
+    [
+        lambda: nn.Embedding(7, 3, padding_idx=0),
+        lambda: nn.Embedding(7, 3, padding_idx=-2),
+        lambda: nn.Embedding(7, 3, scale_grad_by_freq=True),
+    ],
+    ids=["padding_idx", "negative_padding_idx", "scale_grad_by_freq"],
+)
+def test_embedding_with_padding_or_frequency_scaling_runs_in_pytorch(
+    embedding: Callable[[], nn.Embedding], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch_lib's Gather gave the padding row a gradient (eager keeps it at zero) and did not
+    scale by frequency: silently wrong on the engine's own kernels."""
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "ENGINE")
+    torch.manual_seed(0)
+    model = embedding()
+    wrapped = ORTModule(clone_model(model), TORCH_EXPORT)
+    tokens = torch.tensor([[0, 1, 5, 0], [5, 5, 2, 0]])
+    weights = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(3))
+    for m in (model, wrapped):
+        (m(tokens) * weights).sum().backward()
+    torch.testing.assert_close(wrapped.module.weight.grad, model.weight.grad)

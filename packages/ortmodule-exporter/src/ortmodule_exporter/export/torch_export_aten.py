@@ -93,6 +93,34 @@ _PYTORCH_PICKS: dict[Any, str] = {
     torch.ops.aten.special_log_ndtr.default: "its gradient through torch_lib is NaN in the tail",
     torch.ops.aten._safe_softmax.default: "its gradient through the engine is NaN on -inf rows",
 }
+def _embedding_padding(node: torch.fx.Node) -> str | None:
+    """An embedding with a ``padding_idx`` or ``scale_grad_by_freq``: torch_lib writes a
+    ``Gather``, whose engine gradient gave the padding row the gradient eager keeps at zero
+    (off by 21 in a test, silently) and does not scale by frequency."""
+    args = list(node.args) + [None] * 5
+    padding = args[2] if args[2] is not None else node.kwargs.get("padding_idx", -1)
+    by_freq = args[3] if args[3] is not None else node.kwargs.get("scale_grad_by_freq", False)
+    if (isinstance(padding, int) and padding >= 0) or by_freq is True:
+        return "its padding row or frequency scaling needs PyTorch's embedding_backward"
+    return None
+
+
+#: operators PyTorch runs in some forms only: target -> the form's reason, or None
+_PYTORCH_FORMS: dict[Any, Callable[[torch.fx.Node], str | None]] = {
+    torch.ops.aten.embedding.default: _embedding_padding,
+}
+
+
+def _pytorch_pick(node: torch.fx.Node) -> str | None:
+    """Why PyTorch runs ``node`` whatever its translation (:data:`_PYTORCH_PICKS`, and the
+    forms of :data:`_PYTORCH_FORMS`), or None."""
+    target = _canonical(node.target)
+    if target in _PYTORCH_PICKS:
+        return _PYTORCH_PICKS[target]
+    form = _PYTORCH_FORMS.get(target)
+    return form(node) if form is not None else None
+
+
 #: those of PyTorch's picks the translator decomposes (no torch_lib function of their own): kept
 #: whole from the first translation, else they never reach the route as themselves
 _DECOMPOSED_PICKS = frozenset(
@@ -218,8 +246,9 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
         ):
             return  # PyTorch's kernel, where the kernel choice chose it (aten.kernel_choice)
         writer = _AtenWriter(core, node, node_name_to_values, functions, route)
-        if _canonical(target) in _PYTORCH_PICKS and writer.write(graph_like):
-            route.routed.append(f"{_label(target)}: {_PYTORCH_PICKS[_canonical(target)]}")
+        picked = _pytorch_pick(node)
+        if picked is not None and writer.write(graph_like):
+            route.routed.append(f"{_label(target)}: {picked}")
             return
         if _canonical(target) in route.whole and writer.write(graph_like):
             route.routed.append(f"{_label(target)}: no translation, its decomposition fails")
