@@ -55,12 +55,9 @@ def kernel_choice_threads(value: str) -> int:
 
 
 #: options the torch_export frontend cannot honour yet: they work through TorchScript symbolics
-#: (the ATen routes, the kernel choice) -> the value that means "not used"
+#: (the kernel choice) -> the value that means "not used". The opt-in ATen routes (attention,
+#: dropout) are honoured there (``ortmodule_exporter.export.torch_export_routes``)
 TORCHSCRIPT_ONLY: dict[str, Any] = {
-    "aten_sdpa_fallback": False,
-    "use_efficient_attention": False,
-    "aten_dropout": False,
-    "fused_attention": False,
     "kernel_choice": "ENGINE",
 }
 

@@ -54,6 +54,7 @@ from .torch_export_python_op import (
     routed_apply,
     routing,
 )
+from .torch_export_routes import route_program
 from .torch_lib_training import training_translations
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -343,6 +344,8 @@ def _export_program(
         ) from err
     _contiguous_as_clones(program)
     numbers_as_tensors(program)
+    # the opt-in ATen routes (attention, dropout): operators the ATen route writes whole
+    routed_whole = route_program(program)
     kept = _custom_operator_functions(program)
     functions = [f for f in flat.functions if f not in _INLINE_SAFE_FUNCTIONS and f not in kept]
     if functions:
@@ -366,6 +369,7 @@ def _export_program(
                     custom_translation_table={**training_translations(opset), **routed},
                 ),
                 training,
+                keep_whole=routed_whole,
             )
     except Exception as err:
         refused = _refusal(err)
