@@ -141,8 +141,7 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "tensor's value is an export error instead of a guard, in-place writes are "
         "functionalized, no shape is baked in; operators without a translation or an "
         "engine gradient, torch.library custom operators and custom autograd.Functions (as "
-        "PythonOps) run in PyTorch. Not yet with the opt-in ATen routes and the kernel "
-        "choice (an error when set) "
+        "PythonOps) run in PyTorch. Not yet with the kernel choice (an error when set) "
         "(docs/architecture.md, The torch_export frontend).",
         "torch_export",
         debug_field="exporter",
