@@ -15,14 +15,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import loss_only_case, trains_like_eager
+import transformers as tf
+from hf_models import loss_only_case, padded_mlm_batch, trains_like_eager
 from torch import nn
 
 from ortmodule import DebugOptions, ORTModule
 from ortmodule_exporter.aten.token_rows import TAKE_ROWS
 from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_testing.parity import assert_tree_close, clone_model
-from ortmodule_testing.zoo import ZOO
+from ortmodule_testing.zoo import ZOO, LossOnly
 from ortmodule_testing.zoo.gpt import GPTConfig, GPTDecoder
 
 pytest.importorskip("onnxscript")
@@ -285,6 +286,34 @@ def test_aten_dropout_draws_eagers_masks(monkeypatch: pytest.MonkeyPatch, case: 
         # which draws its mask as eager does
         nodes = _graph(ours).built.exported.model.graph.node
         assert any("scaled_dot_product_attention" in str(n.attribute) for n in nodes)
+    assert_tree_close(got, want, RTOL, ATOL)
+
+
+def test_aten_dropout_on_a_hugging_face_model_draws_eagers_masks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPT-2 with sdpa attention: dropout on the embeddings, the residuals and the attention
+    probabilities (scaled_dot_product_attention's dropout_p), on padded batches."""
+    monkeypatch.setenv("ORTMODULE_ATEN_DROPOUT", "1")
+    config = tf.GPT2Config(
+        vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, attn_implementation="sdpa"
+    )
+    torch.manual_seed(0)
+    eager = LossOnly(tf.GPT2LMHeadModel(config))
+    ours = ORTModule(clone_model(eager))
+
+    def record(model: nn.Module) -> list[object]:
+        torch.manual_seed(7)
+        steps: list[object] = []
+        for step in range(2):
+            (ids, mask, labels), _ = padded_mlm_batch(step)
+            loss = model(ids, mask, labels)
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            steps.append((loss.detach(), [g.clone() for g in grads], torch.get_rng_state().float()))
+        return steps
+
+    want, got = record(eager), record(ours)
+    assert "native_dropout" in _exported_ops(ours)
     assert_tree_close(got, want, RTOL, ATOL)
 
 
