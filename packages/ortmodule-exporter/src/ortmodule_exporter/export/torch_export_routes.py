@@ -5,7 +5,8 @@ before the translation, and those operators are kept whole, so the ATen route
 executor functions, registered gradients and passes (attention layout, padding elimination)
 then take them, whichever frontend wrote the graph.
 
-Under the export config in force (:func:`ortmodule_exporter.active_export.active_export_config`):
+Under the export config in force (:func:`ortmodule_exporter.aten.routes.aten_routes`, which reads
+:func:`ortmodule_exporter.active_export.active_export_config`, else the process defaults):
 
 * ``aten_sdpa_fallback`` / ``efficient_attention``: ``aten.scaled_dot_product_attention`` (as
   torch.export's training IR holds it) becomes ``_scaled_dot_product_flash_attention_for_cpu``
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..active_export import active_export_config
+from ..aten.routes import aten_routes
 
 __all__ = ["FLASH_CPU", "EFFICIENT", "route_program"]
 
@@ -51,11 +52,9 @@ _NATIVE_DROPOUT = aten.native_dropout.default
 def route_program(program: torch.export.ExportedProgram) -> frozenset[Any]:
     """Rewrite ``program``'s graph (in place) to the routes the export config in force asks
     for; returns the operators written that the translation must keep whole."""
-    config = active_export_config()
-    if config is None:
-        return frozenset()
-    sdpa = bool(config.aten_sdpa_fallback or config.efficient_attention)
-    dropout = bool(config.aten_dropout)
+    routes = aten_routes()  # the export config in force, else the process defaults
+    sdpa = routes.sdpa_fallback or routes.efficient_attention
+    dropout = routes.dropout
     if not (sdpa or dropout):
         return frozenset()
     graph = program.graph_module.graph
