@@ -231,14 +231,6 @@ def test_python_number_in_a_tensor_argument() -> None:
     torch.testing.assert_close(wrapped.module.fc.weight.grad, model.fc.weight.grad)
 
 
-def test_torchscript_only_options_are_refused_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ortmodule.options import InvalidOptionError
-
-    monkeypatch.setenv("ORTMODULE_ATEN_DROPOUT", "1")
-    with pytest.raises(InvalidOptionError, match="cannot honour ORTMODULE_ATEN_DROPOUT"):
-        ORTModule(nn.Linear(2, 2), TORCH_EXPORT)
-
-
 class _TiedLM(nn.Module):
     """The LM head shares the embedding's weight; torch.export lifts it as ``head.weight``."""
 

@@ -1,6 +1,6 @@
 """The post-export passes on graphs the torch_export frontend wrote (issue #40): label sparsity
-and recompute train like eager; padding elimination stays off, logged (it needs the fused
-attention route, a TorchScript symbolic). Fallback is disabled (conftest)."""
+and recompute train like eager (padding elimination, which starts from the fused attention
+node: test_torch_export_routes.py). Fallback is disabled (conftest)."""
 
 from __future__ import annotations
 
@@ -57,18 +57,3 @@ def test_recompute_level_1_is_applied_and_training_matches_eager() -> None:
     # per-layer checkpointing, as under torchscript: the GELU and attention-softmax subgraphs
     assert any(p.startswith("Gelu+") for p in report.applied), report.applied
     assert any("Softmax" in p for p in report.applied), report.applied
-
-
-def test_padding_elimination_stays_off_and_says_why(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setenv("ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "1")
-    case = ZOO["masked_lm"]
-    model = case.build(seed=0)
-    eager = train_steps(clone_model(model), case, steps=2)
-    wrapped = ORTModule(clone_model(model), DebugOptions(exporter="torch_export"))
-    with caplog.at_level(logging.INFO, logger="ortmodule"):
-        ours = train_steps(wrapped, case, steps=2)
-    assert_same_training(eager, ours, *case.tolerance)
-    (decision,) = _messages(caplog, "padding elimination")
-    assert decision.startswith("padding elimination off: no fused attention node"), decision

@@ -141,8 +141,8 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "tensor's value is an export error instead of a guard, in-place writes are "
         "functionalized, no shape is baked in; operators without a translation or an "
         "engine gradient, torch.library custom operators and custom autograd.Functions (as "
-        "PythonOps) run in PyTorch; the kernel choice covers the same operators as on "
-        "torchscript. Not yet with the opt-in ATen routes (an error when set) "
+        "PythonOps) run in PyTorch; the kernel choice and the opt-in ATen routes work as on "
+        "torchscript "
         "(docs/architecture.md, The torch_export frontend).",
         "torch_export",
         debug_field="exporter",

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from typing import Any
 
 from ortmodule_exporter import ExportConfig, SaveOptions
 from ortmodule_exporter.aten.parallel import THREADS_AUTO
 
 from .execution import RunnerConfig
 from .log import engine_severity, exporter_verbose
-from .options import DEFAULT, InvalidOptionError, RuntimeOptions, keeps_engine_nodes
+from .options import DEFAULT, RuntimeOptions, keeps_engine_nodes
 
 logger = logging.getLogger("ortmodule")
 
@@ -54,44 +52,8 @@ def kernel_choice_threads(value: str) -> int:
     return 1 if value == "AUTO" else int(value)
 
 
-#: options the torch_export frontend cannot honour yet: they work through TorchScript symbolics
-#: (the ATen routes) -> the value that means "not used". The kernel choice works on both
-#: frontends (its families decide per FX node there: ``aten/kernel_choice/fx_nodes.py``).
-TORCHSCRIPT_ONLY: dict[str, Any] = {
-    "aten_sdpa_fallback": False,
-    "use_efficient_attention": False,
-    "aten_dropout": False,
-    "fused_attention": False,
-}
-
-
-def _torch_export_options(options: RuntimeOptions) -> RuntimeOptions:
-    """``options`` with what the torch_export frontend cannot do turned off: an error for a
-    value the user set, an INFO line for a default."""
-    asked = [
-        name
-        for name, off in TORCHSCRIPT_ONLY.items()
-        if getattr(options, name) != off and options.source(name) != DEFAULT
-    ]
-    if asked:
-        names = ", ".join(f"ORTMODULE_{name.upper()}" for name in asked)
-        raise InvalidOptionError(
-            f"ORTMODULE_EXPORTER=torch_export cannot honour {names} yet (they work through the "
-            "TorchScript exporter's symbolics): unset them, or use ORTMODULE_EXPORTER=torchscript."
-        )
-    defaults = [name for name, off in TORCHSCRIPT_ONLY.items() if getattr(options, name) != off]
-    if defaults:
-        logger.info(
-            "ORTMODULE_EXPORTER=torch_export: %s off (TorchScript exporter only)",
-            ", ".join(f"ORTMODULE_{name.upper()}" for name in defaults),
-        )
-    return dataclasses.replace(options, **TORCHSCRIPT_ONLY)
-
-
 def export_config(options: RuntimeOptions) -> ExportConfig:
     """The options that change the exported graph, carried to every export of this module."""
-    if options.exporter == "torch_export":
-        options = _torch_export_options(options)
     fused_attention, kernel_choice = options.fused_attention, options.kernel_choice.lower()
     graph_rewriters = keeps_engine_nodes(options)
     if graph_rewriters:

@@ -193,13 +193,15 @@ def _register_builtin_gradients() -> None:
     )
     register_stop_gradient_edges("embedding", "", [1, 2, 3, 4])
     # dropout with eager's masks (ORTMODULE_ATEN_DROPOUT): the forward's mask, scaled by
-    # 1 / (1 - p), p being the node's float input
+    # 1 / (1 - p), p being the node's float input (float32 from the TorchScript route, float64
+    # from the torch_export one, which writes a schema's float as a double)
     register_aten_gradient(
         "native_dropout",
         "",
         [
             GradientNode.onnx("Constant", [], ["One"], value=(1.0, "float", True)),
-            GradientNode.onnx("Sub", ["One", "I(1)"], ["Keep"]),
+            GradientNode.onnx("Cast", ["I(1)"], ["P"], to=(1, "int")),
+            GradientNode.onnx("Sub", ["One", "P"], ["Keep"]),
             GradientNode.onnx("Reciprocal", ["Keep"], ["Scale"]),
             GradientNode.aten(
                 "native_dropout_backward", [*_refs("GO", 0), "O(1)", "Scale"], _refs("GI", 0)

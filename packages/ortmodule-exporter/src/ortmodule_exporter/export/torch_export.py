@@ -56,6 +56,7 @@ from .torch_export_python_op import (
     routed_apply,
     routing,
 )
+from .torch_export_routes import route_program
 from .torch_lib_training import training_translations
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -347,6 +348,8 @@ def _export_program(
     numbers_as_tensors(program)
     if training:
         cut_detached_gradients(program, tensors)
+    # the opt-in ATen routes (attention, dropout): operators the ATen route writes whole
+    routed_whole = route_program(program)
     kept = _custom_operator_functions(program)
     functions = [f for f in flat.functions if f not in _INLINE_SAFE_FUNCTIONS and f not in kept]
     if functions:
@@ -374,6 +377,7 @@ def _export_program(
                     custom_translation_table={**training_translations(opset), **routed},
                 ),
                 training,
+                keep_whole=routed_whole,
             )
     except Exception as err:
         refused = _refusal(err)

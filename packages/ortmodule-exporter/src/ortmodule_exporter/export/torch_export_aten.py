@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -93,6 +93,8 @@ _PYTORCH_PICKS: dict[Any, str] = {
     torch.ops.aten.special_log_ndtr.default: "its gradient through torch_lib is NaN in the tail",
     torch.ops.aten._safe_softmax.default: "its gradient through the engine is NaN on -inf rows",
 }
+
+
 def _embedding_padding(node: torch.fx.Node) -> str | None:
     """An embedding with a ``padding_idx`` or ``scale_grad_by_freq``: torch_lib writes a
     ``Gather``, whose engine gradient gave the padding row the gradient eager keeps at zero
@@ -158,16 +160,17 @@ class AtenRoute:
 
 
 def translated_with_aten_route(
-    translate: Callable[[Mapping[Any, Any]], T], training: bool
+    translate: Callable[[Mapping[Any, Any]], T], training: bool, keep_whole: Iterable[Any] = ()
 ) -> tuple[T, AtenRoute]:
     """``translate(translations)`` (a ``torch.onnx.export`` call that adds ``translations`` to
     its custom translation table) with the ATen route installed, once more for each new set of
     operators whose decomposition failed; returns its result and the route taken.
 
     Without the ATen executor (``aten.executor.install``, which ORTModule does) nothing is
-    routed, as for the TorchScript frontend (``operator_export_type``).
+    routed, as for the TorchScript frontend (``operator_export_type``). ``keep_whole``: operators
+    every node of which is an ATen node (those the opt-in routes wrote, ``torch_export_routes``).
     """
-    whole: set[Any] = set(_DECOMPOSED_PICKS) if aten_executor.installed() else set()
+    whole: set[Any] = {*_DECOMPOSED_PICKS, *keep_whole} if aten_executor.installed() else set()
     while True:
         route = AtenRoute(training, frozenset(whole))
         with _installed(route):
@@ -794,6 +797,11 @@ class _AtenWriter:
         from onnxscript import ir  # noqa: PLC0415 - optional frontend
 
         kind = arg.kind
+        if value is self._MISSING and kind in ("int", "float", "bool") and arg.default is not None:
+            # a default the translator's retrace left out, written as the TorchScript route
+            # writes it: gradient definitions and passes read these inputs (flash attention's
+            # dropout_p and is_causal)
+            value = arg.default
         if value is self._MISSING or value is None:
             if value is self._MISSING and not (arg.optional or arg.has_default):
                 raise _NotRunnable(f"argument {arg.name} is missing")

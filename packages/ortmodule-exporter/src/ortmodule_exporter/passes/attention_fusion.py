@@ -25,11 +25,25 @@ logger = logging.getLogger("ortmodule.exporter")
 __all__ = ["fuse_attention"]
 
 
+_FLOATS = frozenset(
+    {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.DOUBLE,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.BFLOAT16,
+    }
+)
+
+
 def _scalar_constant(
     graph: onnx.GraphProto, name: str, producers: Mapping[str, onnx.NodeProto]
 ) -> float | None:
     node = producers.get(name)
     array = None
+    if node is not None and node.op_type == "Cast" and attribute(node, "to", 0) in _FLOATS:
+        # the torch_export frontend casts its Python scalars to the tensor's dtype
+        # (scalar_tensor then Cast)
+        return _scalar_constant(graph, node.input[0], producers)
     if node is not None and node.op_type == "Constant":
         for a in node.attribute:
             if a.name == "value":

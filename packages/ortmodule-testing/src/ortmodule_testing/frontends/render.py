@@ -402,8 +402,8 @@ def _timing(part: dict[str, Any]) -> list[str]:
         "",
         f"Zoo models {', '.join(f'`{m}`' for m in part['models'])} (the parity tests' small "
         f"sizes), {part['steps']} SGD steps{threads}, each in a fresh process per frontend "
-        f"(frontends in turn for each model), with `{settings}` on both (torch_export cannot honour fused "
-        "attention, and both keep the engine's kernels, so both run the same kind of graph). "
+        f"(frontends in turn for each model), with `{settings}` on both (both keep the engine's kernels, "
+        "whose choice may differ between runs, so both run the same kind of graph). "
         "*export*, *graph build*, "
         "*session creation*: ORTModule's phase timer of the first step. *first step*: its wall "
         "time, everything included except *onnxscript import* (torch_export only, paid once per "
