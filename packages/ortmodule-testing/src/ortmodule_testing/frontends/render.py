@@ -238,9 +238,9 @@ def _opinfo(part: dict[str, Any]) -> list[str]:
         "it trains with some of it run by PyTorch inside the engine; *wrong*: a value or "
         "gradient differs; *unsupported*: an error; *skip*: nothing the engine can take (complex, "
         "sparse, random). Under `torch_export` an op takes the ATen route when its "
-        "translation fails or its ONNX has no engine gradient "
-        "(`export/torch_export_aten.py`); the TorchScript frontend's symbolic-level routes "
-        "(attention, dropout, `DEFAULT_ROUTES`, the untrainable checks) do not exist there.",
+        "translation fails, or its ONNX has no engine gradient or one the engine gets wrong "
+        "(`export/torch_export_aten.py`); the TorchScript frontend's per-operator symbolic "
+        "routes (`DEFAULT_ROUTES`, the untrainable checks) do not exist there.",
         "",
     ]
     if part["torchscript_source"] != "measured" and "torchscript" in fronts:
