@@ -71,7 +71,10 @@ class _Twice(nn.Module):
 
 def _compare_steps(make: type[nn.Module], shape: tuple[int, ...], steps: int = 3) -> ORTModule:
     """``steps`` SGD steps of eager and ORTModule from the same weights: losses, every
-    parameter's gradient and the input's."""
+    parameter's gradient and the input's. Seeded: from some initial weights (``torch.manual_seed
+    (3)``) ``_Twice``'s SGD steps diverge (input gradients 12, 29, 61), and by the third step
+    eager and the engine are each 1.6e-3 off a float64 run, more than the tolerance apart."""
+    torch.manual_seed(0)
     model = make()
     wrapped = ORTModule(make(), TORCH_EXPORT)
     wrapped.load_state_dict(model.state_dict())
