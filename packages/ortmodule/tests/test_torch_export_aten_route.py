@@ -427,3 +427,24 @@ def test_embedding_with_padding_or_frequency_scaling_runs_in_pytorch(
     for m in (model, wrapped):
         (m(tokens) * weights).sum().backward()
     torch.testing.assert_close(wrapped.module.weight.grad, model.weight.grad)
+
+
+def test_registered_aten_route_runs_in_pytorch() -> None:
+    """``register_aten_route`` applies on this frontend too: the operator is an ATen node
+    whatever its translation (``erf`` has one, with an engine gradient)."""
+    from ortmodule_exporter.aten.routes import register_aten_route
+    from ortmodule_exporter.symbolics.registry import unregister_symbolic
+
+    register_aten_route("aten::erf")
+    try:
+        wrapped = ORTModule(_Op(lambda t: torch.erf(t) * 2), TORCH_EXPORT)
+        model = _Op(lambda t: torch.erf(t) * 2)
+        wrapped.load_state_dict(model.state_dict())
+        _two_steps_as_eager(model, wrapped, (4, 5))
+        compiled = wrapped._runner.transitions.current(True, True)
+        assert compiled is not None
+        ops = {n.op_type for n in compiled.built.exported.model.graph.node}
+        # PyTorch runs it: an ATen node, or the PythonOp running it (AtenOp); no ONNX Erf
+        assert "Erf" not in ops and ("ATen" in ops or "PythonOp" in ops), ops
+    finally:
+        unregister_symbolic("aten::erf")

@@ -41,6 +41,7 @@ from ..symbolics.registry import (
     over_below,
     register_symbolic,
     register_symbolic_layer,
+    registered_symbolics,
     torch_symbolic,
 )
 from ..torchscript_onnx import symbolic_helper as sh
@@ -68,6 +69,7 @@ __all__ = [
     "native_dropout_node",
     "operator_export_type",
     "register_aten_route",
+    "registered_aten_routes",
     "route_node",
 ]
 
@@ -276,13 +278,26 @@ def route_node(op: str, overload: str | None = None) -> Any:
 
 
 def register_aten_route(op: str) -> None:
-    """Export ``op`` (``"aten::name"``) as an ATen node that PyTorch runs, whatever its symbolic.
+    """Export ``op`` (``"aten::name"``) as an ATen node that PyTorch runs, whatever its symbolic
+    (on the torch_export frontend, whatever its translation: :func:`registered_aten_routes`).
 
     >>> register_aten_route("aten::_upsample_bicubic2d_aa")
     """
     if not op.startswith("aten::"):
         raise ValueError(f"register_aten_route takes an aten:: operator, got {op!r}")
-    register_symbolic(op, route_node(op), 9)
+    symbolic = route_node(op)
+    symbolic._ortmodule_aten_route = True  # registered_aten_routes finds it by this mark
+    register_symbolic(op, symbolic, 9)
+
+
+def registered_aten_routes() -> frozenset[str]:
+    """The operators (``"aten::name"``) :func:`register_aten_route` sends to PyTorch, as the
+    symbolic registry holds them now (``unregister_symbolic`` takes one back)."""
+    return frozenset(
+        op
+        for op, entry in registered_symbolics().items()
+        if getattr(entry.fn, "_ortmodule_aten_route", False)
+    )
 
 
 # -- einsum ----------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from ..aten import executor as aten_executor
 from ..aten.engine_gradients import engine_has_gradient
 from ..aten.engine_kernels import cpu_kernel_exists
 from ..aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError
+from ..aten.routes import registered_aten_routes
 from ..torchscript_onnx import type_utils
 from .torch_export_kernel_choice import write_kernel_choice
 from .torch_export_python_op import is_python_op, write_python_op
@@ -170,7 +171,11 @@ def translated_with_aten_route(
     routed, as for the TorchScript frontend (``operator_export_type``). ``keep_whole``: operators
     every node of which is an ATen node (those the opt-in routes wrote, ``torch_export_routes``).
     """
-    whole: set[Any] = {*_DECOMPOSED_PICKS, *keep_whole} if aten_executor.installed() else set()
+    whole: set[Any] = (
+        {*_DECOMPOSED_PICKS, *keep_whole, *_registered_overloads()}
+        if aten_executor.installed()
+        else set()
+    )
     while True:
         route = AtenRoute(training, frozenset(whole))
         with _installed(route):
@@ -187,6 +192,19 @@ def translated_with_aten_route(
         if route.routed:
             logger.debug("ATen route: %s", "; ".join(route.routed))
         return result, route
+
+
+def _registered_overloads() -> set[Any]:
+    """Every overload of the operators given to ``register_aten_route``: kept whole from the
+    first translation, as a decomposed one never reaches the route as itself."""
+    found: set[Any] = set()
+    for op in registered_aten_routes():
+        packet = getattr(torch.ops.aten, op.split("::", 1)[1], None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            found.add(getattr(packet, overload))
+    return found
 
 
 def _kept_whole(*args: Any, **kwargs: Any) -> Any:
@@ -254,7 +272,8 @@ def _routing(original: Any, route: AtenRoute, core: Any) -> Any:
             route.routed.append(f"{_label(target)}: {picked}")
             return
         if _canonical(target) in route.whole and writer.write(graph_like):
-            route.routed.append(f"{_label(target)}: no translation, its decomposition fails")
+            # a failed decomposition, an opt-in route's operator, or one register_aten_route got
+            route.routed.append(f"{_label(target)}: kept whole")
             return
         captured = _Captured()
         # the lowering keeps the Constant nodes it writes for Python values in this cache, for
