@@ -5,6 +5,7 @@ trains, as in eager. Fallback is disabled (conftest)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -266,3 +267,23 @@ def test_forward_reading_a_value_is_refused() -> None:
     wrapped = ORTModule(_ReadsValue(), TORCH_EXPORT)
     with pytest.raises(ExportError, match=r"_ScaledBySum could not run on torch.export's fake"):
         wrapped(torch.randn(2, 3, requires_grad=True))
+
+
+def test_a_registered_exporter_is_said_to_be_passed_over(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ``register_python_op_exporter`` handler writes TorchScript nodes: on this frontend the
+    Function runs as itself, and an INFO line says so (no silently ignored registration)."""
+    from ortmodule_exporter.python_op import registry
+
+    name = f"{__name__}._Squash"
+    registry.register_python_op_exporter(name, lambda g, node, *args: None)
+    try:
+        with caplog.at_level(logging.INFO, logger="ortmodule.exporter"):
+            _compare_steps(_Twice, (3, 4), steps=1)
+    finally:
+        registry._SPECIAL.pop(name, None)
+    said = [
+        r.getMessage() for r in caplog.records if "register_python_op_exporter" in r.getMessage()
+    ]
+    assert said and name in said[0], said

@@ -40,6 +40,7 @@ import contextlib
 import contextvars
 import inspect
 import itertools
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,9 +50,19 @@ import torch
 from torch.autograd.function import FunctionCtx, _SingleLevelFunction
 
 from ..errors import ExportError
-from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, _register_with_engine
+from ..python_op.registry import (
+    PYTHON_OP_DOMAIN,
+    REGISTRY,
+    _register_with_engine,
+    python_op_exporters,
+)
 from ..python_op.symbolic import _encode_constant, _Encoded
 from ..torchscript_onnx import type_utils
+
+logger = logging.getLogger("ortmodule.exporter")
+
+#: the Functions whose special exporter was said to be passed over (once per process)
+_SAID: set[str] = set()
 
 __all__ = ["python_op_calls", "routed_apply", "is_python_op", "write_python_op"]
 
@@ -335,6 +346,16 @@ def write_python_op(
     if call is None or not call.ran:
         raise ExportError(f"{node.name}: a custom autograd.Function call this export did not make")
     entry = REGISTRY.register(call.cls)
+    if entry.name in python_op_exporters() and entry.name not in _SAID:
+        # a register_python_op_exporter handler writes TorchScript nodes (``g.op``): it has no
+        # counterpart on this frontend, so the Function runs as itself (QLoRA's MatMul4Bit:
+        # bitsandbytes' forward and backward instead of the engine's MatMulBnb4)
+        _SAID.add(entry.name)
+        logger.info(
+            "ORTMODULE_EXPORTER=torch_export: %s runs as a PythonOp of the Function; its "
+            "registered exporter (register_python_op_exporter) is for the TorchScript frontend",
+            entry.name,
+        )
     enc = _Encoded()
     inputs: list[Any] = []
     input_types: list[int] = []
