@@ -23,7 +23,7 @@ from ortmodule import DebugOptions, ORTModule
 from ortmodule_exporter.aten.token_rows import TAKE_ROWS
 from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_testing.parity import assert_tree_close, clone_model
-from ortmodule_testing.zoo import ZOO, LossOnly
+from ortmodule_testing.zoo import ZOO, LossOnly, ZooCase
 from ortmodule_testing.zoo.gpt import GPTConfig, GPTDecoder
 
 pytest.importorskip("onnxscript")
@@ -344,6 +344,24 @@ def test_padding_elimination_is_applied_and_training_matches_eager(
     monkeypatch.setenv("ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "1")
     # the zoo's masked LM, and Hugging Face models (sdpa attention) on padded batches
     case = loss_only_case(name.removeprefix("hf_")) if name.startswith("hf_") else ZOO[name]
+    wrapped = trains_like_eager(case, 3, caplog)
+    (decision,) = _decisions(caplog)
+    assert decision.startswith("padding elimination on (mask input.attention_mask)"), decision
+    assert TAKE_ROWS in _built_ops(wrapped)
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_padding_elimination_reads_a_classifiers_first_token_from_the_rows(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    """``hidden[:, 0]`` is a whole Slice of the batch axis, then a Gather: the Slice read as a
+    node the analysis cannot follow, and the pass stayed off on this frontend."""
+    from test_padding_elimination import _CLASSIFIERS, _classifier_batch  # the same cases
+
+    monkeypatch.setenv("ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER", "1")
+    case = ZooCase(
+        f"hf_{name}_classifier", _CLASSIFIERS[name], _classifier_batch, lambda o, a, k: o.loss
+    )
     wrapped = trains_like_eager(case, 3, caplog)
     (decision,) = _decisions(caplog)
     assert decision.startswith("padding elimination on (mask input.attention_mask)"), decision

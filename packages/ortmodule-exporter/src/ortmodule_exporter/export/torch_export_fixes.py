@@ -32,6 +32,7 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     _integer_operands_as_float(model)
     _scalar_operands_as_vectors(model)
     _transposes_with_perm(model)
+    _whole_slices_as_identity(model)
     _l2_norms_by_sums(model)
     _reductions_of_scalars(model)
     _reversed_slices_as_gathers(model)
@@ -44,6 +45,53 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     _where_branches_expanded(model)
 
     widen_narrow_integer_operands(model)
+
+
+#: ops that keep their first input's elements (their order aside)
+_VALUE_KEEPING = frozenset({"Cast", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"})
+
+#: a Slice end at or past this takes the rest of the axis (torch_lib writes ``sys.maxsize`` for
+#: ``x[:, ...]``'s open end)
+_OPEN_END = 1 << 62
+
+
+def _whole_slices_as_identity(model: onnx.ModelProto) -> None:
+    """A ``Slice`` that keeps every element (starts 0, open ends, steps 1: torch_lib's
+    ``x[:, 0]`` slices the batch axis whole before it picks position 0) -> Identity.
+
+    Padding elimination reads ``hidden[:, 0]`` (a classifier's first token) as a ``Gather``
+    of the rows; a whole Slice before it read as a token-wise node it cannot follow, and the
+    pass stayed off for HF sequence classifiers on this frontend."""
+    values = onnx_graph.constant_values(model.graph)
+    producer = {o: n for n in model.graph.node for o in n.output if o}
+
+    def ints(name: str) -> list[int] | None:
+        """The constant's elements, read through the value-keeping ops torch_lib puts
+        between a constant and the Slice (``Reshape(Cast(Constant), [-1])``)."""
+        seen = 0
+        while name not in values and name in producer and seen < 8:
+            node = producer[name]
+            if node.op_type not in _VALUE_KEEPING or not node.input:
+                return None
+            name, seen = node.input[0], seen + 1
+        found = values.get(name)
+        return None if found is None else [int(v) for v in found.reshape(-1)]
+
+    for node in model.graph.node:
+        if not _is_default(node, "Slice") or len(node.input) < 3:
+            continue
+        starts, ends = ints(node.input[1]), ints(node.input[2])
+        steps = ints(node.input[4]) if len(node.input) > 4 and node.input[4] else [1]
+        if (
+            starts is not None
+            and ends is not None
+            and steps is not None
+            and all(v == 0 for v in starts)
+            and all(v >= _OPEN_END for v in ends)
+            and all(v == 1 for v in steps)
+        ):
+            node.op_type = "Identity"
+            del node.input[1:]
 
 
 def _transposes_with_perm(model: onnx.ModelProto) -> None:
