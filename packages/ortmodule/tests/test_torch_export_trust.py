@@ -95,7 +95,10 @@ class _Detached(nn.Module):
 @pytest.mark.parametrize("how", ["detach", "no_grad", "set_grad_enabled"])
 def test_a_value_read_without_grad_cuts_the_gradient(how: str) -> None:
     """The translator's decompositions drop ``detach`` and inline a no-grad body: the engine
-    differentiated through both (``a.weight``'s gradient was twice eager's)."""
+    differentiated through both (``a.weight``'s gradient was twice eager's). A TorchScript
+    export runs first: its grad-switch recorder, left in place, had hidden the no-grad region
+    from torch.export (order-dependent: the test passed alone and failed in the suite)."""
+    ORTModule(nn.Linear(3, 3))(torch.randn(2, 3)).sum().backward()
     torch.manual_seed(0)
     model = _Detached(how)
     wrapped = ORTModule(clone_model(model), TORCH_EXPORT)

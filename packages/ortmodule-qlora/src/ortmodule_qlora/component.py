@@ -16,9 +16,10 @@ import importlib.util
 from ortmodule_exporter.components import Component
 from ortmodule_exporter.passes.built_graph import register_built_graph_pass
 from ortmodule_exporter.python_op import register_python_op_exporter
-from ortmodule_exporter.symbolics.registry import register_symbolic
+from ortmodule_exporter.symbolics.registry import register_symbolic, register_symbolic_layer
 
 from .backward_rewrite import rewrite_matmul_bnb4_backward
+from .cpu_repacking import LAYER, repacking_layer
 from .gemm_4bit import GEMM_4BIT, GEMV_4BIT, export_gemm_4bit, export_gemv_4bit
 from .matmul_bnb4 import MATMUL_4BIT, export_matmul_4bit
 
@@ -47,6 +48,7 @@ def register() -> None:
     register_python_op_exporter(MATMUL_4BIT, export_matmul_4bit)
     register_symbolic(GEMM_4BIT, export_gemm_4bit, 1)
     register_symbolic(GEMV_4BIT, export_gemv_4bit, 1)
+    register_symbolic_layer(LAYER, repacking_layer, order=40)
     register_built_graph_pass(BACKWARD_PASS, rewrite_matmul_bnb4_backward, order=50)
 
 

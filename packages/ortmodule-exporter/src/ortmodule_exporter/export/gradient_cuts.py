@@ -45,6 +45,7 @@ __all__ = [
     "VALUE_FREE_OPERATORS",
     "cut_gradients",
     "cutting_gradients",
+    "plain_grad_switch",
 ]
 
 #: the marker op the cut inserts into the traced graph
@@ -74,8 +75,6 @@ VALUE_FREE_OPERATORS = frozenset(
         "dim",
     )
 )
-
-_INSTALL_LOCK = threading.Lock()
 
 _LIB = torch.library.Library("ortmodule", "FRAGMENT")
 _LIB.define("stop_gradient(Tensor x) -> Tensor")
@@ -223,18 +222,53 @@ def _record_switch(set_grad_enabled: Any) -> Any:
             graph.insertNode(graph.create("prim::Print", [text], 0))
         return set_grad_enabled(mode)
 
-    switch._ortmodule_cuts = True  # type: ignore[attr-defined]
     return switch
 
 
-def _install() -> None:
-    """Note switches of grad mode from Python while tracing (once per process).
+class _GradSwitchGate:
+    """Who may see ``torch._C._set_grad_enabled`` as what: TorchScript traces need the recorder
+    (:func:`_record_switch`) in its place; torch.export needs PyTorch's own function there, as
+    its pre-dispatch tracer compares the function it intercepts against that attribute by
+    identity (``func is torch._C._set_grad_enabled``), and with the recorder in place it neither
+    switched grad mode nor kept the no-grad region: the engine then differentiated through a
+    ``torch.no_grad()`` block (twice eager's gradient) once any TorchScript export had run in
+    the process. The recorder is installed only while TorchScript traces run, and the two kinds
+    of export wait for each other."""
 
-    torch.no_grad and torch.set_grad_enabled switch the mode through ``torch._C._set_grad_enabled``.
-    """
-    with _INSTALL_LOCK:
-        if not getattr(torch._C._set_grad_enabled, "_ortmodule_cuts", False):
-            torch._C._set_grad_enabled = _record_switch(torch._C._set_grad_enabled)
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._counts = {"record": 0, "plain": 0}
+        self._original = torch._C._set_grad_enabled
+        self._recorder = _record_switch(self._original)
+
+    @contextlib.contextmanager
+    def entered(self, group: str) -> Iterator[None]:
+        other = "plain" if group == "record" else "record"
+        with self._condition:
+            while self._counts[other]:
+                self._condition.wait()
+            self._counts[group] += 1
+            if group == "record" and self._counts[group] == 1:
+                torch._C._set_grad_enabled = self._recorder
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._counts[group] -= 1
+                if group == "record" and self._counts[group] == 0:
+                    torch._C._set_grad_enabled = self._original
+                self._condition.notify_all()
+
+
+_GATE = _GradSwitchGate()
+
+
+@contextlib.contextmanager
+def plain_grad_switch() -> Iterator[None]:
+    """PyTorch's own ``torch._C._set_grad_enabled`` while the block runs (torch.export's
+    trace), after any TorchScript trace recording grad switches has finished."""
+    with _GATE.entered("plain"):
+        yield
 
 
 def _cut(graph: torch._C.Graph) -> None:
@@ -245,11 +279,11 @@ def _cut(graph: torch._C.Graph) -> None:
 @contextlib.contextmanager
 def cutting_gradients() -> Iterator[None]:
     """Cut the gradient where the traced forward detached a value or ran under ``no_grad``."""
-    _install()
     saved = _RECORDING.active, _RECORDING.grad_enabled
-    _RECORDING.active, _RECORDING.grad_enabled = True, torch.is_grad_enabled()
-    try:
-        with before_lowering(_cut, "honour detach() and torch.no_grad() inside a forward"):
-            yield
-    finally:
-        _RECORDING.active, _RECORDING.grad_enabled = saved
+    with _GATE.entered("record"):
+        _RECORDING.active, _RECORDING.grad_enabled = True, torch.is_grad_enabled()
+        try:
+            with before_lowering(_cut, "honour detach() and torch.no_grad() inside a forward"):
+                yield
+        finally:
+            _RECORDING.active, _RECORDING.grad_enabled = saved

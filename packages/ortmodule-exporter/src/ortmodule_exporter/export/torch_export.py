@@ -43,6 +43,7 @@ from ..aten.kernel_choice import fx_example_inputs
 from ..errors import ExportError
 from ..python_op.symbolic import custom_autograd_enabled
 from .calls import call_bound, writable_buffers
+from .gradient_cuts import plain_grad_switch
 from .guards import Guard
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX
 from .shape_guards import Dim, ShapeGuard, _Step
@@ -296,7 +297,9 @@ def export_program(
     cannot lower, or (``training``) lowers to ONNX the engine cannot differentiate, take the
     ATen route (:mod:`.torch_export_aten`); custom autograd.Functions are PythonOps
     (:mod:`.torch_export_python_op`) when the export config's ``custom_autograd`` is on."""
-    with python_op_calls(enabled=custom_autograd_enabled()):
+    # PyTorch's own grad switch while torch.export and the translator trace (gradient_cuts:
+    # the TorchScript frontend's recorder in its place lost torch.no_grad() regions)
+    with python_op_calls(enabled=custom_autograd_enabled()), plain_grad_switch():
         return _export_program(flat, tensors, names, opset, static_shapes, where, training)
 
 
