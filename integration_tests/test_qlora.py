@@ -108,6 +108,12 @@ def test_qlora_llama_unchanged_trains_like_eager(exported_ops: list[str]) -> Non
 
 def test_qlora_llama_inference_under_no_grad_matches_eager(exported_ops: list[str]) -> None:
     """Under no_grad bitsandbytes calls gemm_4bit for every 4-bit layer."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    if has_avx512bf16():
+        # eval mode repacks the weights for bitsandbytes' own CPU kernel, a layout MatMulBnb4
+        # does not read: refused with what to do (ortmodule-qlora's test_limits.py)
+        pytest.skip("on AVX512-BF16 CPUs gemv_4bit reads a repacked layout (refused)")
     peft_model = qlora_llama("nf4", seed=3)
     model = peft_model.base_model.model.eval()
     eager_model = copy.deepcopy(model)
