@@ -108,9 +108,7 @@ def _transposes_with_perm(model: onnx.ModelProto) -> None:
     ]
     if not found:
         return
-    ranks = _ranks(model)
-    if any(n.input[0] not in ranks for n in found):
-        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    ranks = _ranks_of(model, [n.input[0] for n in found])
     for node in found:
         rank = ranks.get(node.input[0])
         if rank == 0:
@@ -298,6 +296,15 @@ def _ranks(model: onnx.ModelProto) -> dict[str, int]:
     return ranks
 
 
+def _ranks_of(model: onnx.ModelProto, names: Sequence[str]) -> dict[str, int]:
+    """The ranks the graph declares, with ONNX shape inference's where one of ``names`` has
+    none declared (inference runs over the whole model: only when needed)."""
+    ranks = _ranks(model)
+    if any(name not in ranks for name in names):
+        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    return ranks
+
+
 def _matmul_vectors_as_matrices(model: onnx.ModelProto) -> None:
     """A 1-D operand of ``MatMul`` made a matrix of one row (left) or one column (right),
     the product's extra dim squeezed out again.
@@ -317,9 +324,7 @@ def _matmul_vectors_as_matrices(model: onnx.ModelProto) -> None:
     matmuls = [n for n in graph.node if is_matmul(n)]
     if not matmuls:
         return
-    ranks = _ranks(model)
-    if any(i not in ranks for n in matmuls for i in n.input):
-        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    ranks = _ranks_of(model, [i for n in matmuls for i in n.input])
     h = onnx.helper
     new_nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(graph.node):
@@ -524,9 +529,7 @@ def _scalar_operands_as_vectors(model: onnx.ModelProto) -> None:
     found = [n for n in graph.node if _is_default(n, "Tile", *_VECTOR_OPERANDS)]
     if not found:
         return
-    ranks = _ranks(model)
-    if any(n.input[0] not in ranks for n in found):
-        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    ranks = _ranks_of(model, [n.input[0] for n in found])
     h = onnx.helper
     new_nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(graph.node):
@@ -571,9 +574,7 @@ def _reductions_of_scalars(model: onnx.ModelProto) -> None:
     found = [n for n in graph.node if _is_default(n, *onnx_graph.REDUCTIONS) and _has_axes(n)]
     if not found:
         return
-    ranks = _ranks(model)
-    if any(n.input[0] not in ranks for n in found):
-        ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+    ranks = _ranks_of(model, [n.input[0] for n in found])
     values = onnx_graph.constant_values(graph)
     h = onnx.helper
     new_nodes: list[onnx.NodeProto] = []
