@@ -57,6 +57,7 @@ from ..aten.routes import registered_aten_routes
 from ..torchscript_onnx import type_utils
 from .torch_export_kernel_choice import write_kernel_choice
 from .torch_export_python_op import is_python_op, write_python_op
+from .torch_export_values import added_for, constant, one_value
 
 __all__ = ["AtenRoute", "translated_with_aten_route"]
 
@@ -756,11 +757,7 @@ class _AtenWriter:
             outputs[0].name = node.name
             self.values[node.name] = outputs[0]
             aten.name = f"node_{node.name}"
-        written = [*self.extra, aten]
-        for made in written:
-            made.meta["node"] = node
-            self.core._set_node_metadata(node, made)
-        graph_like.extend(written)
+        added_for(self.core, node, [*self.extra, aten], graph_like)
         self.route.written.append((aten, len(inputs)))
         return True
 
@@ -776,18 +773,13 @@ class _AtenWriter:
         return node.kwargs.get(arg.name, self._MISSING)
 
     def _value(self, fx_node: torch.fx.Node) -> Any:
-        value = self.core._convert_fx_arg_to_onnx_arg(fx_node, self.values, self.local_functions)
-        if isinstance(value, Sequence) or not hasattr(value, "dtype"):
+        value = one_value(self.core, fx_node, self.values, self.local_functions)
+        if value is None:
             raise _NotRunnable(f"{fx_node.name} is not one ONNX value")
         return value
 
     def _constant(self, array: np.ndarray) -> Any:
-        from onnxscript import ir  # noqa: PLC0415 - optional frontend
-
-        made = ir.Node("", "Constant", (), [ir.AttrTensor("value", ir.tensor(array))])
-        out = made.outputs[0]
-        out.dtype = ir.DataType.from_numpy(array.dtype)
-        out.shape = ir.Shape(array.shape)
+        made, out = constant(array)
         self.extra.append(made)
         return out
 

@@ -10,7 +10,6 @@ the translator's lowering. Called from the ATen route's per-node lowering
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.kernel_choice import AtenChoice, fx_kernel_choice
+from .torch_export_values import added_for, constant, one_value
 
 __all__ = ["write_kernel_choice"]
 
@@ -91,10 +91,7 @@ class _Writer:
         else:
             outputs[0].name = node.name
             self.values[node.name] = outputs[0]
-        for made in self.made:
-            made.meta["node"] = node
-            self.core._set_node_metadata(node, made)
-        graph_like.extend(self.made)
+        added_for(self.core, node, self.made, graph_like)
         written.append((aten, len(inputs)))
 
     def _reshaped(self, out: Any, like: Any, dim: int) -> Any:
@@ -115,19 +112,14 @@ class _Writer:
         return result
 
     def _input(self, value: Any) -> Any:
-        from onnxscript import ir  # noqa: PLC0415 - optional frontend
-
         if value is None:
             return None
         if isinstance(value, np.ndarray):
-            made = ir.Node("", "Constant", (), [ir.AttrTensor("value", ir.tensor(value))])
-            out = made.outputs[0]
-            out.dtype = ir.DataType.from_numpy(value.dtype)
-            out.shape = ir.Shape(value.shape)
+            made, out = constant(value)
             self.made.append(made)
             return out
-        converted = self.core._convert_fx_arg_to_onnx_arg(value, self.values, self.functions)
-        if isinstance(converted, Sequence) or not hasattr(converted, "dtype"):
+        converted = one_value(self.core, value, self.values, self.functions)
+        if converted is None:
             raise _NotOneValue(f"{value} is not one ONNX value")
         return converted
 
