@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ortmodule import ORTModule
+from ortmodule import DebugOptions, ORTModule
 from ortmodule_testing.parity import clone_model
 
 FLASH = "_scaled_dot_product_flash_attention_for_cpu"
@@ -63,10 +65,17 @@ def _exported_ops(model: ORTModule) -> list[str]:
     ]
 
 
-def _train_both(mask: str, steps: int = 3) -> tuple[ORTModule, torch.nn.Module]:
+def _train_both(
+    mask: str,
+    steps: int = 3,
+    make: Callable[[str], torch.nn.Module] | None = None,
+    options: DebugOptions | None = None,
+) -> tuple[ORTModule, torch.nn.Module]:
+    """``steps`` AdamW steps of eager and ORTModule of ``make(mask)`` (:class:`Attention`):
+    losses, first gradients and the parameters after compared."""
     torch.manual_seed(0)
-    eager = Attention(mask)
-    ours = ORTModule(clone_model(eager))
+    eager = (make or Attention)(mask)
+    ours = ORTModule(clone_model(eager), options)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, ours)]
     first: list[list[torch.Tensor | None]] = []
     for step in range(steps):

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 from hf_models import loss_only_case, padded_mlm_batch, trains_like_eager
+from test_fused_attention import _train_both as train_attention
+from test_reproducibility import _Dropouts
 from torch import nn
 
 from ortmodule import DebugOptions, ORTModule
@@ -103,44 +105,11 @@ class _Attention(nn.Module):
         return self.out(y)  # type: ignore[no-any-return]
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    x = torch.randn(3, 6, 16, generator=gen)
-    keep = torch.ones(3, 6, dtype=torch.bool)
-    keep[1, 4:] = False
-    keep[2, 2:] = False
-    return x, keep
-
-
 def _train_both(mask: str, steps: int = 3, **options: Any) -> tuple[ORTModule, nn.Module]:
-    """``steps`` AdamW steps of eager and ORTModule; losses, first gradients and the
-    parameters after compared."""
-    torch.manual_seed(0)
-    eager = _Attention(mask)
-    ours = ORTModule(clone_model(eager), DebugOptions(exporter="torch_export", **options))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, ours)]
-    first: list[list[torch.Tensor | None]] = []
-    for step in range(steps):
-        x, keep = _batch(step)
-        losses = []
-        for model, opt in zip((eager, ours), opts, strict=True):
-            opt.zero_grad()
-            loss = model(x, keep).square().mean()
-            loss.backward()
-            losses.append(loss.detach())
-            if step == 0:
-                first.append(
-                    [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-                )
-            opt.step()
-        torch.testing.assert_close(losses[1], losses[0], rtol=RTOL, atol=ATOL)
-    for g_eager, g_ours in zip(*first, strict=True):
-        assert (g_eager is None) == (g_ours is None)
-        if g_eager is not None:
-            torch.testing.assert_close(g_ours, g_eager, rtol=RTOL, atol=ATOL)
-    for p_ours, p_eager in zip(ours.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p_ours, p_eager, rtol=RTOL, atol=ATOL)
-    return ours, eager
+    """test_fused_attention's comparison, of :class:`_Attention` on this frontend."""
+    return train_attention(
+        mask, steps, make=_Attention, options=DebugOptions(exporter="torch_export", **options)
+    )
 
 
 @pytest.mark.parametrize("mask", ["causal", "bool", "additive"])
@@ -210,23 +179,6 @@ def test_efficient_attention_fuses_the_unfused_pattern(monkeypatch: pytest.Monke
 
 
 # -- dropout with eager's masks -----------------------------------------------------------------
-
-
-class _Dropouts(nn.Module):
-    """Three dropouts in a row: a module, ``F.dropout`` and an in-place module."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 32)
-        self.drop1 = nn.Dropout(0.3)
-        self.fc2 = nn.Linear(32, 32)
-        self.drop2 = nn.Dropout(0.5, inplace=True)
-        self.head = nn.Linear(32, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.drop1(torch.relu(self.fc1(x)))
-        h = F.dropout(torch.tanh(self.fc2(h)), p=0.2, training=self.training)
-        return self.head(self.drop2(h)).sum()  # type: ignore[no-any-return]
 
 
 class _FeatureDropout(nn.Module):
