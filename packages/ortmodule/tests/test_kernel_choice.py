@@ -536,6 +536,58 @@ def test_sparse_labels_keep_the_engines_loss_for_label_sparsity(
     assert kernel_choice.CROSS_ENTROPY not in ops and "SoftmaxCrossEntropyLoss" in ops
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("ignored", [0, 3, 6])
+def test_cross_entropy_kernels_equal_pytorchs_loss_and_gradient(
+    reduction: str, ignored: int
+) -> None:
+    """The ATen route's kernels keep each row's logsumexp for the backward, not the
+    log-probabilities (one tensor of the logits' size fewer); the loss, the counted rows and
+    the gradient are F.cross_entropy's, with ignored rows and with every row ignored."""
+    from ortmodule_exporter.aten.kernel_choice import cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(6, 11, generator=gen)).requires_grad_()
+    target = torch.randint(0, 11, (6,), generator=gen)
+    target[:ignored] = -1
+    params = torch.tensor([1 if reduction == "mean" else 2, -1])
+    loss, lse, total = cross_entropy._cross_entropy("", [logits.detach(), target, params])
+    assert lse is not None and lse.shape == (6,)
+    want = torch.nn.functional.cross_entropy(logits, target, reduction=reduction, ignore_index=-1)
+    torch.testing.assert_close(loss, want.detach(), equal_nan=True)
+    assert total is not None and total.item() == 6 - ignored
+    grad = torch.tensor(0.7)
+    want.backward(grad)
+    (got,) = cross_entropy._cross_entropy_backward(
+        "", [grad, logits.detach(), lse, target, total, params]
+    )
+    torch.testing.assert_close(got, logits.grad)
+
+
+@pytest.mark.parametrize("special", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("at_target", [False, True])
+def test_cross_entropy_kernels_put_nan_and_inf_where_pytorch_does(
+    special: float, at_target: bool
+) -> None:
+    """A +inf logit makes its row NaN as in log_softmax (torch.logsumexp alone would give an
+    infinite loss and finite gradients); -inf is a masked class."""
+    from ortmodule_exporter.aten.kernel_choice import cross_entropy
+
+    logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    target = torch.tensor([1, 2, 3])
+    logits[0, 1 if at_target else 0] = special
+    leaf = logits.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(leaf, target)
+    want.backward()
+    params = torch.tensor([1, -100])
+    loss, lse, total = cross_entropy._cross_entropy("", [logits, target, params])
+    (got,) = cross_entropy._cross_entropy_backward(
+        "", [torch.tensor(1.0), logits, lse, target, total, params]
+    )
+    torch.testing.assert_close(loss, want.detach(), equal_nan=True)
+    torch.testing.assert_close(got, leaf.grad, equal_nan=True)
+
+
 def test_cross_entropy_measurement_times_both_kernels() -> None:
     engine_us, torch_us = kernel_choice.measure_cross_entropy(64, 32)
     assert engine_us > 0 and torch_us > 2 * kernel_choice.ATEN_NODE_US

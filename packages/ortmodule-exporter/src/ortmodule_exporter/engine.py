@@ -116,6 +116,9 @@ class BuiltGraph:
     frontier_count: int = 0
     #: per user output, the graph inputs it depends on (gradients of the others are None in eager)
     output_dependencies: list[frozenset[str]] = field(default_factory=list)
+    #: user outputs whose gradient may be fed as a 0-d zero when autograd has none (see
+    #: :func:`summed_output_grads`)
+    summed_output_grads: frozenset[int] = frozenset()
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -435,7 +438,61 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
         grad_of=grad_of,
         frontier_count=info.frontier_count,
         output_dependencies=output_dependencies(exported.model, list(info.user_output_names)),
+        summed_output_grads=summed_output_grads(model) if config.build_gradient else frozenset(),
     )
+
+
+#: ONNX operators that broadcast every input to the output's shape
+_BROADCAST_SUMS = frozenset({"Sum", "Add"})
+
+
+def summed_output_grads(model: onnx.ModelProto) -> frozenset[int]:
+    """The user outputs whose gradient the backward half only adds to another gradient.
+
+    An output the graph also reads itself (the logits a causal LM's loss is computed from)
+    gets its gradient inside the graph, and the engine's builder adds the gradient autograd
+    hands in to that one with a broadcasting ``Sum``. Where autograd has no gradient for such
+    an output (the user did not use the logits), a 0-d zero gives the same sum as a full-shape
+    one, without allocating and reading a tensor of the output's size (206 MB for GPT-2's
+    logits at batch 4 x 256). The builder says so itself: ``YieldOp``'s ``full_shape_outputs``
+    lists the outputs that need the full shape, and its kernel checks only those. This also
+    checks every reader of each other gradient in the final graph (after the built-graph
+    passes) and keeps the full shape where one is not a ``Sum``/``Add``.
+    """
+    yield_node = next((n for n in model.graph.node if n.op_type == "YieldOp"), None)
+    if yield_node is None:
+        return frozenset()
+    attrs = {a.name: a for a in yield_node.attribute}
+    non_diff = (
+        set(attrs["non_differentiable_outputs"].ints)
+        if "non_differentiable_outputs" in attrs
+        else set()
+    )
+    full = set(attrs["full_shape_outputs"].ints) if "full_shape_outputs" in attrs else None
+    if full is None:
+        return frozenset()
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    graph_outputs = {vi.name for vi in model.graph.output}
+    found = set()
+    grads = iter(yield_node.output)
+    for i in range(len(yield_node.input)):
+        if i in non_diff:
+            continue
+        grad = next(grads, None)
+        if grad is None:
+            break
+        uses = readers.get(grad, [])
+        if (
+            i not in full
+            and grad not in graph_outputs
+            and uses
+            and all(n.op_type in _BROADCAST_SUMS and n.domain in ("", "ai.onnx") for n in uses)
+        ):
+            found.add(i)
+    return frozenset(found)
 
 
 # -- sessions --------------------------------------------------------------------------------

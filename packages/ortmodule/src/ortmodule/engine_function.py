@@ -79,11 +79,14 @@ class EngineFunction(torch.autograd.Function):
         ctx.state = None
         feeds = []
         used = frozenset(i for i, g in enumerate(grad_outputs) if g is not None)
+        summed = graph.built.summed_output_grads
         for (i, dtype, device), shape in zip(graph.backward_feeds(), ctx.shapes, strict=True):
             grad = grad_outputs[i]
-            feeds.append(
-                grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device)
-            )
+            if grad is None:
+                # a gradient the graph only adds to its own takes a 0-d zero (engine.py,
+                # summed_output_grads): no tensor of the output's size
+                grad = torch.zeros(() if i in summed else shape, dtype=dtype, device=device)
+            feeds.append(grad)
         assert isinstance(graph.session, TrainingSession)
         phases: StepPhases = ctx.phases
         for hook in phases.pre_backward:

@@ -511,8 +511,9 @@ def _rewrite(graph: onnx.GraphProto, plan: _Plan) -> tuple[int, int]:
             continue
         new_nodes.append(node)
     if labels_only:
+        read = {name for n in new_nodes for name in n.input} | {o.name for o in graph.output}
         new_nodes = [
-            _routed_loss(node, values, int(plan.labelled.sum()), b, infos)
+            _routed_loss(node, values, int(plan.labelled.sum()), b, infos, read)
             if id(node) in loss_nodes
             else node
             for node in new_nodes
@@ -541,13 +542,16 @@ def _routed_loss(
     rows: int,
     b: RowBuilder,
     infos: list[onnx.ValueInfoProto],
+    read: set[str],
 ) -> onnx.NodeProto:
     """``loss`` on PyTorch's kernel where kernel choice times it faster at the labelled rows'
-    size (the exported graph left the engine's node for the engine's label sparsity)."""
+    size (the exported graph left the engine's node for the engine's label sparsity); ``read``:
+    the names the graph reads (the ATen node has no ``log_prob`` output)."""
     logits = values[loss.input[0]]  # as computed before the rewrite: (batch, seq, classes)
     classes = int(logits.shape[-1])
     if (
         len(loss.input) != 2  # class weights: the engine's node
+        or (len(loss.output) > 1 and loss.output[1] in read)
         or logits.dtype != np.float32
         or cross_entropy_route(rows, classes) != "torch"
     ):
@@ -556,7 +560,7 @@ def _routed_loss(
     b.initializers.append(params)
     elem = onnx.TensorProto.FLOAT
     infos.append(onnx.helper.make_tensor_value_info(node.output[0], elem, []))
-    infos.append(onnx.helper.make_tensor_value_info(node.output[1], elem, [LABELLED, classes]))
+    infos.append(onnx.helper.make_tensor_value_info(node.output[1], elem, [LABELLED]))
     infos.append(onnx.helper.make_tensor_value_info(node.output[2], elem, []))
     return node
 
