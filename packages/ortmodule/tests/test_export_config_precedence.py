@@ -31,7 +31,7 @@ def test_recompute_and_triton_keep_the_engines_nodes(environ: dict[str, str]) ->
     declared = name in {var.name for var in variables()}
     config = _config(**environ)
     if declared:
-        assert not config.aten_sdpa_fallback and config.kernel_choice == "engine"
+        assert not config.aten_sdpa_fallback and config.kernel_choice == "losses"
     else:  # the component is not installed: the variable does nothing (a warning says so)
         assert config.aten_sdpa_fallback and config.kernel_choice == "auto"
 

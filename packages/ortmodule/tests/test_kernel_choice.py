@@ -588,6 +588,64 @@ def test_cross_entropy_kernels_put_nan_and_inf_where_pytorch_does(
     torch.testing.assert_close(got, leaf.grad, equal_nan=True)
 
 
+def test_losses_mode_measures_the_cross_entropy_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ORTModule's default under recompute: the loss is decided, every other operator keeps
+    the engine's kernel without a measurement."""
+    from ortmodule_exporter.aten.kernel_choice import cross_entropy
+
+    monkeypatch.setattr(choice, "_DECISIONS", {})
+    monkeypatch.setattr(choice, "_SECONDS", {})
+    monkeypatch.setattr(
+        cross_entropy, "measure_cross_entropy", lambda rows, classes: (50.0 * rows, 1.0 * rows)
+    )
+    measured: list[int] = []
+
+    def other(numel: int) -> tuple[float, float]:
+        measured.append(numel)
+        return 50.0, 1.0
+
+    kernel_choice.configure_kernel_choice(kernel_choice.LOSSES)
+    try:
+        assert kernel_choice.choose("test-op-not-a-loss", "Float", 100, other) == "engine"
+        assert kernel_choice.cross_entropy_route(64, 1000) == "torch"
+    finally:
+        kernel_choice.configure_kernel_choice("engine")
+    assert not measured
+
+
+def test_recompute_keeps_the_layers_on_the_engine_and_routes_the_loss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ORTMODULE_MEMORY_OPT_LEVEL=1 with the kernel choice at its default: LayerNorm and GELU
+    stay the engine's nodes (recomputable), the cross-entropy takes PyTorch's route where it
+    measures faster (here: made to), recompute plans apply, and training matches eager."""
+    from ortmodule_exporter.aten.kernel_choice import cross_entropy
+    from ortmodule_memory import memory_report
+    from ortmodule_testing.zoo.gpt import GPTConfig, GPTDecoder
+
+    monkeypatch.setattr(choice, "_DECISIONS", {})
+    monkeypatch.setattr(choice, "_SECONDS", {})
+    monkeypatch.setattr(
+        cross_entropy, "measure_cross_entropy", lambda rows, classes: (50.0 * rows, 1.0 * rows)
+    )
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "1")
+    torch.manual_seed(0)
+    eager = GPTDecoder(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, seq_len=16))
+    ours = ORTModule(clone_model(eager))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for model in (eager, ours):
+        loss, _ = model(ids, labels=ids.clone())
+        loss.backward()
+    ops = _ops(ours)
+    assert kernel_choice.CROSS_ENTROPY in ops and "SoftmaxCrossEntropyLoss" not in ops
+    assert {"LayerNormalization", "Erf"} <= set(ops)  # GELU stays decomposed in the engine
+    assert not {kernel_choice.LAYER_NORM, kernel_choice.GELU} & set(ops)
+    report = memory_report(ours)
+    assert report is not None and report.applied
+    for got, want in zip(ours.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_cross_entropy_measurement_times_both_kernels() -> None:
     engine_us, torch_us = kernel_choice.measure_cross_entropy(64, 32)
     assert engine_us > 0 and torch_us > 2 * kernel_choice.ATEN_NODE_US

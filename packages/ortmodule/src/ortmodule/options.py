@@ -293,8 +293,10 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "ATen nodes, PyTorch at ORTMODULE_TORCH_THREADS_IN_ENGINE threads) once per process and "
         "operator, dtype and size class (the sizes traced at export; a bias gradient's width) "
         "and uses the faster; "
-        "ENGINE or TORCH force one. Left at its default, it is ENGINE while recompute or "
-        "ORTMODULE_USE_TRITON is on (the engine recomputes and fuses only its own nodes).",
+        "ENGINE or TORCH force one. Left at its default while recompute or ORTMODULE_USE_TRITON "
+        "is on, it decides the cross-entropy loss only and every other operator stays on the "
+        "engine's kernels (the engine recomputes and fuses only its own nodes; nothing "
+        "recomputes the loss).",
         "ENGINE",
     ),
     _switch(

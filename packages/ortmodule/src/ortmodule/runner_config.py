@@ -6,6 +6,7 @@ import logging
 import os
 
 from ortmodule_exporter import ExportConfig, SaveOptions
+from ortmodule_exporter.aten.kernel_choice import LOSSES
 from ortmodule_exporter.aten.parallel import THREADS_AUTO
 
 from .execution import RunnerConfig
@@ -57,15 +58,19 @@ def export_config(options: RuntimeOptions) -> ExportConfig:
     fused_attention, kernel_choice = options.fused_attention, options.kernel_choice.lower()
     graph_rewriters = keeps_engine_nodes(options)
     if graph_rewriters:
-        # Fused attention and PyTorch kernels become PythonOps, which the engine's memory
+        # Fused attention and PyTorch kernels become ATen nodes, which the engine's memory
         # optimizer cannot recompute (1.19.2 recomputes only its own nodes) and Triton's
         # attention matcher cannot see; the defaults step aside, an explicit setting stays.
+        # The loss, after every layer, is never recomputed: the kernel choice still decides it.
         if options.source("fused_attention") == DEFAULT and fused_attention:
             fused_attention = False
             logger.info("%s: attention stays decomposed in the engine", graph_rewriters)
-        if options.source("kernel_choice") == DEFAULT and kernel_choice != "engine":
-            kernel_choice = "engine"
-            logger.info("%s: every operator stays on the engine's kernels", graph_rewriters)
+        if options.source("kernel_choice") == DEFAULT and kernel_choice == "auto":
+            kernel_choice = LOSSES
+            logger.info(
+                "%s: every operator but the cross-entropy loss stays on the engine's kernels",
+                graph_rewriters,
+            )
     return ExportConfig(
         opset=options.onnx_opset_version,
         custom_autograd=options.enable_custom_autograd,

@@ -303,7 +303,9 @@ def _header(key: str, exported: ExportedModel) -> dict[str, Any]:
         "guards": [[name, guard_to_json(g)] for name, g in exported.guards],
         # the kernel choice's measurements (the key holds the machine they were made on)
         "kernel_choice": (
-            kernel_choice.decisions_to_json() if exported.config.kernel_choice == "auto" else []
+            kernel_choice.decisions_to_json()
+            if kernel_choice.measures(exported.config.kernel_choice)
+            else []
         ),
     }
 

@@ -385,7 +385,11 @@ def _export(
     key = None
     if cache is not None:
         # a graph of the measured kernel choice holds this machine's routes: keyed by it
-        machine = kernel_choice.machine_fingerprint() if config.kernel_choice == "auto" else ""
+        machine = (
+            kernel_choice.machine_fingerprint()
+            if kernel_choice.measures(config.kernel_choice)
+            else ""
+        )
         key = cache.key_for(
             module,
             input_schema,

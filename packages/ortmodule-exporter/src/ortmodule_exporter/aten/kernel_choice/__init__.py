@@ -86,7 +86,7 @@ from .fx_nodes import (
     register_fx_kernel_choice,
 )
 from .measuring import ATEN_NODE_US
-from .modes import MODES, current_mode, current_torch_threads
+from .modes import LOSSES, MODES, current_mode, current_torch_threads, measures
 from .registry import (
     CoveredOperator,
     configure_kernel_choice,
@@ -166,6 +166,8 @@ __all__ = [
     "covered_operators",
     "cross_entropy_route",
     "current_mode",
+    "measures",
+    "LOSSES",
     "current_torch_threads",
     "decisions",
     "decisions_from_json",

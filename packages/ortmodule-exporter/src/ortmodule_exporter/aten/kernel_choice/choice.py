@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .modes import current_mode, current_torch_threads
+from .modes import LOSSES, current_mode, current_torch_threads
 from .traced import _recording_off_cpu
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -63,8 +63,19 @@ def _size_class(numel: int) -> int:
     return 1 << max(0, round(math.log2(max(numel, 1))))
 
 
-def _decide(op: str, dtype: str, size: Any, measure: Callable[[], tuple[float, float]]) -> str:
+def _decide(
+    op: str,
+    dtype: str,
+    size: Any,
+    measure: Callable[[], tuple[float, float]],
+    *,
+    loss: bool = False,
+) -> str:
+    """The route of ``op`` under the mode in force; ``loss``: ``op`` is a loss (measured under
+    ``losses`` too)."""
     mode = current_mode()
+    if mode == LOSSES:
+        mode = "auto" if loss else "engine"
     if mode != "auto":
         return mode
     if _recording_off_cpu():

@@ -157,7 +157,7 @@ def cross_entropy_route(rows: int, classes: int) -> str:
         scale, fixed = size / timed, 2 * ATEN_NODE_US
         return engine_us * scale, (torch_us - fixed) * scale + fixed
 
-    return _decide(f"cross_entropy({classes})", "Float", size, measure)
+    return _decide(f"cross_entropy({classes})", "Float", size, measure, loss=True)
 
 
 def aten_cross_entropy(loss: onnx.NodeProto) -> tuple[onnx.NodeProto, onnx.TensorProto]:

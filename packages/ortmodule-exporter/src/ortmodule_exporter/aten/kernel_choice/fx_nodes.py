@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ...label_density import label_density
-from .modes import current_mode
+from .modes import current_mode, measures
 
 __all__ = [
     "AtenChoice",
@@ -84,7 +84,7 @@ def fx_kernel_choice(node: torch.fx.Node) -> AtenChoice | None:
     mode = current_mode()
     if decide is None or mode == "engine":
         return None
-    if mode == "auto" and _off_cpu(node):
+    if measures(mode) and _off_cpu(node):
         # the measurements time CPU kernels (as ``choice._decide`` for a traced export)
         return None
     return decide(node)

@@ -13,9 +13,20 @@ from __future__ import annotations
 
 from ...active_export import active_export_config
 
-__all__ = ["MODES", "current_mode", "current_torch_threads"]
+__all__ = ["LOSSES", "MODES", "current_mode", "current_torch_threads", "measures"]
 
-MODES = ("auto", "engine", "torch")
+#: ``losses``: the losses (cross-entropy) are measured as under ``auto``, every other operator
+#: keeps the engine's kernel. ORTModule's default under recompute: the engine recomputes only
+#: its own nodes, and nothing recomputes a loss, which comes after every layer.
+LOSSES = "losses"
+MODES = ("auto", "engine", "torch", LOSSES)
+
+
+def measures(mode: str) -> bool:
+    """Whether an export in ``mode`` may time kernels (its graph then holds this machine's
+    decisions)."""
+    return mode in ("auto", LOSSES)
+
 
 # nothing is rerouted until a caller (ORTModule, through ExportConfig) asks for it
 _MODE = ["engine"]
