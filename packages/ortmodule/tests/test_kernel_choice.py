@@ -646,6 +646,59 @@ def test_recompute_keeps_the_layers_on_the_engine_and_routes_the_loss(
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
 
 
+def _built_ops(model: ORTModule) -> set[tuple[str, str, str]]:
+    """(op type, ATen operator, overload) of every node of the built gradient graph."""
+    graph = model._runner.transitions.current(True, True)
+    assert graph is not None
+    return {
+        (n.op_type, attribute(n, "operator", ""), attribute(n, "overload_name", ""))
+        for n in onnx.load_from_string(graph.built.model_bytes).graph.node
+    }
+
+
+@pytest.mark.parametrize("mode", ["TORCH", "ENGINE"])
+def test_the_engines_fused_gelu_gradient_takes_pytorchs_kernel(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hugging Face GPT-2's GELU is tanh arithmetic, which the engine fuses into FastGelu; its
+    FastGeluGrad (20x slower than PyTorch's gelu_backward at GPT-2 124M's MLP) is routed on the
+    built graph (passes/gelu_grads.py), the forward FastGelu stays. Gradients match eager."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", mode)
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=100,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    eager = GPT2LMHeadModel(config)
+    ours = ORTModule(clone_model(eager))
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    for model in (eager, ours):
+        model(input_ids=ids, labels=ids).loss.backward()
+    ops = _built_ops(ours)
+    routed = ("ATen", kernel_choice.GELU_BACKWARD, "tanh")
+    assert ("FastGelu", "", "") in ops
+    if mode == "TORCH":
+        assert routed in ops and not any(op[0] == "FastGeluGrad" for op in ops)
+    else:
+        assert routed not in ops and any(op[0] == "FastGeluGrad" for op in ops)
+    for got, want in zip(ours.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_backward_measurement_times_both_kernels(approximate: str) -> None:
+    engine_us, torch_us = kernel_choice.measure_gelu_backward(1 << 14, approximate)
+    assert engine_us > 0 and torch_us > kernel_choice.ATEN_NODE_US
+
+
 def test_cross_entropy_measurement_times_both_kernels() -> None:
     engine_us, torch_us = kernel_choice.measure_cross_entropy(64, 32)
     assert engine_us > 0 and torch_us > 2 * kernel_choice.ATEN_NODE_US

@@ -27,6 +27,8 @@ engine built (built-graph passes).
                         one on PyTorch (the engine's CPU kernel clears memory past ``dX``) (58)
 ``row_sums``            built-graph pass: bias gradients on PyTorch's ``sum`` where the kernel
                         choice measured it faster (60)
+``gelu_grads``          built-graph pass: the engine's ``FastGeluGrad``/``GeluGrad`` on PyTorch's
+                        ``gelu_backward`` where the kernel choice measured it faster (61)
 ``low_precision_sums``  built-graph pass: the engine's own bfloat16/float16 gradient sums on CPU
                         computed in float32 and rounded once, as PyTorch's kernels do (70)
 ======================  =========================================================================
@@ -43,6 +45,7 @@ from . import (  # noqa: F401 - register
     batchnorm,
     engine_forwards,
     engine_graph_fixes,
+    gelu_grads,
     grouped_conv_grad,
     low_precision_sums,
     nan_gradients,

@@ -107,7 +107,14 @@ from .traced import recording_traced_sizes
 # configure_kernel_choice installs.
 from .row_sum import ROW_SUM, measure_row_sum, row_sum_route
 from .row_sum import _row_sum as _row_sum
-from .gelu import GELU, GELU_BACKWARD, measure_gelu
+from .gelu import (
+    ENGINE_GELU_GRADS,
+    GELU,
+    GELU_BACKWARD,
+    gelu_backward_route,
+    measure_gelu,
+    measure_gelu_backward,
+)
 from .gelu import _gelu as _gelu, _gelu_backward as _gelu_backward
 from .relu import (
     ENGINE_FORWARD,
@@ -182,6 +189,9 @@ __all__ = [
     "measure_cross_entropy",
     "measure_embedding",
     "measure_gelu",
+    "measure_gelu_backward",
+    "gelu_backward_route",
+    "ENGINE_GELU_GRADS",
     "measure_layer_norm",
     "measure_max_pool2d",
     "measure_relu",

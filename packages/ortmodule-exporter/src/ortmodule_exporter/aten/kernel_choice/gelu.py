@@ -81,6 +81,37 @@ def measure_gelu(numel: int, approximate: str = "none") -> tuple[float, float]:
     return engine_us, _torch_us(torch_route)
 
 
+#: the engine's GELU gradient node for each ``approximate``
+ENGINE_GELU_GRADS = {"none": "GeluGrad", "tanh": "FastGeluGrad"}
+
+
+def measure_gelu_backward(numel: int, approximate: str = "none") -> tuple[float, float]:
+    """Microseconds of GELU's backward alone on ``numel`` float32 elements: (engine, torch).
+    The engine's ``GeluGrad``/``FastGeluGrad`` against PyTorch's ``gelu_backward`` and one ATen
+    node's cost. For the engine's gradient of a GELU it fused itself (``passes/gelu_grads.py``:
+    Hugging Face GPT-2's ``NewGELUActivation``, traced as ``tanh`` arithmetic)."""
+    from onnx import helper
+
+    node = helper.make_node(
+        ENGINE_GELU_GRADS[approximate], ["dy", "x"], ["dx"], domain="com.microsoft"
+    )
+    _seeded()
+    x, dy = _randn(numel), _randn(numel)
+    engine_us = _engine_us("gelu_backward", [node], {"x": x, "dy": dy}, ["dx"])
+    return engine_us, _torch_us(lambda: _gelu_backward(approximate, [dy, x]), aten_nodes=1)
+
+
+def gelu_backward_route(numel: int | None, approximate: str) -> str:
+    """``"engine"`` or ``"torch"`` for the engine's GELU gradient node over ``numel`` float32
+    elements (None: unknown, timed at the calibration size)."""
+    return choose(
+        f"gelu_backward({approximate})",
+        "Float",
+        numel,
+        lambda n: measure_gelu_backward(n, approximate=approximate),
+    )
+
+
 def _numel(value: Any) -> int | None:
     sizes = _complete_sizes(value)
     return math.prod(sizes) if sizes is not None else None
