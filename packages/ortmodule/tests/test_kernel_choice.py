@@ -693,6 +693,33 @@ def test_the_engines_fused_gelu_gradient_takes_pytorchs_kernel(
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("typed", [True, False])
+def test_an_engine_gelu_gradient_without_value_info_is_routed_too(typed: bool) -> None:
+    """The build keeps no value_info for some activations (GPT-2 124M's, below the INFO log
+    level): the node is float32 all the same, the engine's CPU kernel has no other type."""
+    from ortmodule_exporter.passes.gelu_grads import route_gelu_grads
+
+    node = helper.make_node("FastGeluGrad", ["dy", "x"], ["dx"], domain="com.microsoft")
+    value_info = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])] if typed else []
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("dy", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [4, 8])],
+        value_info=value_info,
+    )
+    model = helper.make_model(graph)
+    kernel_choice.configure_kernel_choice("torch")
+    try:
+        assert route_gelu_grads(model, "cpu") == 1
+        assert route_gelu_grads(model, "cuda") == 0
+    finally:
+        kernel_choice.configure_kernel_choice("engine")
+    (routed,) = model.graph.node
+    assert attribute(routed, "operator") == kernel_choice.GELU_BACKWARD
+    assert attribute(routed, "overload_name") == "tanh" and list(routed.input) == ["dy", "x"]
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_backward_measurement_times_both_kernels(approximate: str) -> None:
     engine_us, torch_us = kernel_choice.measure_gelu_backward(1 << 14, approximate)

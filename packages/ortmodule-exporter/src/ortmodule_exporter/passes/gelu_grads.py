@@ -51,11 +51,13 @@ def route_gelu_grads(model: onnx.ModelProto, device_type: str) -> int:
         approximate = _APPROXIMATE.get(node.op_type)
         if approximate is None or node.domain != _MS or len(node.input) != 2:
             continue
-        known = shapes.get(node.input[1])
-        if known is None or known[0] != onnx.TensorProto.FLOAT:
+        # untyped where the build kept no value_info for it: the engine's CPU kernels of both
+        # nodes are float32 only
+        elem_type, dims = shapes.get(node.input[1], (onnx.TensorProto.FLOAT, None))
+        if elem_type != onnx.TensorProto.FLOAT:
             continue
-        dims = known[1]
-        numel = math.prod(dims) if dims and all(d for d in dims) else None
+        sizes = [d for d in dims or [] if d]
+        numel = math.prod(sizes) if dims and len(sizes) == len(dims) else None
         if gelu_backward_route(numel, approximate) != "torch":
             continue
         graph.node[position].CopyFrom(
