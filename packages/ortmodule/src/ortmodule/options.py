@@ -289,7 +289,7 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "gradient), 2-d max pooling, LayerNorm (weight and bias trained), embedding "
         "lookups (padding_idx included), cross-entropy on class indices (not where label sparsity "
         "shrinks it) and, in the built gradient graph, bias gradients (float32 sums over the "
-        "batch's leading axes): AUTO times the engine's kernels against PyTorch's (run as "
+        "batch's leading axes) and the engine's GELU gradients (FastGeluGrad, GeluGrad): AUTO times the engine's kernels against PyTorch's (run as "
         "ATen nodes, PyTorch at ORTMODULE_TORCH_THREADS_IN_ENGINE threads) once per process and "
         "operator, dtype and size class (the sizes traced at export; a bias gradient's width) "
         "and uses the faster; "
