@@ -536,6 +536,18 @@ def test_sparse_labels_keep_the_engines_loss_for_label_sparsity(
     assert kernel_choice.CROSS_ENTROPY not in ops and "SoftmaxCrossEntropyLoss" in ops
 
 
+def _cross_entropy_kernels(
+    logits: torch.Tensor, target: torch.Tensor, params: torch.Tensor, grad: torch.Tensor
+) -> tuple[Any, Any, Any, Any]:
+    """The ATen route's forward and backward kernels: (loss, logsumexp, counted rows, the
+    logits' gradient for ``grad``)."""
+    from ortmodule_exporter.aten.kernel_choice import cross_entropy
+
+    loss, lse, total = cross_entropy._cross_entropy("", [logits, target, params])
+    (got,) = cross_entropy._cross_entropy_backward("", [grad, logits, lse, target, total, params])
+    return loss, lse, total, got
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("ignored", [0, 3, 6])
 def test_cross_entropy_kernels_equal_pytorchs_loss_and_gradient(
@@ -544,23 +556,18 @@ def test_cross_entropy_kernels_equal_pytorchs_loss_and_gradient(
     """The ATen route's kernels keep each row's logsumexp for the backward, not the
     log-probabilities (one tensor of the logits' size fewer); the loss, the counted rows and
     the gradient are F.cross_entropy's, with ignored rows and with every row ignored."""
-    from ortmodule_exporter.aten.kernel_choice import cross_entropy
-
     gen = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(6, 11, generator=gen)).requires_grad_()
     target = torch.randint(0, 11, (6,), generator=gen)
     target[:ignored] = -1
     params = torch.tensor([1 if reduction == "mean" else 2, -1])
-    loss, lse, total = cross_entropy._cross_entropy("", [logits.detach(), target, params])
+    grad = torch.tensor(0.7)
+    loss, lse, total, got = _cross_entropy_kernels(logits.detach(), target, params, grad)
     assert lse is not None and lse.shape == (6,)
     want = torch.nn.functional.cross_entropy(logits, target, reduction=reduction, ignore_index=-1)
     torch.testing.assert_close(loss, want.detach(), equal_nan=True)
     assert total is not None and total.item() == 6 - ignored
-    grad = torch.tensor(0.7)
     want.backward(grad)
-    (got,) = cross_entropy._cross_entropy_backward(
-        "", [grad, logits.detach(), lse, target, total, params]
-    )
     torch.testing.assert_close(got, logits.grad)
 
 
@@ -571,8 +578,6 @@ def test_cross_entropy_kernels_put_nan_and_inf_where_pytorch_does(
 ) -> None:
     """A +inf logit makes its row NaN as in log_softmax (torch.logsumexp alone would give an
     infinite loss and finite gradients); -inf is a masked class."""
-    from ortmodule_exporter.aten.kernel_choice import cross_entropy
-
     logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
     target = torch.tensor([1, 2, 3])
     logits[0, 1 if at_target else 0] = special
@@ -580,10 +585,7 @@ def test_cross_entropy_kernels_put_nan_and_inf_where_pytorch_does(
     want = torch.nn.functional.cross_entropy(leaf, target)
     want.backward()
     params = torch.tensor([1, -100])
-    loss, lse, total = cross_entropy._cross_entropy("", [logits, target, params])
-    (got,) = cross_entropy._cross_entropy_backward(
-        "", [torch.tensor(1.0), logits, lse, target, total, params]
-    )
+    loss, _lse, _total, got = _cross_entropy_kernels(logits, target, params, torch.tensor(1.0))
     torch.testing.assert_close(loss, want.detach(), equal_nan=True)
     torch.testing.assert_close(got, leaf.grad, equal_nan=True)
 
@@ -663,25 +665,15 @@ def test_the_engines_fused_gelu_gradient_takes_pytorchs_kernel(
     """Hugging Face GPT-2's GELU is tanh arithmetic, which the engine fuses into FastGelu; its
     FastGeluGrad (20x slower than PyTorch's gelu_backward at GPT-2 124M's MLP) is routed on the
     built graph (passes/gelu_grads.py), the forward FastGelu stays. Gradients match eager."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from hf_models import HF_ZOO  # the zoo's tiny GPT-2 (transformers, dropout off)
 
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", mode)
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=100,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    eager = GPT2LMHeadModel(config)
+    case = HF_ZOO["gpt2"]
+    eager = case.build(seed=0)
     ours = ORTModule(clone_model(eager))
-    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    args, kwargs = case.make_batch(0)
     for model in (eager, ours):
-        model(input_ids=ids, labels=ids).loss.backward()
+        case.loss_fn(model(*args, **kwargs), args, kwargs).backward()
     ops = _built_ops(ours)
     routed = ("ATen", kernel_choice.GELU_BACKWARD, "tanh")
     assert ("FastGelu", "", "") in ops

@@ -47,10 +47,15 @@ class _TwoHeads(torch.nn.Module):
         return self.a(h), self.b(h)
 
 
-def _record_backward_feeds(wrapped: ORTModule) -> list[list[tuple[int, ...]]]:
-    """Wraps the training session's backward; returns the list each call's feed shapes go to."""
+def _training_graph(wrapped: ORTModule) -> Any:
     graph = wrapped._runner.transitions.current(training=True, build_gradient=True)
     assert graph is not None
+    return graph
+
+
+def _record_backward_feeds(wrapped: ORTModule) -> list[list[tuple[int, ...]]]:
+    """Wraps the training session's backward; returns the list each call's feed shapes go to."""
+    graph = _training_graph(wrapped)
     seen: list[list[tuple[int, ...]]] = []
     backward = graph.session.backward
 
@@ -75,9 +80,7 @@ def test_unused_logits_take_a_scalar_zero_and_gradients_match_eager(use_logits: 
 
     wrapped(ids)[0].backward()  # the first call builds the graph
     wrapped.zero_grad()
-    graph = wrapped._runner.transitions.current(training=True, build_gradient=True)
-    assert graph is not None
-    assert graph.built.summed_output_grads == frozenset({1})
+    assert _training_graph(wrapped).built.summed_output_grads == frozenset({1})
     seen = _record_backward_feeds(wrapped)
 
     for model in (eager, wrapped):
@@ -98,9 +101,7 @@ def test_an_output_the_graph_does_not_read_takes_a_full_shape_zero() -> None:
     x = torch.randn(5, 8)
     wrapped(x)[0].sum().backward()
     wrapped.zero_grad()
-    graph = wrapped._runner.transitions.current(training=True, build_gradient=True)
-    assert graph is not None
-    assert graph.built.summed_output_grads == frozenset()
+    assert _training_graph(wrapped).built.summed_output_grads == frozenset()
     seen = _record_backward_feeds(wrapped)
     for model in (eager, wrapped):
         model(x)[0].sum().backward()

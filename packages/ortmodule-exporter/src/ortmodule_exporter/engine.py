@@ -460,39 +460,22 @@ def summed_output_grads(model: onnx.ModelProto) -> frozenset[int]:
     passes) and keeps the full shape where one is not a ``Sum``/``Add``.
     """
     yield_node = next((n for n in model.graph.node if n.op_type == "YieldOp"), None)
-    if yield_node is None:
+    full = None if yield_node is None else onnx_graph.attribute(yield_node, "full_shape_outputs")
+    if yield_node is None or full is None:
         return frozenset()
-    attrs = {a.name: a for a in yield_node.attribute}
-    non_diff = (
-        set(attrs["non_differentiable_outputs"].ints)
-        if "non_differentiable_outputs" in attrs
-        else set()
-    )
-    full = set(attrs["full_shape_outputs"].ints) if "full_shape_outputs" in attrs else None
-    if full is None:
-        return frozenset()
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    non_diff = set(onnx_graph.attribute(yield_node, "non_differentiable_outputs", []))
+    differentiable = [i for i in range(len(yield_node.input)) if i not in non_diff]
+    _, readers = onnx_graph.producers_and_consumers(model.graph)
     graph_outputs = {vi.name for vi in model.graph.output}
-    found = set()
-    grads = iter(yield_node.output)
-    for i in range(len(yield_node.input)):
-        if i in non_diff:
-            continue
-        grad = next(grads, None)
-        if grad is None:
-            break
-        uses = readers.get(grad, [])
-        if (
-            i not in full
-            and grad not in graph_outputs
-            and uses
-            and all(n.op_type in _BROADCAST_SUMS and n.domain in ("", "ai.onnx") for n in uses)
-        ):
-            found.add(i)
-    return frozenset(found)
+    return frozenset(
+        i
+        # one YieldOp output per differentiable input (the engine's kernel enforces it)
+        for i, grad in zip(differentiable, yield_node.output, strict=True)
+        if i not in full
+        and grad not in graph_outputs
+        and readers.get(grad)
+        and all(n.op_type in _BROADCAST_SUMS and n.domain in ("", "ai.onnx") for n in readers[grad])
+    )
 
 
 # -- sessions --------------------------------------------------------------------------------
