@@ -98,6 +98,7 @@ def _valid(tmp: str, a_file: str) -> dict[str, list[tuple[str, Any]]]:
             (" 4 ", "4"),
             ("auto", "AUTO"),
         ],
+        "ORTMODULE_CPU_MEM_ARENA": [("auto", "AUTO"), ("1", "1"), ("0", "0")],
         "ORTMODULE_CONV_ALGO_SEARCH": [
             ("HEURISTIC", "HEURISTIC"),
             ("exhaustive", "EXHAUSTIVE"),
@@ -158,6 +159,7 @@ def _invalid(a_file: str, tmp: str) -> dict[str, list[str]]:
         "ORTMODULE_ENABLE_ZERO_STAGE3": switch,
         "ORTMODULE_TORCH_THREADS_IN_ENGINE": ["-1", "two", "1.5"],
         "ORTMODULE_CONV_ALGO_SEARCH": ["FAST", "1"],
+        "ORTMODULE_CPU_MEM_ARENA": ["on", "2"],
         "ORTMODULE_SKIPCHECK_POLICY": [
             "SKIP_CHECK_NOTHING",
             "SKIP_CHECK_DISABLED|SKIP_CHECK_DEVICE",

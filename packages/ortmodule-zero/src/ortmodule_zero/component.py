@@ -6,6 +6,7 @@ import importlib.util
 
 from ortmodule_exporter.components import (
     Component,
+    register_session_contributor,
     register_step_hook,
     register_untracked_attributes,
 )
@@ -31,7 +32,10 @@ DEEPSPEED_MODULE_ATTRIBUTES = (
 
 def _register() -> None:
     # early, so parameters are gathered before any other hook looks at them
-    register_step_hook("zero-stage3", ZeroStage3Hook(), order=10)
+    hook = ZeroStage3Hook()
+    register_step_hook("zero-stage3", hook, order=10)
+    # sessions built inside a stage-3 step allocate without the CPU engine's arena
+    register_session_contributor("zero-stage3", hook.session_contribution)
     # DeepSpeed keeps per-step bookkeeping on the module (ds_grads_remaining, its backward
     # Functions, reference counts): writes of those through the ORTModule wrapper are no change
     # of the model's flags (the names deepspeed/runtime/zero assigns on modules, 0.19)

@@ -40,6 +40,7 @@ from ortmodule_exporter import (
 )
 from ortmodule_exporter.components import (
     SessionContext,
+    SessionContribution,
     SessionInfo,
     StepContext,
     StepPhases,
@@ -121,12 +122,23 @@ class RunnerConfig:
     engine_log_severity: int = 3
     exporter_verbose: bool = False
     conv_algo_search: str = "HEURISTIC"
+    #: ``ORTMODULE_CPU_MEM_ARENA``: "1" / "0" force the CPU engine's arena on / off; "AUTO" keeps
+    #: it unless a session contributor asks for the memory back (``release_cpu_memory``)
+    cpu_mem_arena: str = "AUTO"
     #: PyTorch's intra-op threads while the engine runs PyTorch-run nodes (0: leave as is)
     torch_threads_in_engine: int = 0
     use_memory_efficient_gradient: bool = False
     #: ``ORTMODULE_*`` variable -> parsed value, for post-export passes and components
     pass_options: tuple[tuple[str, Any], ...] = ()
     transformer_options: tuple[tuple[str, Any], ...] = ()
+
+
+def _cpu_arena(setting: str, contribution: SessionContribution | None) -> bool:
+    """Whether a CPU session allocates from the engine's arena: ``ORTMODULE_CPU_MEM_ARENA``,
+    and under ``AUTO`` the arena unless a contributor (recompute, ZeRO-3) asks for the memory."""
+    if setting in ("1", "0"):
+        return setting == "1"
+    return not (contribution is not None and contribution.release_cpu_memory)
 
 
 class _Binder:
@@ -699,7 +711,7 @@ class GraphRunner:
             optimized_model_path=save.file_path("execution", exported.training) if save else None,
             memory_efficient_order=bool(contribution and contribution.memory_efficient_order),
             config_entries=tuple(contribution.config_entries.items()) if contribution else (),
-            cpu_arena=not (contribution and contribution.release_cpu_memory),
+            cpu_arena=_cpu_arena(cfg.cpu_mem_arena, contribution),
         )
         with times.phase("session creation"), self._silenced():
             session: TrainingSession | InferenceSession = (

@@ -338,6 +338,24 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "EXHAUSTIVE",
     ),
     EnvVar(
+        "ORTMODULE_CPU_MEM_ARENA",
+        "str",
+        "AUTO",
+        choice("AUTO", "1", "0"),
+        "AUTO (any case), 1 or 0",
+        _RUNTIME,
+        "The CPU engine's memory arena. 1: the engine keeps what a step allocated for the next "
+        "step (faster steps; the resident set stays at the engine's peak between steps, and "
+        "PyTorch's optimizer step allocates on top of it). 0: the engine allocates without an "
+        "arena and a run's memory goes back when it is freed (GPT-2 124M on 2 cores: steps "
+        "peak 3440-3480 against 3690-3740 MiB, steps about 6 % slower). AUTO: the arena, "
+        "except where a component asks for the memory back: recompute "
+        "(ORTMODULE_MEMORY_OPT_LEVEL/CONFIG) and DeepSpeed ZeRO stage 3 "
+        "(ORTMODULE_ENABLE_ZERO_STAGE3). No effect on CUDA, whose memory PyTorch's caching "
+        "allocator manages.",
+        "0",
+    ),
+    EnvVar(
         "ORTMODULE_SKIPCHECK_POLICY",
         "SkipCheck",
         SkipCheck.SKIP_CHECK_DISABLED,
@@ -486,6 +504,7 @@ class RuntimeOptions:
     deepcopy_before_model_export: bool
     torch_threads_in_engine: str
     conv_algo_search: str
+    cpu_mem_arena: str
     skipcheck_policy: SkipCheck
     #: ``(field, value)`` of every variable an installed component declares
     components: tuple[tuple[str, Any], ...] = ()

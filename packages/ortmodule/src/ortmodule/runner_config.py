@@ -37,6 +37,7 @@ def runner_config(options: RuntimeOptions) -> RunnerConfig:
         engine_log_severity=engine_severity(options.log_level),
         exporter_verbose=exporter_verbose(options.log_level),
         conv_algo_search=options.conv_algo_search,
+        cpu_mem_arena=options.cpu_mem_arena,
         torch_threads_in_engine=torch_threads_in_engine(options.torch_threads_in_engine),
         pass_options=component_options(options),
     )
