@@ -93,7 +93,7 @@ def test_sessions_built_inside_a_stage3_step_go_without_the_cpu_arena(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The arena keeps a step's peak of engine buffers between steps; at 360M parameters on 2
-    # ranks a rank was killed at 12.2 GiB with it and peaked at 11.2 GiB without.
+    # ranks a rank was killed at 12.2 GiB with it and peaked at 11314 MiB without.
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
     stage3, plain = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     for p in stage3.parameters():

@@ -348,7 +348,7 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "step (faster steps; the resident set stays at the engine's peak between steps, and "
         "PyTorch's optimizer step allocates on top of it). 0: the engine allocates without an "
         "arena and a run's memory goes back when it is freed (GPT-2 124M on 2 cores: steps "
-        "peak 3440-3480 against 3690-3740 MiB, steps about 6 % slower). AUTO: the arena, "
+        "peak 3434-3477 against 3692-3735 MiB, steps 6-8 % slower). AUTO: the arena, "
         "except where a component asks for the memory back: recompute "
         "(ORTMODULE_MEMORY_OPT_LEVEL/CONFIG) and DeepSpeed ZeRO stage 3 "
         "(ORTMODULE_ENABLE_ZERO_STAGE3). No effect on CUDA, whose memory PyTorch's caching "
