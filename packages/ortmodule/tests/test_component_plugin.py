@@ -79,7 +79,7 @@ def test_the_runtime_parses_and_documents_a_toy_components_variable(toy: None) -
     assert RuntimeOptions.defaults().toy_level == 0
     # what it needs of the graph: the engine's own nodes, so the speed defaults step aside
     # (the kernel choice decides only the loss)
-    assert export_config(options).kernel_choice == "losses"  # only the loss is still decided
+    assert export_config(options).kernel_choice == "losses"
     assert export_config(RuntimeOptions.defaults()).kernel_choice == "auto"
     with pytest.raises(InvalidOptionError, match=r"ORTMODULE_TOY_LEVEL='9' is invalid.*0 to 3"):
         RuntimeOptions.resolve(environ={"ORTMODULE_TOY_LEVEL": "9"})

@@ -460,8 +460,10 @@ def summed_output_grads(model: onnx.ModelProto) -> frozenset[int]:
     passes) and keeps the full shape where one is not a ``Sum``/``Add``.
     """
     yield_node = next((n for n in model.graph.node if n.op_type == "YieldOp"), None)
-    full = None if yield_node is None else onnx_graph.attribute(yield_node, "full_shape_outputs")
-    if yield_node is None or full is None:
+    if yield_node is None:
+        return frozenset()
+    full = onnx_graph.attribute(yield_node, "full_shape_outputs")
+    if full is None:
         return frozenset()
     non_diff = set(onnx_graph.attribute(yield_node, "non_differentiable_outputs", []))
     differentiable = [i for i in range(len(yield_node.input)) if i not in non_diff]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -69,14 +70,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    # every generator setting with a command-line flag of the same name; the rest keep defaults
     config = GenConfig(
-        max_ops=args.max_ops,
-        steps=args.steps,
-        data_dependent=args.data_dependent,
-        linspace_by_shape=args.linspace_by_shape,
-        input_inplace=args.input_inplace,
-        dynamic_loops=args.dynamic_loops,
-        vector_batched_matmul=args.vector_batched_matmul,
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(GenConfig) if f.name in args}
     )
     args.out.mkdir(parents=True, exist_ok=True)
     counts: collections.Counter[str] = collections.Counter()
