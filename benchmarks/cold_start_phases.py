@@ -1,17 +1,21 @@
 """The parts of ORTModule's cold first step on GPT-2 small, timed in one process.
 
 ``python -m benchmarks.cold_start_phases`` (from the repository root) builds the
-``gpt2_124m`` workload (GPT2LMHeadModel at GPT-2 small's config, batch 4 x 256, one thread),
-runs one ORTModule forward and backward with an empty export cache and prints one JSON line:
+``gpt2_124m`` workload (GPT2LMHeadModel at GPT-2 small's config, batch 4 x 256, one thread;
+``--threads N`` for N), runs one ORTModule forward and backward with an empty export cache and
+prints one JSON line:
 the runtime's own phases (export, graph build, session creation), the first step, and timers
 put around the export's parts (the trace, torch.onnx's lowering and its whole-graph shape
 inference, the size guards' symbolic shape inference, the kernel-choice calibrations). The
-timers wrap functions by name, so a part that a later version no longer calls reads 0.
+timers wrap functions by name, so a part that a later version no longer calls reads 0. With
+``--eager`` the same process times eager's first forward and backward instead (the goal's
+reference, "eager's first step + 5 s"), so both are measured by the same code.
 Results: ``results/2026-11-27-cold-start-amd-epyc-2c.md``.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 import json
@@ -45,10 +49,36 @@ def _wrap(owner: Any, name: str, label: str) -> None:
         setattr(owner, name, _timed(label, getattr(owner, name)))
 
 
+def _eager_first_step() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = gpt2_model()
+    model.train()
+    _, batch = causal_lm_batch(GPT2_SMALL["vocab_size"], GPT2_BATCH)(0, False)
+    start = time.perf_counter()
+    out = model(**batch)
+    forward = time.perf_counter()
+    out.loss.backward()
+    end = time.perf_counter()
+    return {
+        "mode": "eager",
+        "first step": end - start,
+        "forward": forward - start,
+        "backward": end - forward,
+        "loss": out.loss.item(),
+    }
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1, help="PyTorch's intra-op threads")
+    parser.add_argument("--eager", action="store_true", help="time eager's first step instead")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.eager:
+        print(json.dumps({**_eager_first_step(), "threads": args.threads}))
+        return
     os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
     os.environ["ORTMODULE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ortmodule-cold-")
-    torch.set_num_threads(1)
     # before the exporter wraps any of them: its wrappers then sit outside these timers
     _wrap(torch._C, "_create_graph_by_tracing", "trace (a real forward)")
     _wrap(torch._C, "_jit_pass_onnx", "lowering: symbolics (incl. calibrations)")
@@ -77,12 +107,17 @@ def main() -> None:
     end = time.perf_counter()
     times = model._runner.last_times
     result = {
+        "mode": "ortmodule",
         "first step": end - start,
         "forward (export, build, session, engine forward)": forward - start,
         "backward": end - forward,
         **(dict(times.seconds) if times is not None else {}),
         **SECONDS,
         "calibrations": sum(kernel_choice.calibration_seconds().values()),
+        "each calibration": {
+            str(k): round(v, 3) for k, v in kernel_choice.calibration_seconds().items()
+        },
+        "threads": args.threads,
         "loss": out.loss.item(),
         "load": [load, os.getloadavg()],
     }

@@ -99,3 +99,28 @@ def test_the_families_register_in_a_fixed_order() -> None:
         "aten::max_pool2d",
         "aten::max_pool2d_with_indices",
     )
+
+
+def test_a_long_kernel_is_timed_fewer_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A measurement runs once untimed, then up to 5 timed runs; it stops after 3 once they
+    took 0.1 s together. The clock is faked: each run of the long kernel takes 50 ms, of the
+    short one 1 ms."""
+    from types import SimpleNamespace
+
+    from ortmodule_exporter.aten.kernel_choice import measuring
+
+    now = [0.0]
+    monkeypatch.setattr(measuring, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def kernel(seconds: float, runs: list[int]):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            runs.append(1)
+            now[0] += seconds
+
+        return run
+
+    long_runs: list[int] = []
+    short_runs: list[int] = []
+    assert measuring._best_us(kernel(0.05, long_runs)) == pytest.approx(50_000)
+    assert measuring._best_us(kernel(0.001, short_runs)) == pytest.approx(1_000)
+    assert (len(long_runs), len(short_runs)) == (1 + 3, 1 + 5)

@@ -54,3 +54,36 @@ def test_output_dependencies_of_a_deep_chain() -> None:
     model = helper.make_model(graph)
     found = onnx_graph.output_dependencies(model, [f"v{depth}", f"v{depth // 2}"])
     assert found == [frozenset({"v0"}), frozenset({"v0"})]
+
+
+def test_name_outputs_renames_once_and_copies_inputs_and_repeats() -> None:
+    """Outputs w (a node's), a (a graph input), w again and kk: w and kk are renamed wherever
+    they appear, the input and the repeated w get an Identity; the graph still
+    computes the same values under the new names (the engine runs it)."""
+    import numpy as np
+    import onnxruntime
+
+    model = _model()
+    f = TensorProto.FLOAT
+    del model.graph.output[:]
+    model.graph.output.extend(
+        helper.make_tensor_value_info(n, f, None) for n in ("w", "a", "w", "kk")
+    )
+    model.ir_version = 8  # what the engine (1.19.2) loads
+    del model.opset_import[:]
+    model.opset_import.append(helper.make_opsetid("", 17))
+    onnx_graph.name_outputs(model.graph, ["out.0", "out.1", "out.2", "out.3"])
+    assert [o.name for o in model.graph.output] == ["out.0", "out.1", "out.2", "out.3"]
+    produced = {o: n for n in model.graph.node for o in n.output}
+    assert produced["out.0"].op_type == "Mul" and produced["out.3"].op_type == "Add"
+    assert [(n.input[0], n.output[0]) for n in model.graph.node if n.op_type == "Identity"] == [
+        ("a", "out.1"),
+        ("out.0", "out.2"),
+    ]
+    assert "w" not in produced and "kk" not in produced
+    session = onnxruntime.InferenceSession(model.SerializeToString())
+    a, b, c = (np.array([1.0, -2.0], np.float32) * k for k in (1, 2, 3))
+    w, a_out, w_again, kk = session.run(None, {"a": a, "b": b, "c": c})
+    x = np.maximum(a, 0)
+    assert np.array_equal(w, -x * (x + b)) and np.array_equal(w_again, w)
+    assert np.array_equal(a_out, a) and kk == 2.0

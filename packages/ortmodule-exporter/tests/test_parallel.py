@@ -137,6 +137,51 @@ def test_gelu_in_pieces_is_bitwise_the_whole(numel: int, approximate: str) -> No
 
 
 @pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("rows", [37, 1])
+def test_cross_entropy_in_pieces_is_bitwise_the_whole(
+    rows: int, pieces_run: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cross-entropy route's logsumexp and gradient, cut into row pieces and worked a
+    block of rows at a time, equal the rows computed in one call; ignored rows, a row with a
+    +inf logit (NaN, as in eager) and a last block shorter than the others included."""
+    from ortmodule_exporter.aten.kernel_choice import cross_entropy as ce
+
+    # blocks of 4 rows of 1000 classes: 37 rows make pieces of 19 and 18, each a few blocks
+    monkeypatch.setattr(ce, "_BLOCK", 4000)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, 1000, generator=gen) * 4
+    target = torch.randint(0, 1000, (rows,), generator=gen)
+    target[::5] = -1
+    if rows > 3:
+        logits[3, 7] = float("inf")
+    params = torch.tensor([ce._MEAN, -1])
+
+    def run() -> list[torch.Tensor | None]:
+        loss, lse, total = ce._cross_entropy("", [logits, target, params])
+        grad = ce._cross_entropy_backward(
+            "", [torch.tensor(0.5), logits, lse, target, total, params]
+        )
+        return [loss, lse, *grad]
+
+    top = logits.amax(1, keepdim=True)
+    unblocked = torch.sub(logits, top).exp_().sum(1).log_().add_(top.squeeze(1))
+    whole = run()
+    assert pieces_run == []
+    with parallel.TorchThreadsInEngine(1):
+        cut = run()
+    assert pieces_run == ([2, 2] if rows > 1 else [])
+    for a, b in zip(cut, whole, strict=True):
+        assert a is not None and b is not None
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+        assert torch.equal(a.isnan(), b.isnan())
+    # the blocks compute each row as the one-pass form did (the route before the blocks)
+    assert whole[1] is not None
+    assert torch.equal(whole[1].nan_to_num(), unblocked.nan_to_num())
+    if rows > 3:
+        assert whole[2] is not None and whole[2][3].isnan().all()
+
+
+@pytest.mark.usefixtures("two_threads")
 def test_non_contiguous_elementwise_input_runs_whole(pieces_run: list[int]) -> None:
     x = torch.randn(64, 64).t()
     with parallel.TorchThreadsInEngine(1):

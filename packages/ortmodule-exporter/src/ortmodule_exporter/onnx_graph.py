@@ -86,19 +86,27 @@ def name_outputs(graph: onnx.GraphProto, names: list[str]) -> None:
         raise ValueError(f"{len(graph.output)} graph outputs but {len(names)} names")
     graph_inputs = {vi.name for vi in graph.input}
     seen: set[str] = set()
+    renames: dict[str, str] = {}
+    identities: list[onnx.NodeProto] = []
     for out, new in zip(graph.output, names, strict=True):
         old = out.name
-        if old == new:
-            seen.add(old)
+        # what the value is called once the renames before it are made (an output that
+        # appears twice was renamed at its first place)
+        current = renames.get(old, old)
+        if current == new:
+            seen.add(new)
             continue
-        if old in graph_inputs or old in seen:
-            graph.node.append(
-                onnx.helper.make_node("Identity", [old], [new], name=f"{new}_identity")
+        if old in graph_inputs or current in seen:
+            identities.append(
+                onnx.helper.make_node("Identity", [current], [new], name=f"{new}_identity")
             )
             out.name = new
         else:
-            rename_value(graph, old, new)
+            renames[old] = new
         seen.add(new)
+    # one walk over the graph for every rename (a walk per output took 0.18 s on GPT-2 124M)
+    rename_values(graph, renames)
+    graph.node.extend(identities)
 
 
 def make_dims_symbolic(vi: onnx.ValueInfoProto, prefix: str) -> None:

@@ -317,7 +317,7 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "(ATen nodes, custom autograd Functions); 0 keeps PyTorch's setting. At 1 those nodes run "
         "single-threaded and PyTorch's OpenMP workers, which spin-wait after each parallel region, "
         "leave the cores to the engine's own threads (GPT-style decoder on 2 cores: 1.44x -> "
-        "1.10x eager's step time); fused attention and GELU nodes then run in pieces, one per "
+        "1.10x eager's step time); fused attention, GELU and the cross-entropy route then run in pieces, one per "
         "thread PyTorch had, on ORTModule's own helper threads that sleep between nodes "
         "(bitwise the one-call result). Where the PyTorch-run nodes dominate the step, PyTorch's "
         "own count is faster (a CNN: 1.25-1.30x -> 1.02x). AUTO measures it per graph: after "

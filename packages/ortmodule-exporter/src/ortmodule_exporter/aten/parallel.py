@@ -18,7 +18,9 @@ the one-call result; the tests compare them.
 
 Covered: PyTorch's CPU flash attention forward and backward (cut along the batch, without
 dropout: dropout would draw its random numbers in another order), elementwise operators
-written with an ``out=`` (GELU and its backward, :func:`elementwise`). The kernel choice times
+written with an ``out=`` (GELU and its backward, :func:`elementwise`), and row-wise work that
+writes into tensors the caller allocated (the cross-entropy route's logsumexp and gradient,
+:func:`over_rows`). The kernel choice times
 PyTorch's side the same way, pieces included. Convolution and max pooling stay whole: in the
 CNN benchmark's training step their pieces were slower than the whole (a convolution 1.7 ms
 against 0.6 ms, pooling 1.4-2.2 ms against 1.5 ms), though alone they were faster (2.9 against
@@ -41,6 +43,7 @@ deterministic algorithms it stays at 1, as a choice made by timing could differ 
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import statistics
@@ -61,6 +64,7 @@ __all__ = [
     "elementwise",
     "helper_threads",
     "in_rows",
+    "over_rows",
     "register_row_split",
     "row_splitter",
     "run_pieces",
@@ -327,6 +331,21 @@ def elementwise(
     if run_pieces([piece(a, b) for a, b in _bounds(n, pieces, _ALIGN)]) is None:
         op(*inputs, **whole)
     return out
+
+
+def over_rows(fill: Callable[[int, int], Any], rows: int, work: int) -> None:
+    """``fill(start, stop)`` for every row of ``range(rows)``: in pieces, one per thread PyTorch
+    would have had, when the engine's threads allow and ``work`` (elements) reaches
+    :data:`MIN_ELEMENTWISE`; else in one call. ``fill`` writes its rows' results into tensors
+    the caller allocated, and computes each row alone (a row's result is the same in any
+    piece): the cross-entropy's logsumexp and its gradient (``kernel_choice.cross_entropy``)."""
+    pieces = min(_WIDTH[0], rows)
+    if pieces < 2 or work < MIN_ELEMENTWISE:
+        fill(0, rows)
+        return
+    ranges = _bounds(rows, pieces)
+    if run_pieces([functools.partial(fill, a, b) for a, b in ranges]) is None:
+        fill(0, rows)
 
 
 # -- operators cut along the batch ---------------------------------------------------------------
