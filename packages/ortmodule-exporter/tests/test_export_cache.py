@@ -566,3 +566,39 @@ def test_a_value_read_from_data_takes_the_real_forward_on_a_hit(tmp_path: Path) 
     assert hit.from_cache
     assert module.seen[0] is FakeTensor and module.seen[1:] == [torch.Tensor]
     assert hit.output_schema == first.output_schema
+
+
+def test_decisions_made_after_the_export_go_into_its_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted_calibrations: list[int]
+) -> None:
+    """``store_decisions`` rewrites the entry's decisions (not its graph) when the process
+    made more after the export (the gradient build's), and leaves an entry that holds them."""
+    from ortmodule_exporter.aten import kernel_choice
+    from ortmodule_exporter.aten.kernel_choice import choice
+
+    config = ExportConfig(kernel_choice="auto")
+    x = torch.randn(2, 4)
+    cache = ExportCache(str(tmp_path))
+    cold = export(Gelu(), (x,), training=True, cache=cache, config=config)
+    assert cold.cache_key and not cold.from_cache
+    entry_file = Path(cache._file(cold.cache_key))
+    graph_before = cache._split(entry_file.read_bytes(), cold.cache_key)[1]
+    assert not cache.store_decisions(cold.cache_key, cold)  # nothing new
+    # a measurement the gradient build makes after the entry was stored
+    late = ("gelu_backward(tanh)", "Float", 64)
+    choice._DECISIONS[late] = ("torch", 5.0, 1.0)
+    assert cache.store_decisions(cold.cache_key, cold)
+    header, graph_after = cache._split(entry_file.read_bytes(), cold.cache_key)
+    assert graph_after == graph_before
+    assert ["gelu_backward(tanh)", "Float", 64, "torch", 5.0, 1.0] in header["kernel_choice"]
+
+    monkeypatch.setattr(choice, "_DECISIONS", {})  # the next process
+    warm = export(Gelu(), (x,), training=True, cache=ExportCache(str(tmp_path)), config=config)
+    assert warm.from_cache and warm.cache_key == cold.cache_key
+    assert kernel_choice.decisions()[late] == ("torch", 5.0, 1.0)
+    assert counted_calibrations[0] == 1
+    # under a mode that does not measure, the entry is left as it is
+    engine_only = ExportConfig(kernel_choice="engine")
+    cold.config = engine_only
+    choice._DECISIONS[("gelu(none)", "Float", 128)] = ("engine", 1.0, 2.0)
+    assert not cache.store_decisions(cold.cache_key, cold)

@@ -3,6 +3,7 @@ engine trains like eager, and AUTO picks whichever route it measured faster."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import onnx
@@ -748,3 +749,51 @@ def test_a_large_cross_entropy_is_timed_on_a_few_rows(monkeypatch: pytest.Monkey
     engine_us, torch_us = kernel_choice.decisions()[("cross_entropy(50257)", "Float", 1024)][1:]
     assert engine_us == pytest.approx(10.0 * 1024)
     assert torch_us == pytest.approx(9.0 * 1024 + 2 * kernel_choice.ATEN_NODE_US)
+
+
+class TanhGeluMlp(torch.nn.Module):
+    """GPT-2's MLP with its GELU written out (``NewGELUActivation``): the engine fuses it into
+    ``FastGelu``, and its gradient ``FastGeluGrad`` is routed by a measurement the gradient
+    build makes (after the export was cached)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        inner = math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))
+        return self.down(0.5 * h * (1.0 + torch.tanh(inner))).sum()
+
+
+def test_a_warm_start_takes_the_gradient_builds_measurements_from_the_cache(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ortmodule_exporter.aten.kernel_choice import gelu
+
+    monkeypatch.setenv("ORTMODULE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "AUTO")
+    monkeypatch.setattr(choice, "_DECISIONS", {})
+    monkeypatch.setattr(choice, "_SECONDS", {})
+    timed: list[int] = []
+
+    def measure(numel: int, approximate: str = "none") -> tuple[float, float]:
+        timed.append(numel)
+        return 10.0, 1.0  # PyTorch's gradient is faster
+
+    monkeypatch.setattr(gelu, "measure_gelu_backward", measure)
+    x = torch.randn(8, 16)
+    cold = ORTModule(TanhGeluMlp())
+    cold(x).backward()
+    assert len(timed) == 1, "the gradient build measured the GELU gradient"
+    monkeypatch.setattr(choice, "_DECISIONS", {})  # the next process
+    warm = ORTModule(TanhGeluMlp())
+    warm(x).backward()
+    assert warm._runner.exports == 0, "the warm start exported again"
+    assert len(timed) == 1, "the warm start measured the GELU gradient again"
+    graph = warm._runner.transitions.current(True, True)
+    assert graph is not None
+    routed = [
+        n for n in onnx.load_from_string(graph.built.model_bytes).graph.node if n.op_type == "ATen"
+    ]
+    assert any(attribute(n, "operator") == kernel_choice.GELU_BACKWARD for n in routed)

@@ -579,6 +579,10 @@ class GraphRunner:
             self.exports += 1
         with times.phase("graph build"), self._silenced():
             built = _build_graph(exported, self._graph_config(exported, key, flat, device, save))
+        if self.cache is not None and exported.cache_key:
+            # the gradient build's measurements (the engine's GELU gradients) go with the
+            # graph, so a warm start does not take them again
+            self.cache.store_decisions(exported.cache_key, exported)
         session, context = self._session(exported, built, key, flat, device, save, times)
         compiled = self._bind(key, exported, built, session, context, flat, device, times)
         self.last_times = times

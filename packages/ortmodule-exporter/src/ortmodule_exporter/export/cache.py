@@ -389,29 +389,14 @@ class ExportCache:
     # -- load ---------------------------------------------------------------------------
     def load(self, key: str) -> CacheEntry | None:
         """The entry for ``key``, or None (missing, damaged, unsafe: the caller exports)."""
-        if not self._safe_folder(create=False):
+        data = self._read(key)
+        if data is None:
             self.misses += 1
             return None
-        file = self._file(key)
-        try:
-            fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
-            self.misses += 1
-            return None
-        except OSError as err:
-            self._warn(f"cannot read export cache entry {file}: {err}; exporting instead")
-            self.misses += 1
-            return None
-        with os.fdopen(fd, "rb") as f:
-            reason = _unsafe_reason(os.fstat(f.fileno()), f"export cache entry {file}")
-            if reason is not None:
-                self._warn(f"{reason}; it is not loaded")
-                self.misses += 1
-                return None
-            data = f.read()
         try:
             entry = self._decode(data, key)
         except Exception as err:  # noqa: BLE001 - any damage means: do not use it
+            file = self._file(key)
             self._warn(f"export cache entry {file} is unusable ({err}); it is removed and rebuilt")
             try:
                 os.remove(file)
@@ -422,9 +407,28 @@ class ExportCache:
         self.hits += 1
         return entry
 
-    def _decode(self, data: bytes, key: str) -> CacheEntry:
-        import onnx
+    def _read(self, key: str) -> bytes | None:
+        """The bytes of ``key``'s entry; None where it is missing or not safe to read."""
+        if not self._safe_folder(create=False):
+            return None
+        file = self._file(key)
+        try:
+            fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            self._warn(f"cannot read export cache entry {file}: {err}; exporting instead")
+            return None
+        with os.fdopen(fd, "rb") as f:
+            reason = _unsafe_reason(os.fstat(f.fileno()), f"export cache entry {file}")
+            if reason is not None:
+                self._warn(f"{reason}; it is not loaded")
+                return None
+            return f.read()
 
+    @staticmethod
+    def _split(data: bytes, key: str) -> tuple[dict[str, Any], bytes]:
+        """An entry's header and its ONNX bytes, checked against damage and against ``key``."""
         if not data.startswith(_MAGIC):
             raise ValueError("not an export cache file of this version")
         digest, sep, rest = data[len(_MAGIC) :].partition(b"\n")
@@ -436,12 +440,18 @@ class ExportCache:
         header = json.loads(rest[: int(size)].decode("utf-8"))
         if not isinstance(header, dict) or header.get("key") != key:
             raise ValueError("entry belongs to a different model")
+        return header, rest[int(size) :]
+
+    def _decode(self, data: bytes, key: str) -> CacheEntry:
+        import onnx
+
+        header, model_bytes = self._split(data, key)
         shape_guards, guards = header.get("shape_guards", []), header.get("guards", [])
         if not isinstance(shape_guards, list) or not isinstance(guards, list):
             raise ValueError("bad guards")
         if not all(isinstance(g, list) and len(g) == 2 and isinstance(g[0], str) for g in guards):
             raise ValueError("bad guards")
-        model = onnx.load_from_string(rest[int(size) :])
+        model = onnx.load_from_string(model_bytes)
         outputs = {vi.name for vi in model.graph.output}
         if any(name not in outputs for name, _ in guards):
             raise ValueError("a guard names no output of the graph")
@@ -465,10 +475,37 @@ class ExportCache:
         except (TypeError, ValueError) as err:
             self._warn(f"cannot cache this export ({err}); training continues without the cache")
             return
-        body = str(len(header)).encode() + b"\n" + header + exported.model.SerializeToString()
+        self._write(key, header, exported.model.SerializeToString())
+
+    def store_decisions(self, key: str, exported: ExportedModel) -> bool:
+        """Put the kernel-choice decisions this process holds now into ``key``'s entry, when
+        they differ from the entry's: those the gradient build made after the entry was
+        stored (the engine's GELU gradient on GPT-2), which a warm start measured again
+        otherwise. The entry's graph bytes stay as they are. True when the entry was
+        rewritten; nothing happens without an entry or under a kernel choice that does not
+        measure."""
+        if not kernel_choice.measures(exported.config.kernel_choice):
+            return False
+        data = self._read(key)
+        if data is None:
+            return False
+        try:
+            header, model_bytes = self._split(data, key)
+        except Exception:  # noqa: BLE001 - a damaged entry is left to the next load
+            return False
+        found = kernel_choice.decisions_to_json()
+        if header.get("kernel_choice") == found:
+            return False
+        header["kernel_choice"] = found
+        encoded = json.dumps(header, sort_keys=True).encode("utf-8")
+        return self._write(key, encoded, model_bytes)
+
+    def _write(self, key: str, header: bytes, model_bytes: bytes) -> bool:
+        """Write ``key``'s entry atomically; False where the folder is unsafe or unwritable."""
+        body = str(len(header)).encode() + b"\n" + header + model_bytes
         blob = _MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
         if not self._safe_folder(create=True):
-            return
+            return False
         try:
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=self.path)
             try:
@@ -488,6 +525,8 @@ class ExportCache:
                 f"ORTMODULE_CACHE_DIR={self.path} is not writable ({err}); "
                 "training continues without the export cache"
             )
+            return False
+        return True
 
     def _warn(self, message: str) -> None:
         # folder-level problems repeat on every export: say them once

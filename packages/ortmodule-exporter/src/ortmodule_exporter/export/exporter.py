@@ -414,6 +414,7 @@ def _export(
                 except ValueError as err:
                     logger.info("export cache: kernel-choice decisions not taken (%s)", err)
             hit.config = config
+            hit.cache_key = key
             if save is not None:
                 _save(hit.model, save, "exported", training)
             return hit
@@ -456,6 +457,7 @@ def _export(
         and not exported.input_writes
     ):
         cache.store(key, exported)
+        exported.cache_key = key
     if save is not None:
         _save(exported.model, save, "exported", training)
     logger.info(

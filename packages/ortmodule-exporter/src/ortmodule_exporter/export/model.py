@@ -113,6 +113,9 @@ class ExportedModel:
     variance_updates: dict[str, tuple[str, float]] = field(default_factory=dict)
     export_seconds: float = 0.0
     from_cache: bool = False
+    #: the export-cache entry that holds this graph ("" where none does): the runtime puts
+    #: the kernel-choice decisions its gradient build made into it (``store_decisions``)
+    cache_key: str = ""
     #: outputs computed from no input at all (index into ``output_schema``) -> traced value;
     #: they are not graph outputs (the engine folds them into initializers, and its gradient
     #: builder refuses an output no node produces), the runtime hands back the traced value
