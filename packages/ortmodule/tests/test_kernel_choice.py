@@ -592,8 +592,9 @@ def test_cross_entropy_kernels_put_nan_and_inf_where_pytorch_does(
 
 
 def test_losses_mode_measures_the_cross_entropy_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ORTModule's default under recompute: the loss is decided, every other operator keeps
-    the engine's kernel without a measurement."""
+    """ORTModule's default under recompute: the loss is decided, and so is a backward-only
+    rewrite of the built graph; every other operator keeps the engine's kernel without a
+    measurement."""
     from ortmodule_exporter.aten.kernel_choice import cross_entropy
 
     monkeypatch.setattr(choice, "_DECISIONS", {})
@@ -611,9 +612,46 @@ def test_losses_mode_measures_the_cross_entropy_only(monkeypatch: pytest.MonkeyP
     try:
         assert kernel_choice.choose("test-op-not-a-loss", "Float", 100, other) == "engine"
         assert kernel_choice.cross_entropy_route(64, 1000) == "torch"
+        assert not measured
+        assert kernel_choice.choose("test-backward", "Float", 100, other, backward_only=True) == (
+            "torch"
+        )
     finally:
         kernel_choice.configure_kernel_choice("engine")
-    assert not measured
+    assert measured == [128]
+
+
+def test_recompute_routes_the_engines_gelu_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ORTMODULE_MEMORY_OPT_LEVEL=1 on the zoo's tiny Hugging Face GPT-2 (a GELU written out,
+    which the engine fuses into FastGelu): the forward FastGelu stays the engine's (one of
+    its nodes, which recompute may repeat), its gradient takes PyTorch's gelu_backward where
+    measured faster (here: made
+    to), recompute plans apply, and the gradients match eager's."""
+    from hf_models import HF_ZOO
+
+    from ortmodule_exporter.aten.kernel_choice import gelu
+    from ortmodule_memory import memory_report
+
+    monkeypatch.setattr(choice, "_DECISIONS", {})
+    monkeypatch.setattr(choice, "_SECONDS", {})
+    monkeypatch.setattr(
+        gelu, "measure_gelu_backward", lambda numel, approximate="none": (50.0, 1.0)
+    )
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "1")
+    case = HF_ZOO["gpt2"]
+    eager = case.build(seed=0)
+    ours = ORTModule(clone_model(eager))
+    args, kwargs = case.make_batch(0)
+    for model in (eager, ours):
+        case.loss_fn(model(*args, **kwargs), args, kwargs).backward()
+    ops = _built_ops(ours)
+    assert ("FastGelu", "", "") in ops
+    assert ("ATen", kernel_choice.GELU_BACKWARD, "tanh") in ops
+    assert not any(op == "FastGeluGrad" for op, _, _ in ops)
+    report = memory_report(ours)
+    assert report is not None and report.applied
+    for got, want in zip(ours.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_recompute_keeps_the_layers_on_the_engine_and_routes_the_loss(

@@ -295,9 +295,10 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "operator, dtype and size class (the sizes traced at export; a bias gradient's width) "
         "and uses the faster; "
         "ENGINE or TORCH force one. Left at its default while recompute or ORTMODULE_USE_TRITON "
-        "is on, it decides the cross-entropy loss only and every other operator stays on the "
-        "engine's kernels (the engine recomputes and fuses only its own nodes; nothing "
-        "recomputes the loss).",
+        "is on, it decides the cross-entropy loss and the engine's GELU gradients, and every "
+        "other operator stays on the engine's kernels (the engine recomputes and fuses only "
+        "its own nodes; nothing recomputes the loss, and recompute repeats forward nodes, not "
+        "gradients: GPT-2 124M at level 1, step 8.13 -> 7.04 s).",
         "ENGINE",
     ),
     _switch(

@@ -70,12 +70,14 @@ def _decide(
     measure: Callable[[], tuple[float, float]],
     *,
     loss: bool = False,
+    backward_only: bool = False,
 ) -> str:
-    """The route of ``op`` under the mode in force; ``loss``: ``op`` is a loss (measured under
+    """The route of ``op`` under the mode in force; ``loss``: ``op`` is a loss,
+    ``backward_only``: a node of the built gradient graph's backward (both measured under
     ``losses`` too)."""
     mode = current_mode()
     if mode == LOSSES:
-        mode = "auto" if loss else "engine"
+        mode = "auto" if loss or backward_only else "engine"
     if mode != "auto":
         return mode
     if _recording_off_cpu():
@@ -111,8 +113,14 @@ def _decide(
 
 
 def choose(
-    op: str, dtype: str, numel: int | None, measure: Callable[[int], tuple[float, float]]
+    op: str,
+    dtype: str,
+    numel: int | None,
+    measure: Callable[[int], tuple[float, float]],
+    *,
+    backward_only: bool = False,
 ) -> str:
-    """``"engine"`` or ``"torch"`` for ``op`` on tensors of ``numel`` elements (None: unknown)."""
+    """``"engine"`` or ``"torch"`` for ``op`` on tensors of ``numel`` elements (None: unknown);
+    ``backward_only`` as in :func:`_decide`."""
     size = _size_class(numel if numel is not None else CALIBRATION_NUMEL)
-    return _decide(op, dtype, size, lambda: measure(size))
+    return _decide(op, dtype, size, lambda: measure(size), backward_only=backward_only)

@@ -109,6 +109,8 @@ def gelu_backward_route(numel: int | None, approximate: str) -> str:
         "Float",
         numel,
         lambda n: measure_gelu_backward(n, approximate=approximate),
+        # a backward node: recompute repeats forward nodes only, so it stays measured there
+        backward_only=True,
     )
 
 

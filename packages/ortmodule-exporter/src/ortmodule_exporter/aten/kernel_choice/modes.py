@@ -15,9 +15,11 @@ from ...active_export import active_export_config
 
 __all__ = ["LOSSES", "MODES", "current_mode", "current_torch_threads", "measures"]
 
-#: ``losses``: the losses (cross-entropy) are measured as under ``auto``, every other operator
-#: keeps the engine's kernel. ORTModule's default under recompute: the engine recomputes only
-#: its own nodes, and nothing recomputes a loss, which comes after every layer.
+#: ``losses``: the losses (cross-entropy) and the built gradient graph's backward-only rewrites
+#: (the engine's GELU gradients) are measured as under ``auto``, every other operator keeps
+#: the engine's kernel. ORTModule's default under recompute: the engine recomputes only its
+#: own nodes, nothing recomputes a loss, which comes after every layer, and recompute repeats
+#: forward nodes, never a gradient.
 LOSSES = "losses"
 MODES = ("auto", "engine", "torch", LOSSES)
 
