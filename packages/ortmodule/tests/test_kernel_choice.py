@@ -625,8 +625,7 @@ def test_recompute_routes_the_engines_gelu_gradient(monkeypatch: pytest.MonkeyPa
     """ORTMODULE_MEMORY_OPT_LEVEL=1 on the zoo's tiny Hugging Face GPT-2 (a GELU written out,
     which the engine fuses into FastGelu): the forward FastGelu stays the engine's (one of
     its nodes, which recompute may repeat), its gradient takes PyTorch's gelu_backward where
-    measured faster (here: made
-    to), recompute plans apply, and the gradients match eager's."""
+    measured faster (here: made to), recompute plans apply, and the gradients match eager's."""
     from hf_models import HF_ZOO
 
     from ortmodule_exporter.aten.kernel_choice import gelu
