@@ -49,22 +49,26 @@ def _wrap(owner: Any, name: str, label: str) -> None:
         setattr(owner, name, _timed(label, getattr(owner, name)))
 
 
-def _eager_first_step() -> dict[str, Any]:
+def _first_step(
+    wrap: Callable[[torch.nn.Module], torch.nn.Module], forward_label: str
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The workload's model, wrapped by ``wrap``, after one timed forward and backward."""
     torch.manual_seed(0)
-    model = gpt2_model()
+    model = wrap(gpt2_model())
     model.train()
     _, batch = causal_lm_batch(GPT2_SMALL["vocab_size"], GPT2_BATCH)(0, False)
+    load = os.getloadavg()
     start = time.perf_counter()
     out = model(**batch)
     forward = time.perf_counter()
     out.loss.backward()
     end = time.perf_counter()
-    return {
-        "mode": "eager",
+    return model, {
         "first step": end - start,
-        "forward": forward - start,
+        forward_label: forward - start,
         "backward": end - forward,
         "loss": out.loss.item(),
+        "load": [load, os.getloadavg()],
     }
 
 
@@ -75,7 +79,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.eager:
-        print(json.dumps({**_eager_first_step(), "threads": args.threads}))
+        _, step = _first_step(lambda m: m, "forward")
+        print(json.dumps({"mode": "eager", **step, "threads": args.threads}))
         return
     os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
     os.environ["ORTMODULE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ortmodule-cold-")
@@ -95,22 +100,11 @@ def main() -> None:
     from ortmodule import ORTModule
     from ortmodule_exporter.aten import kernel_choice
 
-    torch.manual_seed(0)
-    model = ORTModule(gpt2_model())
-    model.train()
-    _, batch = causal_lm_batch(GPT2_SMALL["vocab_size"], GPT2_BATCH)(0, False)
-    load = os.getloadavg()
-    start = time.perf_counter()
-    out = model(**batch)
-    forward = time.perf_counter()
-    out.loss.backward()
-    end = time.perf_counter()
-    times = model._runner.last_times
+    model, step = _first_step(ORTModule, "forward (export, build, session, engine forward)")
+    times = model._runner.last_times  # type: ignore[union-attr]
     result = {
         "mode": "ortmodule",
-        "first step": end - start,
-        "forward (export, build, session, engine forward)": forward - start,
-        "backward": end - forward,
+        **step,
         **(dict(times.seconds) if times is not None else {}),
         **SECONDS,
         "calibrations": sum(kernel_choice.calibration_seconds().values()),
@@ -118,8 +112,6 @@ def main() -> None:
             str(k): round(v, 3) for k, v in kernel_choice.calibration_seconds().items()
         },
         "threads": args.threads,
-        "loss": out.loss.item(),
-        "load": [load, os.getloadavg()],
     }
     print(json.dumps(result))
 

@@ -583,7 +583,11 @@ def test_decisions_made_after_the_export_go_into_its_entry(
     assert cold.cache_key and not cold.from_cache
     entry_file = Path(cache._file(cold.cache_key))
     graph_before = cache._split(entry_file.read_bytes(), cold.cache_key)[1]
+    reads: list[str] = []
+    real_read = cache._read
+    monkeypatch.setattr(cache, "_read", lambda key: reads.append(key) or real_read(key))
     assert not cache.store_decisions(cold.cache_key, cold)  # nothing new
+    assert reads == []  # the cache knows what it stored: the entry is not read again
     # a measurement the gradient build makes after the entry was stored
     late = ("gelu_backward(tanh)", "Float", 64)
     choice._DECISIONS[late] = ("torch", 5.0, 1.0)

@@ -626,8 +626,6 @@ def test_recompute_routes_the_engines_gelu_gradient(monkeypatch: pytest.MonkeyPa
     which the engine fuses into FastGelu): the forward FastGelu stays the engine's (one of
     its nodes, which recompute may repeat), its gradient takes PyTorch's gelu_backward where
     measured faster (here: made to), recompute plans apply, and the gradients match eager's."""
-    from hf_models import HF_ZOO
-
     from ortmodule_exporter.aten.kernel_choice import gelu
     from ortmodule_memory import memory_report
 
@@ -637,12 +635,7 @@ def test_recompute_routes_the_engines_gelu_gradient(monkeypatch: pytest.MonkeyPa
         gelu, "measure_gelu_backward", lambda numel, approximate="none": (50.0, 1.0)
     )
     monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "1")
-    case = HF_ZOO["gpt2"]
-    eager = case.build(seed=0)
-    ours = ORTModule(clone_model(eager))
-    args, kwargs = case.make_batch(0)
-    for model in (eager, ours):
-        case.loss_fn(model(*args, **kwargs), args, kwargs).backward()
+    eager, ours = _hf_gpt2_step()
     ops = _built_ops(ours)
     assert ("FastGelu", "", "") in ops
     assert ("ATen", kernel_choice.GELU_BACKWARD, "tanh") in ops
@@ -686,6 +679,20 @@ def test_recompute_keeps_the_layers_on_the_engine_and_routes_the_loss(
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
 
 
+def _hf_gpt2_step() -> tuple[torch.nn.Module, ORTModule]:
+    """The zoo's tiny Hugging Face GPT-2 (transformers, dropout off; its GELU is tanh
+    arithmetic) and an ORTModule copy, after one forward and backward each on the same batch."""
+    from hf_models import HF_ZOO
+
+    case = HF_ZOO["gpt2"]
+    eager = case.build(seed=0)
+    ours = ORTModule(clone_model(eager))
+    args, kwargs = case.make_batch(0)
+    for model in (eager, ours):
+        case.loss_fn(model(*args, **kwargs), args, kwargs).backward()
+    return eager, ours
+
+
 def _built_ops(model: ORTModule) -> set[tuple[str, str, str]]:
     """(op type, ATen operator, overload) of every node of the built gradient graph."""
     graph = model._runner.transitions.current(True, True)
@@ -703,15 +710,8 @@ def test_the_engines_fused_gelu_gradient_takes_pytorchs_kernel(
     """Hugging Face GPT-2's GELU is tanh arithmetic, which the engine fuses into FastGelu; its
     FastGeluGrad (20x slower than PyTorch's gelu_backward at GPT-2 124M's MLP) is routed on the
     built graph (passes/gelu_grads.py), the forward FastGelu stays. Gradients match eager."""
-    from hf_models import HF_ZOO  # the zoo's tiny GPT-2 (transformers, dropout off)
-
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", mode)
-    case = HF_ZOO["gpt2"]
-    eager = case.build(seed=0)
-    ours = ORTModule(clone_model(eager))
-    args, kwargs = case.make_batch(0)
-    for model in (eager, ours):
-        case.loss_fn(model(*args, **kwargs), args, kwargs).backward()
+    eager, ours = _hf_gpt2_step()
     ops = _built_ops(ours)
     routed = ("ATen", kernel_choice.GELU_BACKWARD, "tanh")
     assert ("FastGelu", "", "") in ops

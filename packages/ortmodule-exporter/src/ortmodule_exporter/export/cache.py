@@ -326,6 +326,9 @@ class ExportCache:
         self._warned: set[str] = set()
         self._folder_checked = False
         self.hits = 0
+        #: the kernel-choice decisions each entry this process stored or loaded holds: what
+        #: ``store_decisions`` compares against without reading the entry again
+        self._decisions: dict[str, Any] = {}
         self.misses = 0
 
     # -- keys ---------------------------------------------------------------------------
@@ -405,6 +408,7 @@ class ExportCache:
             self.misses += 1
             return None
         self.hits += 1
+        self._decisions[key] = entry.header.get("kernel_choice")
         return entry
 
     def _read(self, key: str) -> bytes | None:
@@ -475,7 +479,8 @@ class ExportCache:
         except (TypeError, ValueError) as err:
             self._warn(f"cannot cache this export ({err}); training continues without the cache")
             return
-        self._write(key, header, exported.model.SerializeToString())
+        if self._write(key, header, exported.model.SerializeToString()):
+            self._decisions[key] = fields["kernel_choice"]
 
     def store_decisions(self, key: str, exported: ExportedModel) -> bool:
         """Put the kernel-choice decisions this process holds now into ``key``'s entry, when
@@ -486,6 +491,9 @@ class ExportCache:
         measure."""
         if not kernel_choice.measures(exported.config.kernel_choice):
             return False
+        found = kernel_choice.decisions_to_json()
+        if self._decisions.get(key) == found:
+            return False  # the entry holds them already: no reading, no writing
         data = self._read(key)
         if data is None:
             return False
@@ -493,12 +501,14 @@ class ExportCache:
             header, model_bytes = self._split(data, key)
         except Exception:  # noqa: BLE001 - a damaged entry is left to the next load
             return False
-        found = kernel_choice.decisions_to_json()
-        if header.get("kernel_choice") == found:
+        if header.get("kernel_choice") == found:  # another process wrote them meanwhile
+            self._decisions[key] = found
             return False
         header["kernel_choice"] = found
-        encoded = json.dumps(header, sort_keys=True).encode("utf-8")
-        return self._write(key, encoded, model_bytes)
+        if not self._write(key, json.dumps(header, sort_keys=True).encode("utf-8"), model_bytes):
+            return False
+        self._decisions[key] = found
+        return True
 
     def _write(self, key: str, header: bytes, model_bytes: bytes) -> bool:
         """Write ``key``'s entry atomically; False where the folder is unsafe or unwritable."""
