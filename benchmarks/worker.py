@@ -43,7 +43,9 @@ from .stats import median_interval
 #: (backward and the optimizer outside it, as the autocast docs prescribe); fp32 weights
 AUTOCAST_SUFFIX = "-bf16"
 #: ``eager-checkpoint``: eager with Hugging Face's ``gradient_checkpointing_enable()`` (the
-#: recompute levels' eager counterpart; Hugging Face models only)
+#: recompute levels' eager counterpart; Hugging Face models only); ``ortmodule-level1``/``2``:
+#: ORTModule at that recompute level (``DebugOptions(memory_opt_level=...)``, so that it can
+#: take turns with the other modes in one process)
 MODES = (
     "eager",
     "compile",
@@ -52,7 +54,10 @@ MODES = (
     "compile-bf16",
     "ortmodule-bf16",
     "eager-checkpoint",
+    "ortmodule-level1",
+    "ortmodule-level2",
 )
+_LEVEL = "ortmodule-level"
 
 
 def forward_context(mode: str) -> contextlib.AbstractContextManager[Any]:
@@ -232,11 +237,13 @@ def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
             gradient_checkpointing_kwargs={"use_reentrant": False}
         )
         return model
-    if mode == "ortmodule":
-        from ortmodule import ORTModule
+    if mode == "ortmodule" or mode.startswith(_LEVEL):
+        from ortmodule import DebugOptions, ORTModule
 
         # timings of a PyTorch fallback would be reported as ORTModule's: every failure stops
         os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
+        if mode.startswith(_LEVEL):
+            return ORTModule(model, DebugOptions(memory_opt_level=int(mode.removeprefix(_LEVEL))))
         return ORTModule(model)
     return model
 

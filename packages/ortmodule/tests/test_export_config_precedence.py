@@ -18,22 +18,34 @@ def test_defaults_fuse_attention_and_choose_kernels_by_measurement() -> None:
 
 
 @pytest.mark.parametrize(
-    "environ",
+    ("environ", "fused_attention"),
     [
-        {"ORTMODULE_MEMORY_OPT_LEVEL": "1"},
-        {"ORTMODULE_MEMORY_OPT_LEVEL": "2"},
-        {"ORTMODULE_USE_TRITON": "1"},
+        # the levels keep fused attention (its node keeps less than the decomposed attention);
+        # a plan file may name the decomposed attention's nodes
+        ({"ORTMODULE_MEMORY_OPT_LEVEL": "1"}, True),
+        ({"ORTMODULE_MEMORY_OPT_LEVEL": "2"}, True),
+        ({"ORTMODULE_MEMORY_OPT_CONFIG": __file__}, False),
+        ({"ORTMODULE_USE_TRITON": "1"}, False),
     ],
 )
-def test_recompute_and_triton_keep_the_engines_nodes(environ: dict[str, str]) -> None:
+def test_recompute_and_triton_keep_the_engines_nodes(
+    environ: dict[str, str], fused_attention: bool
+) -> None:
     # the components declare what keeps the engine's nodes (Option.keeps_engine_nodes)
     (name,) = environ
     declared = name in {var.name for var in variables()}
     config = _config(**environ)
     if declared:
-        assert not config.aten_sdpa_fallback and config.kernel_choice == "losses"
+        assert config.aten_sdpa_fallback == fused_attention and config.kernel_choice == "losses"
     else:  # the component is not installed: the variable does nothing (a warning says so)
         assert config.aten_sdpa_fallback and config.kernel_choice == "auto"
+
+
+def test_triton_with_a_recompute_level_keeps_attention_decomposed() -> None:
+    if "ORTMODULE_USE_TRITON" not in {var.name for var in variables()}:
+        pytest.skip("ortmodule-triton is not installed")
+    config = _config(ORTMODULE_MEMORY_OPT_LEVEL="1", ORTMODULE_USE_TRITON="1")
+    assert not config.aten_sdpa_fallback and config.kernel_choice == "losses"
 
 
 def test_an_explicit_setting_wins() -> None:

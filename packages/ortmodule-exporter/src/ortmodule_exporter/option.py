@@ -181,6 +181,9 @@ class Option:
     #: Triton work on them): fused attention and PyTorch kernels then step aside by default;
     #: the text names what wants them in the INFO line
     keeps_engine_nodes: str = ""
+    #: with ``keeps_engine_nodes``: fused attention may stay (its node keeps only its output and
+    #: logsumexp, which nothing needs to recompute); the PyTorch kernels still step aside
+    fused_attention_stays: bool = False
     #: ``(variable, why)``: this switch on needs that switch on too
     requires: tuple[str, str] | None = None
 

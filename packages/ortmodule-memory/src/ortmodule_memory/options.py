@@ -43,6 +43,9 @@ MEMORY_OPT_LEVEL = Option(
     debug_field="memory_opt_level",
     # the engine's memory optimizer (1.19.2) recomputes only its own nodes
     keeps_engine_nodes=_RECOMPUTE,
+    # but a fused attention node keeps less than the decomposed attention the levels leave
+    # stashed (a plan file may name the decomposed attention's nodes: it keeps them)
+    fused_attention_stays=True,
 )
 MEMORY_OPT_CONFIG = Option(
     "ORTMODULE_MEMORY_OPT_CONFIG",

@@ -273,9 +273,12 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "Run scaled_dot_product_attention with PyTorch's fused kernels, forward and backward "
         "(as ORTMODULE_ATEN_SDPA_FALLBACK=1; a mask that needs a gradient stays decomposed); "
         "on CPU the kernel reads the heads' token-major tensors as eager does, without the "
-        "Transposes around it; 0 lets the engine run attention as separate operators. Left at its default, it is off "
-        "while recompute (ORTMODULE_MEMORY_OPT_LEVEL/CONFIG) or ORTMODULE_USE_TRITON is on: "
-        "both need the engine's own nodes.",
+        "Transposes around it; 0 lets the engine run attention as separate operators. Left at "
+        "its default, it is off while ORTMODULE_MEMORY_OPT_CONFIG's plans (which may name the "
+        "decomposed attention's nodes) or ORTMODULE_USE_TRITON are on: both need the engine's "
+        "own nodes. It stays on at ORTMODULE_MEMORY_OPT_LEVEL 1 and 2: the fused node keeps "
+        "only its output and logsumexp, less than the decomposed attention the levels leave "
+        "stashed.",
     ),
     EnvVar(
         "ORTMODULE_KERNEL_CHOICE",
@@ -611,11 +614,15 @@ class RuntimeOptions:
         )
 
 
-def keeps_engine_nodes(options: RuntimeOptions) -> str:
+def keeps_engine_nodes(options: RuntimeOptions, attention: bool = False) -> str:
     """What, among the options set, wants the engine's own nodes in the graph ("" when nothing
-    does): the declarations with ``keeps_engine_nodes`` whose value is on, joined with "and"."""
+    does): the declarations with ``keeps_engine_nodes`` whose value is on, joined with "and".
+    ``attention``: only those that want the attention decomposed too (not
+    ``fused_attention_stays``)."""
     wanted: list[str] = []
     for var in variables():
+        if attention and var.fused_attention_stays:
+            continue
         if var.keeps_engine_nodes and var.field in options.sources:
             if getattr(options, var.field) and var.keeps_engine_nodes not in wanted:
                 wanted.append(var.keeps_engine_nodes)
