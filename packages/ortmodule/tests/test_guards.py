@@ -645,3 +645,47 @@ def test_a_cached_graph_whose_guard_fails_is_exported_again(
         assert wrapped._runner.cache is not None
         assert wrapped._runner.cache.hits == process
         assert wrapped._runner.exports == 2 - process
+
+
+class SplitAfterRoutedLayerNorms(torch.nn.Module):
+    """``split(width)`` after a LayerNorm in each of four layers, as the zoo GPT's attention:
+    the traced width is a guard output per layer but the first (whose width is the input's,
+    checked from the fed shape). With the LayerNorms on PyTorch's kernel and the engine's INFO
+    log level, the engine folds every one of them into a constant."""
+
+    def __init__(self, width: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(width) for _ in range(layers))
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(width, 2 * width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, lin in zip(self.norms, self.lins, strict=True):
+            h = norm(x)
+            a, b = lin(h).split(h.shape[-1], dim=-1)
+            x = x + a * torch.sigmoid(b)
+        return x.pow(2).sum()
+
+
+def test_guards_the_engine_folds_are_dropped_in_one_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ortmodule.execution as execution
+
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
+    monkeypatch.setenv("ORTMODULE_LOG_LEVEL", "INFO")
+    builds: list[int] = []
+    build_graph = execution.build_graph
+
+    def counted(exported, config):  # type: ignore[no-untyped-def]
+        builds.append(len(exported.guards))
+        return build_graph(exported, config)
+
+    monkeypatch.setattr(execution, "build_graph", counted)
+    eager, wrapped = _pair(SplitAfterRoutedLayerNorms)
+    for batch in (2, 3):
+        torch.manual_seed(batch)
+        _step(eager, wrapped, torch.randn(batch, 5, 16))
+    assert wrapped._runner.exports == 1, wrapped._runner.transitions.history
+    # the failed build, the probe that reads the engine's optimized forward graph, the build
+    # without the three guards (one build per guard before: [3, 2, 1, 0])
+    assert builds == [3, 3, 0], builds
