@@ -54,6 +54,18 @@ def test_layerwise_recompute_trains_like_eager(
         assert any("Softmax" in p for p in applied), applied
 
 
+def test_a_level_keeps_fused_attention_unless_triton_wants_it_decomposed() -> None:
+    # every package is installed here: the memory and Triton components declare their options
+    from ortmodule.options import RuntimeOptions
+    from ortmodule.runner_config import export_config
+
+    def fused(**environ: str) -> bool:
+        return export_config(RuntimeOptions.resolve(None, environ=environ)).aten_sdpa_fallback
+
+    assert fused(ORTMODULE_MEMORY_OPT_LEVEL="1")
+    assert not fused(ORTMODULE_MEMORY_OPT_LEVEL="1", ORTMODULE_USE_TRITON="1")
+
+
 def test_user_plans_from_json_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     plans = tmp_path / "plans.json"
     plans.write_text(json.dumps(["Gelu+:1:-1"]))

@@ -41,13 +41,6 @@ def test_recompute_and_triton_keep_the_engines_nodes(
         assert config.aten_sdpa_fallback and config.kernel_choice == "auto"
 
 
-def test_triton_with_a_recompute_level_keeps_attention_decomposed() -> None:
-    if "ORTMODULE_USE_TRITON" not in {var.name for var in variables()}:
-        pytest.skip("ortmodule-triton is not installed")
-    config = _config(ORTMODULE_MEMORY_OPT_LEVEL="1", ORTMODULE_USE_TRITON="1")
-    assert not config.aten_sdpa_fallback and config.kernel_choice == "losses"
-
-
 def test_an_explicit_setting_wins() -> None:
     config = _config(
         ORTMODULE_MEMORY_OPT_LEVEL="1",
