@@ -242,9 +242,9 @@ def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
 
         # timings of a PyTorch fallback would be reported as ORTModule's: every failure stops
         os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
-        if mode.startswith(_LEVEL):
-            return ORTModule(model, DebugOptions(memory_opt_level=int(mode.removeprefix(_LEVEL))))
-        return ORTModule(model)
+        leveled = mode.startswith(_LEVEL)
+        level = DebugOptions(memory_opt_level=int(mode.removeprefix(_LEVEL))) if leveled else None
+        return ORTModule(model, level)
     return model
 
 

@@ -884,11 +884,13 @@ def _build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
 def _folded_outputs(exported: ExportedModel, config: GraphConfig) -> set[str]:
     """The graph outputs no node produces in the forward graph the engine optimized for its
     gradient build (it writes that graph before the gradient builder runs); empty when it wrote
-    none."""
+    none. Built without the compute optimizer, as the failed build's last attempt, which wrote
+    the file there too, was: its earlier attempts need not run again."""
     with tempfile.TemporaryDirectory(prefix="ortmodule-folded-") as folder:
         save = SaveOptions(folder)
+        probe = dataclasses.replace(config, save=save, enable_compute_optimizer=False)
         with contextlib.suppress(EngineBuildError):
-            build_graph(exported, dataclasses.replace(config, save=save))
+            build_graph(exported, probe)
         path = save.file_path("pre_gradient", exported.training)
         if not os.path.exists(path):
             return set()
