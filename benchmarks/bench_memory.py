@@ -43,7 +43,7 @@ CONFIGS = {
 }
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status", encoding="ascii") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -51,7 +51,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
     # "5" resets the peak RSS (VmHWM) to the current RSS (Linux 4.0+)
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
@@ -113,8 +113,8 @@ def _worker(
             import gc
 
             gc.collect()
-            _reset_peak()
-            baseline = _status_kib("VmRSS")
+            reset_peak()
+            baseline = status_kib("VmRSS")
         args, kwargs = make_batch(step)
         start = time.perf_counter()
         loss = loss_of(model(*args, **kwargs))
@@ -125,7 +125,7 @@ def _worker(
         if step >= warmup:
             times.append(time.perf_counter() - start)
     report: dict[str, Any] = {
-        "peak_mib": (_status_kib("VmHWM") - baseline) / 1024,
+        "peak_mib": (status_kib("VmHWM") - baseline) / 1024,
         "step_ms": statistics.median(times) * 1000,
         "losses": losses,
     }

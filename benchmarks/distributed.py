@@ -12,7 +12,8 @@ each): ``gpt2_124m`` (Hugging Face GPT-2 small, batch 4 x 256, from ``benchmarks
 ``gpt`` (the testing zoo's decoder, seq 128, batch 4, sizes from ``--d-model``, ``--layers``,
 ``--vocab``). Each rank takes its own batches. Each rank reports its first step, its later
 steps, its peak resident memory (``ru_maxrss``) and the part of it above the peak before the
-model was built (imports, process group), and the bytes of parameters it holds between steps
+model was built (imports, process group), the peak of the first step (export, graph build,
+session) and that of the later steps alone (``VmHWM`` after a reset), and the bytes of parameters it holds between steps
 (shards under stage 3). Prints a Markdown table (the slowest / largest rank); nothing is
 asserted. Needs DeepSpeed for the ZeRO stacks.
 """
@@ -33,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from .bench_memory import reset_peak, status_kib
 
 STACKS = ("ddp", "zero2", "zero3")
 MODES = ("eager", "ortmodule")
@@ -135,16 +138,24 @@ def _rank(args: argparse.Namespace, sizes: dict[str, int]) -> None:
 
         held_params = ds.module.parameters
     times = []
+    first_peak = 0
     for i in range(args.warmup + args.measured):
         start = time.perf_counter()
         loss = step(batch(i))
         times.append(time.perf_counter() - start)
+        if i == 0:
+            # the first step holds the export, the graph build and the session; the peak of
+            # the later steps alone is read after resetting the high-water mark
+            first_peak = _peak()
+            reset_peak()
     # a released stage-3 parameter is empty; its shard is ds_tensor
     held = sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in held_params())
     result = {
         "first": times[0],
         "steps": times[args.warmup :],
         "peak": _peak(),
+        "first_peak": first_peak,
+        "steps_peak": status_kib("VmHWM") * 1024,
         "baseline": baseline,
         "held": held,
         "loss": float(loss.detach()),
@@ -227,9 +238,10 @@ def main() -> None:
     )
     print(
         "| stack | mode | first step | median step | peak RSS (MiB) | of which training "
-        "(MiB) | parameters held (MiB) | final loss (rank 0) |"
+        "(MiB) | peak, first step / later steps (MiB) | parameters held (MiB) "
+        "| final loss (rank 0) |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for stack in args.stacks:
         for mode in args.modes:
             try:
@@ -246,9 +258,12 @@ def main() -> None:
             peak = max(r["peak"] for r in ranks) / 2**20
             training = max(r["peak"] - r["baseline"] for r in ranks) / 2**20
             held = max(r["held"] for r in ranks) / 2**20
+            first_peak = max(r["first_peak"] for r in ranks) / 2**20
+            steps_peak = max(r["steps_peak"] for r in ranks) / 2**20 if args.measured else 0
             print(
                 f"| {stack} | {mode} | {first:.1f} s | {median:.2f} s | {peak:.0f} | "
-                f"{training:.0f} | {held:.1f} | {ranks[0]['loss']:.4f} |",
+                f"{training:.0f} | {first_peak:.0f} / {steps_peak:.0f} | {held:.1f} | "
+                f"{ranks[0]['loss']:.4f} |",
                 flush=True,
             )
 
