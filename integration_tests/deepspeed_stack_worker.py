@@ -64,6 +64,15 @@ def train(deepspeed: Any, base: torch.nn.Module, stage: int, dtype: str, wrap: b
         copied.append(target is not module)
         return target
 
+    # whether each engine session was built with the CPU arena (ZeRO steps build theirs without)
+    arenas: list[bool] = []
+    engine_module = importlib.import_module("ortmodule_exporter.engine")
+    make_session = engine_module._session
+
+    def recording_session(model_bytes: bytes, cfg: Any) -> Any:
+        arenas.append(cfg.cpu_arena)
+        return make_session(model_bytes, cfg)
+
     if wrap:
         model = ORTModule(model)
     optimizer = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -84,10 +93,12 @@ def train(deepspeed: Any, base: torch.nn.Module, stage: int, dtype: str, wrap: b
     for _ in range(STEPS):
         x = torch.randn(4, 8, generator=gen)
         exporter.copy_for_export = recording_copy
+        engine_module._session = recording_session
         try:
             out = engine(x.to(DTYPES[dtype]))
         finally:
             exporter.copy_for_export = copy_for_export
+            engine_module._session = make_session
         loss = out.float().pow(2).mean()
         engine.backward(loss)
         if stage == 3:
@@ -107,6 +118,7 @@ def train(deepspeed: Any, base: torch.nn.Module, stage: int, dtype: str, wrap: b
         "released": released,
         "exports": exports,
         "copied": copied,
+        "arenas": arenas,
         "dtype": str(values_dtype),
     }
 
@@ -180,6 +192,7 @@ def main() -> None:
             "released": ours["released"],
             "exports": ours["exports"],
             "copied": ours["copied"],
+            "arenas": ours["arenas"],
             "learned": ours["losses"][-1] < ours["losses"][0],
         }
     with open(out, "w") as f:

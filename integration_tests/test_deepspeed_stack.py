@@ -78,6 +78,11 @@ def _check(case: str, result: dict) -> None:
         f"{case}: parameters differ beyond rtol {result['rtol']:.3g} (max abs diff {result['max_abs']:.3g}); "
         f"losses eager/ORTModule {result['losses']}"
     )
+    if case[0] in "123":
+        # a ZeRO step's engine sessions allocate without the CPU arena, which kept a step's
+        # peak of engine buffers beneath DeepSpeed's partitions (ZeRO-2 at 368M on 2 ranks:
+        # 9346 -> 8257 MiB, eager 7950)
+        assert result["arenas"] and not any(result["arenas"]), f"{case}: {result['arenas']}"
     if case.startswith("3-"):
         assert result["released"] and all(result["released"]), "stage 3 kept parameters gathered"
         # the export traces the gathered module itself: a deep copy held the whole model twice

@@ -12,6 +12,7 @@ from ortmodule_exporter.components import (
 )
 
 from .options import OPTIONS
+from .partitioned_optimizer import ZeroOptimizerSessions
 from .stage3 import COMPONENT_NAME, ZeroStage3Hook
 
 __all__ = ["COMPONENT", "DEEPSPEED_MODULE_ATTRIBUTES"]
@@ -36,6 +37,10 @@ def _register() -> None:
     register_step_hook("zero-stage3", hook, order=10)
     # sessions built inside a stage-3 step allocate without the CPU engine's arena
     register_session_contributor("zero-stage3", hook.session_contribution)
+    # and so do sessions of a module whose parameters a stage 1/2 optimizer holds
+    stages12 = ZeroOptimizerSessions()
+    register_step_hook("zero-stages12", stages12, order=11)
+    register_session_contributor("zero-stages12", stages12.session_contribution)
     # DeepSpeed keeps per-step bookkeeping on the module (ds_grads_remaining, its backward
     # Functions, reference counts): writes of those through the ORTModule wrapper are no change
     # of the model's flags (the names deepspeed/runtime/zero assigns on modules, 0.19)
@@ -54,5 +59,6 @@ COMPONENT = Component(
     register=_register,
     options=OPTIONS,
     check=_check,
-    summary="DeepSpeed ZeRO stage 3: partitioned parameters gathered for the engine",
+    summary="DeepSpeed ZeRO: stage 3's partitioned parameters gathered for the engine; "
+    "sessions without the CPU arena under stages 1-3",
 )

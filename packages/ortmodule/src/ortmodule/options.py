@@ -355,9 +355,9 @@ RUNTIME_VARIABLES: tuple[Option, ...] = (
         "arena and a run's memory goes back when it is freed (GPT-2 124M on 2 cores: steps "
         "peak 3434-3477 against 3692-3735 MiB, steps 6-8 % slower). AUTO: the arena, "
         "except where a component asks for the memory back: recompute "
-        "(ORTMODULE_MEMORY_OPT_LEVEL/CONFIG) and DeepSpeed ZeRO stage 3 "
-        "(ORTMODULE_ENABLE_ZERO_STAGE3). No effect on CUDA, whose memory PyTorch's caching "
-        "allocator manages.",
+        "(ORTMODULE_MEMORY_OPT_LEVEL/CONFIG) and DeepSpeed ZeRO stages 1-3. Without the "
+        "arena, the C heap's free pages also go back to the system after each backward. "
+        "No effect on CUDA, whose memory PyTorch's caching allocator manages.",
         "0",
     ),
     EnvVar(
