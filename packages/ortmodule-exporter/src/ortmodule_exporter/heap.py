@@ -2,7 +2,7 @@
 an arena (:func:`release_free_pages`).
 
 A CPU session built without the engine's arena (``SessionConfig(cpu_arena=False)``: recompute,
-ZeRO stage 3, ``ORTMODULE_CPU_MEM_ARENA=0``) allocates each buffer with ``malloc`` and frees it
+DeepSpeed ZeRO, ``ORTMODULE_CPU_MEM_ARENA=0``) allocates each buffer with ``malloc`` and frees it
 when the run is done with it, so that what a step held goes back. glibc does not give all of
 it back: after a large block is freed it raises its ``mmap`` threshold (up to 32 MiB), so later
 blocks below that size come from its heap, and freed heap memory stays resident in the process
