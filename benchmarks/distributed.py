@@ -13,8 +13,8 @@ each): ``gpt2_124m`` (Hugging Face GPT-2 small, batch 4 x 256, from ``benchmarks
 ``--vocab``). Each rank takes its own batches. Each rank reports its first step, its later
 steps, its peak resident memory (``ru_maxrss``) and the part of it above the peak before the
 model was built (imports, process group), the peak of the first step (export, graph build,
-session) and that of the later steps alone (``VmHWM`` after a reset), and the bytes of parameters it holds between steps
-(shards under stage 3). Prints a Markdown table (the slowest / largest rank); nothing is
+session) and that of the later steps alone (``VmHWM`` after a reset), and the bytes of
+parameters it holds between steps (shards under stage 3). Prints a Markdown table (the slowest / largest rank); nothing is
 asserted. Needs DeepSpeed for the ZeRO stacks.
 """
 

@@ -158,4 +158,5 @@ def test_sessions_built_inside_a_stage12_step_go_without_the_cpu_arena(
     assert hook.session_contribution(_session_context("meta")) is None
     hook.post_forward(StepContext(linked, {}), ())
     assert hook.session_contribution(cpu) is None
-    assert any(isinstance(h, ZeroOptimizerSessions) for h in (load_components(), *step_hooks())[1:])
+    load_components()
+    assert any(isinstance(h, ZeroOptimizerSessions) for h in step_hooks())

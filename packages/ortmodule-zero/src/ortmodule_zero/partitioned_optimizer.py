@@ -19,16 +19,12 @@ backward, ``ortmodule_exporter.heap``), eager ZeRO-2 7950 MiB; steps 28.0, 27.2 
 from __future__ import annotations
 
 import sys
-import weakref
 
 import torch
 
-from ortmodule_exporter.components import (
-    SessionContext,
-    SessionContribution,
-    StepContext,
-    StepHook,
-)
+from ortmodule_exporter.components import StepContext
+
+from .arena import ArenaFreeSteps
 
 __all__ = ["ZeroOptimizerSessions", "linked_to_zero_optimizer"]
 
@@ -42,12 +38,8 @@ def linked_to_zero_optimizer(module: torch.nn.Module) -> bool:
     return first is not None and hasattr(first, "_hp_mapping")
 
 
-class ZeroOptimizerSessions(StepHook):
-    """Marks a linked module as stepping from ``pre_forward`` to ``post_forward`` (its sessions
-    are built then), for :meth:`session_contribution`."""
-
-    def __init__(self) -> None:
-        self._stepping: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+class ZeroOptimizerSessions(ArenaFreeSteps):
+    """Marks a linked module as stepping, for :meth:`session_contribution`."""
 
     def pre_forward(self, ctx: StepContext) -> None:
         # asked at every step: deepspeed.initialize may come after a first forward
@@ -56,9 +48,3 @@ class ZeroOptimizerSessions(StepHook):
 
     def post_forward(self, ctx: StepContext, outputs: object) -> None:
         self._stepping.discard(ctx.module)
-
-    def session_contribution(self, ctx: SessionContext) -> SessionContribution | None:
-        """Session contributor: no CPU arena for a session built inside a linked module's step."""
-        if ctx.device.type != "cpu" or not self._stepping:
-            return None
-        return SessionContribution(release_cpu_memory=True)

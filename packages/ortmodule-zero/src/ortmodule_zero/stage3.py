@@ -39,14 +39,12 @@ from typing import Any
 import torch
 
 from ortmodule_exporter.components import (
-    SessionContext,
-    SessionContribution,
     StepContext,
-    StepHook,
     mark_module_hook_handled,
 )
 from ortmodule_exporter.export import traced_in_place
 
+from .arena import ArenaFreeSteps
 from .options import ENABLE_ZERO_STAGE3
 
 OPTION = ENABLE_ZERO_STAGE3.name
@@ -74,10 +72,12 @@ def _hook_dicts(module: torch.nn.Module) -> tuple[dict[int, Any], ...]:
     return (module._forward_pre_hooks, module._forward_hooks)
 
 
-class ZeroStage3Hook(StepHook):
-    """Gathers partitioned parameters around each ORTModule step; see the module docstring."""
+class ZeroStage3Hook(ArenaFreeSteps):
+    """Gathers partitioned parameters around each ORTModule step; see the module docstring.
+    A stage-3 module is marked as stepping for :meth:`session_contribution`."""
 
     def __init__(self) -> None:
+        super().__init__()
         # module -> the parameters this hook gathered and has not released yet
         self._held: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Parameter]] = (
             weakref.WeakKeyDictionary()
@@ -89,8 +89,6 @@ class ZeroStage3Hook(StepHook):
         self._params: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Parameter]] = (
             weakref.WeakKeyDictionary()
         )
-        # stage-3 modules between pre_forward and post_forward (their sessions are built then)
-        self._stepping: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     def _zero_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
         """``zero_parameters(module)`` without walking every parameter at every step.
@@ -170,15 +168,6 @@ class ZeroStage3Hook(StepHook):
         held = [p for p in self._held.pop(module, []) if _status(p) == "AVAILABLE"]
         if held:
             held[0].partition(param_list=held)  # type: ignore[attr-defined]
-
-    def session_contribution(self, ctx: SessionContext) -> SessionContribution | None:
-        """Session contributor: no CPU arena for a session built inside a stage-3 module's step.
-
-        Stage 3 is the user choosing memory over time; without the arena the engine's buffers
-        go back after each run (GPT-2 124M in one process: steps 6-8 % slower)."""
-        if ctx.device.type != "cpu" or not self._stepping:
-            return None
-        return SessionContribution(release_cpu_memory=True)
 
     def exporting(self, ctx: StepContext) -> contextlib.AbstractContextManager[None]:
         return _exporting(ctx.module)
