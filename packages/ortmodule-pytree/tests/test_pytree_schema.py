@@ -207,7 +207,7 @@ def test_prefix_is_part_of_the_schema() -> None:
 def test_schema_is_frozen_and_usable_as_a_key() -> None:
     schema = schema_of(batch())
     with pytest.raises(AttributeError):
-        schema._prefix = "x"  # type: ignore[misc]
+        schema.prefix = "x"
     with pytest.raises(AttributeError):
         schema.foo = 1  # type: ignore[attr-defined]
     cache = {schema: "graph"}

@@ -23,8 +23,8 @@ import torch
 import transformers as tf
 from hf_models import (
     _GQA,
+    _SEQ2SEQ_NAMES,
     CHANGING_SHAPES,
-    HEADS,
     HF_ZOO,
     HIDDEN,
     IGNORE,
@@ -32,6 +32,7 @@ from hf_models import (
     SHAPES_ZOO,
     VOCAB,
     _model,
+    _sized,
     model_loss,
 )
 
@@ -236,14 +237,7 @@ _MORE: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int], Batch], Pr
         _model(
             tf.WhisperForConditionalGeneration,
             tf.WhisperConfig,
-            vocab_size=VOCAB,
-            d_model=HIDDEN,
-            encoder_layers=LAYERS,
-            decoder_layers=LAYERS,
-            encoder_attention_heads=HEADS,
-            decoder_attention_heads=HEADS,
-            encoder_ffn_dim=128,
-            decoder_ffn_dim=128,
+            **_sized(*_SEQ2SEQ_NAMES),
             num_mel_bins=MEL_BINS,
             max_source_positions=MEL_FRAMES // 2,
             max_target_positions=32,

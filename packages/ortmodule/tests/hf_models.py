@@ -51,14 +51,26 @@ def _model(model_cls: Any, config_cls: Any, **settings: Any) -> Callable[[], tor
     return make
 
 
-_DECODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=HIDDEN,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=HEADS,
-    intermediate_size=FFN,
-)
+def _sized(width: str, layers: str, heads: str, ffn: str = "", **extra: Any) -> dict[str, Any]:
+    """The tiny sizes (vocabulary, width, layers, heads, feed-forward width) under the keywords
+    one config class names them by; ``layers``, ``heads`` and ``ffn`` may hold several keywords
+    separated by spaces (an encoder's and a decoder's), ``ffn`` none where the config derives it.
+    """
+    sizes: dict[str, Any] = {"vocab_size": VOCAB, width: HIDDEN}
+    for keywords, value in ((layers, LAYERS), (heads, HEADS), (ffn, FFN)):
+        sizes.update(dict.fromkeys(keywords.split(), value))
+    return {**sizes, **extra}
+
+
+_DECODER = _sized("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 # grouped-query attention: 2 key/value heads for 4 query heads
+#: an encoder-decoder's keywords (Bart, Whisper): each size for both halves
+_SEQ2SEQ_NAMES = (
+    "d_model",
+    "encoder_layers decoder_layers",
+    "encoder_attention_heads decoder_attention_heads",
+    "encoder_ffn_dim decoder_ffn_dim",
+)
 _GQA = dict(_DECODER, num_key_value_heads=2)
 _ENCODER = dict(_DECODER, max_position_embeddings=64)
 
@@ -222,13 +234,14 @@ HF_ZOO: dict[str, ZooCase] = {
             _model(
                 tf.OPTForCausalLM,
                 tf.OPTConfig,
-                vocab_size=VOCAB,
-                hidden_size=HIDDEN,
-                num_hidden_layers=LAYERS,
-                num_attention_heads=HEADS,
-                ffn_dim=FFN,
-                word_embed_proj_dim=HIDDEN,
-                max_position_embeddings=64,
+                **_sized(
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "ffn_dim",
+                    word_embed_proj_dim=HIDDEN,
+                    max_position_embeddings=64,
+                ),
             ),
             causal_lm_batch,
         ),
@@ -237,10 +250,7 @@ HF_ZOO: dict[str, ZooCase] = {
             _model(
                 tf.BloomForCausalLM,
                 tf.BloomConfig,
-                vocab_size=VOCAB,
-                hidden_size=HIDDEN,
-                n_layer=LAYERS,
-                n_head=HEADS,
+                **_sized("hidden_size", "n_layer", "n_head"),
             ),
             causal_lm_batch,
         ),
@@ -249,10 +259,7 @@ HF_ZOO: dict[str, ZooCase] = {
             _model(
                 tf.FalconForCausalLM,
                 tf.FalconConfig,
-                vocab_size=VOCAB,
-                hidden_size=HIDDEN,
-                num_hidden_layers=LAYERS,
-                num_attention_heads=HEADS,
+                **_sized("hidden_size", "num_hidden_layers", "num_attention_heads"),
             ),
             causal_lm_batch,
         ),
@@ -271,12 +278,7 @@ HF_ZOO: dict[str, ZooCase] = {
             _model(
                 tf.DistilBertForMaskedLM,
                 tf.DistilBertConfig,
-                vocab_size=VOCAB,
-                dim=HIDDEN,
-                n_layers=LAYERS,
-                n_heads=HEADS,
-                hidden_dim=FFN,
-                max_position_embeddings=64,
+                **_sized("dim", "n_layers", "n_heads", "hidden_dim", max_position_embeddings=64),
             ),
             masked_lm_batch,
         ),
@@ -291,14 +293,15 @@ HF_ZOO: dict[str, ZooCase] = {
             _model(
                 tf.T5ForConditionalGeneration,
                 tf.T5Config,
-                vocab_size=VOCAB,
-                d_model=HIDDEN,
-                d_kv=HIDDEN // HEADS,
-                d_ff=FFN,
-                num_layers=LAYERS,
-                num_heads=HEADS,
-                decoder_start_token_id=0,
-                pad_token_id=0,
+                **_sized(
+                    "d_model",
+                    "num_layers",
+                    "num_heads",
+                    "d_ff",
+                    d_kv=HIDDEN // HEADS,
+                    decoder_start_token_id=0,
+                    pad_token_id=0,
+                ),
             ),
             seq2seq_batch,
         ),
@@ -307,15 +310,7 @@ HF_ZOO: dict[str, ZooCase] = {
             _model(
                 tf.BartForConditionalGeneration,
                 tf.BartConfig,
-                vocab_size=VOCAB,
-                d_model=HIDDEN,
-                encoder_layers=LAYERS,
-                decoder_layers=LAYERS,
-                encoder_attention_heads=HEADS,
-                decoder_attention_heads=HEADS,
-                encoder_ffn_dim=FFN,
-                decoder_ffn_dim=FFN,
-                max_position_embeddings=64,
+                **_sized(*_SEQ2SEQ_NAMES, max_position_embeddings=64),
             ),
             seq2seq_batch,
         ),

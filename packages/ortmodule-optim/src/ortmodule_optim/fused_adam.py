@@ -301,14 +301,15 @@ def _fused_kernel_step(bucket: Bucket, grads: list[torch.Tensor], h: Hyper) -> N
         bucket.exp_avg_sqs,
         [],
         bucket.steps,
-        lr=h.lr,
-        beta1=h.beta1,
-        beta2=h.beta2,
-        weight_decay=h.weight_decay,
-        eps=h.eps,
         amsgrad=False,
         maximize=False,
+        **{name: getattr(h, name) for name in _KERNEL_HYPERPARAMETERS},
     )
+
+
+#: the fields of :class:`Hyper` the fused kernel takes, under the same keywords (it computes the
+#: bias corrections itself)
+_KERNEL_HYPERPARAMETERS = ("lr", "beta1", "beta2", "weight_decay", "eps")
 
 
 def _on_cuda(bucket: Bucket) -> bool:

@@ -67,8 +67,8 @@ class Schema:
 
     __slots__ = (
         "_spec",
-        "_prefix",
-        "_static_shapes",
+        "prefix",
+        "static_shapes",
         "_tensor_positions",
         "_tensor_meta",
         "_constants",
@@ -81,8 +81,10 @@ class Schema:
     )
 
     _spec: TreeSpec
-    _prefix: str
-    _static_shapes: bool
+    #: the first word of every name: ``"input"`` or ``"output"``
+    prefix: str
+    #: whether tensor shapes are part of this schema
+    static_shapes: bool
     _tensor_positions: tuple[int, ...]
     _tensor_meta: tuple[TensorMeta, ...]
     _constants: tuple[Any, ...]
@@ -106,8 +108,8 @@ class Schema:
     ) -> None:
         init = object.__setattr__
         init(self, "_spec", spec)
-        init(self, "_prefix", prefix)
-        init(self, "_static_shapes", static_shapes)
+        init(self, "prefix", prefix)
+        init(self, "static_shapes", static_shapes)
         init(self, "_tensor_positions", tensor_positions)
         init(self, "_tensor_meta", tensor_meta)
         init(self, "_constants", constants)
@@ -124,8 +126,8 @@ class Schema:
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickle and deepcopy rebuild through __init__; the caches are recomputed on demand.
         fields = {
-            "prefix": self._prefix,
-            "static_shapes": self._static_shapes,
+            "prefix": self.prefix,
+            "static_shapes": self.static_shapes,
             "tensor_positions": self._tensor_positions,
             "tensor_meta": self._tensor_meta,
             "constants": self._constants,
@@ -148,8 +150,8 @@ class Schema:
             self._tensor_meta == other._tensor_meta
             and self._constant_keys == other._constant_keys
             and self._tensor_positions == other._tensor_positions
-            and self._prefix == other._prefix
-            and self._static_shapes == other._static_shapes
+            and self.prefix == other.prefix
+            and self.static_shapes == other.static_shapes
             and self._spec == other._spec
         )
 
@@ -160,8 +162,8 @@ class Schema:
         if cached is None:
             cached = hash(
                 (
-                    self._prefix,
-                    self._static_shapes,
+                    self.prefix,
+                    self.static_shapes,
                     self._spec.num_nodes,
                     self._tensor_positions,
                     self._tensor_meta,
@@ -182,16 +184,6 @@ class Schema:
         return shapeless
 
     # -- public view ------------------------------------------------------------------------
-
-    @property
-    def prefix(self) -> str:
-        """The first word of every name: ``"input"`` or ``"output"``."""
-        return self._prefix
-
-    @property
-    def static_shapes(self) -> bool:
-        """Whether tensor shapes are part of this schema."""
-        return self._static_shapes
 
     @property
     def num_tensors(self) -> int:
@@ -243,7 +235,7 @@ class Schema:
         """The unique name of every leaf, tensors and constants, in flatten order."""
         names = self._names_cache
         if names is None:
-            names = unique_names(self._prefix, self._key_paths())
+            names = unique_names(self.prefix, self._key_paths())
             object.__setattr__(self, "_names_cache", names)
         return names
 
@@ -281,7 +273,7 @@ class Schema:
             describe_tensor(value) if is_tensor else repr(value)
             for is_tensor, value in self._leaves()
         ]
-        return f"Schema({self._prefix}={_render(self._spec, iter(rendered))})"
+        return f"Schema({self.prefix}={_render(self._spec, iter(rendered))})"
 
 
 def _restore(spec: TreeSpec, fields: dict[str, Any]) -> Schema:

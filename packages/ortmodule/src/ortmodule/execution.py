@@ -135,6 +135,17 @@ class RunnerConfig:
     transformer_options: tuple[tuple[str, Any], ...] = ()
 
 
+#: the engine build settings a ``GraphConfig`` takes from the runner's options as they are:
+#: (GraphConfig field, RunnerConfig field)
+_GRAPH_FIELDS_FROM_OPTIONS = (
+    ("enable_compute_optimizer", "enable_compute_optimizer"),
+    ("print_input_density", "print_input_density"),
+    ("use_memory_efficient_gradient", "use_memory_efficient_gradient"),
+    ("log_severity", "engine_log_severity"),
+    ("transformer_options", "transformer_options"),
+)
+
+
 def _cpu_arena(setting: str, contribution: SessionContribution | None) -> bool:
     """Whether a CPU session allocates from the engine's arena: ``ORTMODULE_CPU_MEM_ARENA``,
     and under ``AUTO`` the arena unless a contributor (recompute, ZeRO-3) asks for the memory."""
@@ -668,14 +679,10 @@ class GraphRunner:
             broadcast_grad_inputs=tuple(
                 n for n in input_grads if n in index_of and 1 in flat[index_of[n]].shape
             ),
-            enable_compute_optimizer=cfg.enable_compute_optimizer,
-            print_input_density=cfg.print_input_density,
-            use_memory_efficient_gradient=cfg.use_memory_efficient_gradient,
-            log_severity=cfg.engine_log_severity,
             static_input_shapes=static,
             save=save,
-            transformer_options=cfg.transformer_options,
             device_type=device.type,
+            **{field: getattr(cfg, option) for field, option in _GRAPH_FIELDS_FROM_OPTIONS},
         )
 
     def _session(
