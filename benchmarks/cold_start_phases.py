@@ -10,7 +10,8 @@ inference, the size guards' symbolic shape inference, the kernel-choice calibrat
 timers wrap functions by name, so a part that a later version no longer calls reads 0. With
 ``--eager`` the same process times eager's first forward and backward instead (the goal's
 reference, "eager's first step + 5 s"), so both are measured by the same code.
-Results: ``results/2026-11-27-cold-start-amd-epyc-2c.md``.
+Results: ``results/2026-11-27-cold-start-amd-epyc-2c.md``,
+``results/2026-11-28-calibration-steady-state-amd-epyc-2c.md``.
 """
 
 from __future__ import annotations

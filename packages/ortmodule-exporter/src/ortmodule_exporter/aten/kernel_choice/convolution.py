@@ -190,7 +190,7 @@ def measure_conv(
         )
         del out
 
-    return engine_us, _torch_us(torch_route)
+    return engine_us, _torch_us(torch_route, engine_us=engine_us)
 
 
 def _conv_route(

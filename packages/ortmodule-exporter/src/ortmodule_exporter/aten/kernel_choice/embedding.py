@@ -50,13 +50,20 @@ def measure_embedding(rows: int, dim: int, lookups: int) -> tuple[float, float]:
         helper.make_node("GatherGrad", ["shape", "idx", "dy"], ["dw"], domain="com.microsoft"),
     ]
     feeds = {"w": w, "idx": idx, "dy": dy}
-    engine_us = _engine_us("embedding", nodes, feeds, ["y", "dw"], {"idx": TensorProto.INT64})
+    engine_us = _engine_us(
+        "embedding",
+        nodes,
+        feeds,
+        ["y", "dw"],
+        {"idx": TensorProto.INT64},
+        {"y": (lookups, dim), "dw": (rows, dim)},
+    )
 
     def torch_route() -> None:
         torch.ops.aten.embedding(w, idx)
         torch.ops.aten.embedding_backward(dy, idx, rows, -1, False, False)
 
-    return engine_us, _torch_us(torch_route)
+    return engine_us, _torch_us(torch_route, engine_us=engine_us)
 
 
 def embedding_route(

@@ -78,7 +78,7 @@ def measure_gelu(numel: int, approximate: str = "none") -> tuple[float, float]:
         _gelu(approximate, [x])
         _gelu_backward(approximate, [dy, x])
 
-    return engine_us, _torch_us(torch_route)
+    return engine_us, _torch_us(torch_route, engine_us=engine_us)
 
 
 #: the engine's GELU gradient node for each ``approximate``
@@ -98,7 +98,9 @@ def measure_gelu_backward(numel: int, approximate: str = "none") -> tuple[float,
     _seeded()
     x, dy = _randn(numel), _randn(numel)
     engine_us = _engine_us("gelu_backward", [node], {"x": x, "dy": dy}, ["dx"])
-    return engine_us, _torch_us(lambda: _gelu_backward(approximate, [dy, x]), aten_nodes=1)
+    return engine_us, _torch_us(
+        lambda: _gelu_backward(approximate, [dy, x]), aten_nodes=1, engine_us=engine_us
+    )
 
 
 def gelu_backward_route(numel: int | None, approximate: str) -> str:

@@ -73,7 +73,7 @@ def measure_relu(numel: int) -> tuple[float, float]:
     _seeded()
     x = _randn(numel)
     engine_us = _engine_us("relu", [helper.make_node("Relu", ["x"], ["y"])], {"x": x}, ["y"])
-    return engine_us, _torch_us(lambda: _relu("", [x]), aten_nodes=1)
+    return engine_us, _torch_us(lambda: _relu("", [x]), aten_nodes=1, engine_us=engine_us)
 
 
 def measure_relu_backward(numel: int) -> tuple[float, float]:
@@ -85,7 +85,9 @@ def measure_relu_backward(numel: int) -> tuple[float, float]:
     _seeded()
     y, dy = torch.relu(_randn(numel)), _randn(numel)
     engine_us = _engine_us("relu_backward", nodes, {"dy": dy, "y": y}, ["dx"])
-    return engine_us, _torch_us(lambda: _relu_backward("", [dy, y]), aten_nodes=1)
+    return engine_us, _torch_us(
+        lambda: _relu_backward("", [dy, y]), aten_nodes=1, engine_us=engine_us
+    )
 
 
 def _relu_symbolic(default: Callable[..., Any], g: Any, self: Any) -> Any:

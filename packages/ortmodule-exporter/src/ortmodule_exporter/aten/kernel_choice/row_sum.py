@@ -42,7 +42,7 @@ def measure_row_sum(rows: int, cols: int) -> tuple[float, float]:
     nodes = [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)]
     feeds = {"x": x, "axes": torch.tensor([0])}
     engine_us = _engine_us("row_sum", nodes, feeds, ["y"], {"axes": TensorProto.INT64})
-    return engine_us, _torch_us(lambda: _row_sum("1", [x]), aten_nodes=1)
+    return engine_us, _torch_us(lambda: _row_sum("1", [x]), aten_nodes=1, engine_us=engine_us)
 
 
 def row_sum_route(cols: int) -> str:
