@@ -36,7 +36,13 @@ from ..symbolics.registry import symbolic_table, symbolics_applied
 from ..symbolics.traced_state import tracing_state_of
 from .bool_scalars import bool_scalars_as_numbers
 from .cache import ExportCache
-from .calls import bind_arguments, call_bound, writable_buffers
+from .calls import (
+    ParameterWrites,
+    bind_arguments,
+    call_bound,
+    module_path,
+    writable_buffers,
+)
 from .config import DEFAULT_OPSET, ExportConfig
 from .gradient_cuts import cutting_gradients
 from .guards import Guard, converted_tensors, guard_output_name, recording_conversions
@@ -100,6 +106,7 @@ class _FlatModule(torch.nn.Module):
         buffers = writable_buffers(module)
         input_versions = [t._version for t in flat]
         buffer_versions = {name: b._version for name, b in buffers.items()}
+        params = ParameterWrites(module)
         with recording_conversions() as guards:
             out = call_bound(module, arguments)
             converted = converted_tensors()
@@ -126,6 +133,11 @@ class _FlatModule(torch.nn.Module):
             except ExportError as err:
                 self.state_error = err
                 raise
+        try:
+            params.refuse()
+        except ExportError as err:
+            self.state_error = err
+            raise
         self.guards = list(guards)
         written = [flat[i] for i in self.written_inputs] + [after[n] for n in self.written_buffers]
         return (*tensors, *written, *converted)
@@ -173,11 +185,6 @@ def _traced_input(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.requires_grad:
         return tensor.detach().requires_grad_(True).clone()
     return tensor.detach().clone()
-
-
-def module_path(module: torch.nn.Module) -> str:
-    cls = type(module)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _module_bytes(module: torch.nn.Module) -> int:

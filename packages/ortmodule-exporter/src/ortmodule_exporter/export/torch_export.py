@@ -42,7 +42,7 @@ from ..aten.executor import ATEN_DOMAIN
 from ..aten.kernel_choice import fx_example_inputs
 from ..errors import ExportError
 from ..python_op.symbolic import custom_autograd_enabled
-from .calls import call_bound, writable_buffers
+from .calls import ParameterWrites, call_bound, writable_buffers
 from .gradient_cuts import plain_grad_switch
 from .guards import Guard
 from .model import BUFFER_WRITE_PREFIX, INPUT_WRITE_PREFIX
@@ -73,6 +73,8 @@ class _Found:
 
     output_schema: Schema | None = None
     output_error: TypeError | None = None
+    #: the forward wrote a parameter (:class:`ParameterWrites`)
+    state_error: ExportError | None = None
     written_inputs: list[int] = field(default_factory=list)
     written_buffers: list[str] = field(default_factory=list)
     #: the torch.autograd.Function subclasses the forward applied, by qualified name
@@ -106,8 +108,14 @@ class TorchExportFlat(torch.nn.Module):
         buffers = writable_buffers(module)
         input_versions = [t._version for t in flat]
         buffer_versions = {name: b._version for name, b in buffers.items()}
+        params = ParameterWrites(module)
         with _recording_functions(self._found.functions):
             out = call_bound(module, arguments)
+        try:
+            params.refuse()
+        except ExportError as err:
+            self._found.state_error = err
+            raise
         try:
             tensors, schema = flatten(out, prefix="output")
         except TypeError as err:
@@ -330,6 +338,8 @@ def _export_program(
     except Exception as err:
         if flat.output_error is not None:
             raise
+        if flat._found.state_error is not None:
+            raise flat._found.state_error from err
         refused = _refusal(err)
         if refused is not None:
             # a custom Function that cannot be a PythonOp here (torch_export_python_op)
