@@ -383,12 +383,13 @@ SHAPES_ZOO: dict[str, ZooCase] = {
                 _model(
                     tf.XGLMForCausalLM,
                     tf.XGLMConfig,
-                    vocab_size=VOCAB,
-                    d_model=HIDDEN,
-                    num_layers=LAYERS,
-                    attention_heads=HEADS,
-                    ffn_dim=FFN,
-                    max_position_embeddings=64,
+                    **_sized(
+                        "d_model",
+                        "num_layers",
+                        "attention_heads",
+                        "ffn_dim",
+                        max_position_embeddings=64,
+                    ),
                 ),
             ),
         )

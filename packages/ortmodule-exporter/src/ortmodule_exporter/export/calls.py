@@ -87,16 +87,13 @@ class ParameterWrites:
         self._before = dict(module.named_parameters())
         self._versions = {name: p._version for name, p in self._before.items()}
 
-    def written(self) -> list[str]:
+    def refuse(self) -> None:
         after = dict(self._module.named_parameters())
-        return [
+        written = [
             name
             for name, param in self._before.items()
             if after.get(name) is not param or param._version != self._versions[name]
         ]
-
-    def refuse(self) -> None:
-        written = self.written()
         if not written:
             return
         where = module_path(self._module)

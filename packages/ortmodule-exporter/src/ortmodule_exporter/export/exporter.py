@@ -127,13 +127,9 @@ class _FlatModule(torch.nn.Module):
             for n, b in buffers.items()
             if after.get(n) is not b or b._version != buffer_versions[n]
         ]
-        for name in self.written_buffers:
-            try:
-                _check_new_buffer_value(module, name, buffers[name], after.get(name))
-            except ExportError as err:
-                self.state_error = err
-                raise
         try:
+            for name in self.written_buffers:
+                _check_new_buffer_value(module, name, buffers[name], after.get(name))
             params.refuse()
         except ExportError as err:
             self.state_error = err
