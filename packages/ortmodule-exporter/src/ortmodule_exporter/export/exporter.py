@@ -53,6 +53,7 @@ from .strided_views import strided_views_traced
 from .tensor_data import data_as_detach
 from .torch_export import TORCH_EXPORT_MIN_OPSET, TorchExportFlat, export_program
 from .torch_export_fixes import cut_gradients_of_outputs
+from .trace_activations import ActivationsDropped
 from .traced_sizes import remove_size_barriers, sizes_kept_dynamic
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -84,10 +85,17 @@ class _FlatModule(torch.nn.Module):
     each tensor the forward turned into a Python value (a guard).
     """
 
-    def __init__(self, module: torch.nn.Module, input_schema: Schema) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        input_schema: Schema,
+        activations: ActivationsDropped | None = None,
+    ) -> None:
         super().__init__()
         setattr(self, _WRAPPED, module)
         self._input_schema = input_schema
+        #: saved-tensor hooks the forward runs under (the trace's: see trace_activations)
+        self.activations = activations
         self.output_schema: Schema | None = None
         self.output_error: TypeError | None = None
         #: the forward left a buffer in a state the runtime cannot carry
@@ -107,7 +115,10 @@ class _FlatModule(torch.nn.Module):
         input_versions = [t._version for t in flat]
         buffer_versions = {name: b._version for name, b in buffers.items()}
         params = ParameterWrites(module)
-        with recording_conversions() as guards:
+        with (
+            self.activations.applied() if self.activations else contextlib.nullcontext(),
+            recording_conversions() as guards,
+        ):
             out = call_bound(module, arguments)
             converted = converted_tensors()
         try:
@@ -483,9 +494,45 @@ def _torchscript_trace(
     verbose: bool,
 ) -> tuple[_FlatModule, onnx.ModelProto]:
     """The TorchScript frontend: ``torch.onnx.export(dynamo=False)`` of the flat wrapper, with
-    the symbolic table of ``config``."""
+    the symbolic table of ``config``. The trace's forward keeps no tensors for a backward
+    unless the forward reads them itself (see trace_activations)."""
+    activations = ActivationsDropped()
+    try:
+        return _torchscript_trace_once(
+            module,
+            target,
+            input_schema,
+            tensors,
+            training,
+            config,
+            static_shapes,
+            verbose,
+            activations,
+        )
+    except Exception:
+        if not activations.read:
+            raise
+    logger.info(
+        "%s reads saved tensors in its forward: traced again keeping them", module_path(module)
+    )
+    return _torchscript_trace_once(
+        module, target, input_schema, tensors, training, config, static_shapes, verbose, None
+    )
+
+
+def _torchscript_trace_once(
+    module: torch.nn.Module,
+    target: torch.nn.Module,
+    input_schema: Schema,
+    tensors: Sequence[torch.Tensor],
+    training: bool,
+    config: ExportConfig,
+    static_shapes: bool,
+    verbose: bool,
+    activations: ActivationsDropped | None,
+) -> tuple[_FlatModule, onnx.ModelProto]:
     opset = config.opset
-    flat = _FlatModule(target, input_schema)
+    flat = _FlatModule(target, input_schema, activations)
     buf = io.BytesIO()
     names = list(input_schema.names)
     # each submodule keeps its own mode, as in eager: a BatchNorm or Dropout set to eval()
