@@ -53,3 +53,25 @@ class _GradInForward(torch.nn.Module):
 def test_a_forward_reading_saved_tensors_is_traced_keeping_them() -> None:
     torch.manual_seed(0)
     assert_engine_matches_eager(_GradInForward(), (torch.randn(3, 4, requires_grad=True),))
+
+
+class _CatchesTheRead(torch.nn.Module):
+    """Falls back to another value when its own backward fails: the trace must not take that
+    path where eager does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x.detach().requires_grad_()
+        try:
+            (dz,) = torch.autograd.grad(z.sin().sum(), z)
+        except Exception:  # noqa: BLE001 - the point of the test
+            dz = torch.zeros_like(z)
+        return self.linear(dz.detach() * x).sum()
+
+
+def test_a_forward_catching_the_failed_read_is_traced_keeping_them() -> None:
+    torch.manual_seed(0)
+    assert_engine_matches_eager(_CatchesTheRead(), (torch.randn(3, 4, requires_grad=True),))

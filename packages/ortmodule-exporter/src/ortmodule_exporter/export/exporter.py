@@ -497,8 +497,9 @@ def _torchscript_trace(
     the symbolic table of ``config``. The trace's forward keeps no tensors for a backward
     unless the forward reads them itself (see trace_activations)."""
     activations = ActivationsDropped()
+    traced = None
     try:
-        return _torchscript_trace_once(
+        traced = _torchscript_trace_once(
             module,
             target,
             input_schema,
@@ -512,6 +513,9 @@ def _torchscript_trace(
     except Exception:
         if not activations.read:
             raise
+    # a forward that caught the failed read and went on traced another path than eager's
+    if traced is not None and not activations.read:
+        return traced
     logger.info(
         "%s reads saved tensors in its forward: traced again keeping them", module_path(module)
     )

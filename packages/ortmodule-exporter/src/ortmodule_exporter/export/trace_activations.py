@@ -9,7 +9,8 @@ against 2.3-3.1 s for the same first forward keeping them.
 
 :class:`ActivationsDropped` packs each saved tensor into nothing. A forward that reads a
 saved tensor itself (``torch.autograd.grad`` inside the forward) fails on the first read;
-the record says so, and the export traces again keeping them, as before.
+the record says so, and the export traces again keeping them, as before. It does so too when
+the forward caught that failure and went on: the path it then traced is not eager's.
 """
 
 from __future__ import annotations
