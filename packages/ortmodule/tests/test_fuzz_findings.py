@@ -65,6 +65,27 @@ def test_vector_times_matrix_is_right() -> None:
     _parity(VectorTimesBatched, [torch.randn(3, 4, generator=g) for _ in range(2)])
 
 
+class VectorTimesSlicedMatrix(nn.Module):
+    """torch.matmul(v, x[:, -2:]) (fuzzer seed 4416): the graph knows no rank for the Slice's
+    output, and the engine's gradient for it took the dot product of the two vectors, whose
+    Reshape to (k, 2) failed in the backward (fixed by ``symbolics/matmul.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.tensor([0.3, -0.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(self.v, x[:, -2:])
+
+
+def test_vector_times_a_sliced_matrix() -> None:
+    g = torch.Generator().manual_seed(0)
+    # the input's gradient is the one the engine got wrong
+    batches = [torch.randn(2, 6, generator=g).requires_grad_() for _ in range(2)]
+    _parity(VectorTimesSlicedMatrix, batches)
+    assert all(x.grad is not None for x in batches)
+
+
 class ExpandAfterStepSlice(nn.Module):
     """x[:, 1::2] of a (3, 3) input has one column; expand(-1, 2) repeats it. The engine's
     optimizer dropped the Expand (fixed by ``symbolics/expand.py``)."""
