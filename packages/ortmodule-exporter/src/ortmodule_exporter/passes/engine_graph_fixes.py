@@ -27,6 +27,13 @@
   numerator may be any constant expression, the engine folds it to 1 first). The Div becomes
   ``Reciprocal(d)``: the same number up to the last bit (the engine's CPU Reciprocal was
   within one ulp of ``1 / d`` in the tests, 2026-11-26).
+* A ``Transpose`` whose output is a graph output and is read inside the graph too
+  (``t = x.transpose(0, 1); return t[1] * w, t``): the engine's compute optimiser moves a
+  ``Gather`` reading it above the Transpose (gathering the input first) and the graph output
+  comes back gathered, (1, 6) for (4, 6), without an error (1.19.2; found by the differential
+  fuzzer, seed 9091). The graph output becomes an ``Identity`` of the Transpose's output,
+  which the optimiser then leaves alone (a LayerNorm, an Add, a MatMul, a Softmax or a Reshape
+  in the Transpose's place was right). The Identity copies the tensor once a step.
 * ``ReduceLogSumExp`` with ``keepdims=0`` and its axes as an attribute (opsets below 18:
   ``torch.logsumexp(x, dim)``): the engine's gradient puts the reduced axes back with an
   ``Unsqueeze`` carrying an ``axes`` attribute, which Unsqueeze lost in opset 13 ("Unsqueeze
@@ -254,6 +261,7 @@ def fix_graph(model: onnx.ModelProto) -> int:
     #: the tensor each LayerNormalization normalises -> how many did so far
     layer_norms: dict[str, int] = {}
     producer = {o: n for n in graph.node for o in n.output}
+    read_inside = {name for n in graph.node for name in n.input}
     for node in graph.node:
         for slot, name in enumerate(node.input):
             if name in renamed:
@@ -284,6 +292,18 @@ def fix_graph(model: onnx.ModelProto) -> int:
                 else:
                     renamed[node.output[0]] = node.input[0]
                 continue
+        if (
+            node.op_type == "Transpose"
+            and node.domain in ("", "ai.onnx")
+            and node.output[0] in outputs
+            and node.output[0] in read_inside
+        ):
+            graph_output = node.output[0]
+            node.output[0] = renamed[graph_output] = f"{graph_output}__transposed"
+            nodes.append(node)
+            nodes.append(onnx.helper.make_node("Identity", [node.output[0]], [graph_output]))
+            changed += 1
+            continue
         if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
             source = _normalised_source(node.input[0], producer)
             depth = layer_norms.get(source, 0)
