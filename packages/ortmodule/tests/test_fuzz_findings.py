@@ -197,38 +197,41 @@ def test_input_gradient_through_expand(monkeypatch: pytest.MonkeyPatch, choice: 
     assert_tree_close(grads[1], grads[0])
 
 
-class GatherOfAReturnedTranspose(nn.Module):
-    """t = x.transpose(0, 1) returned, and t[1] read inside (fuzzer seed 9091): the engine's
-    compute optimiser moved the Gather above the Transpose and the returned t came back
-    gathered, (1, 6) for (4, 6), with no error (fixed in ``passes/engine_graph_fixes.py``)."""
+class GatherOfAReturnedValue(nn.Module):
+    """t returned, and t[1] (or (t + 1)[1]) read inside (fuzzer seed 9091): the engine's compute
+    optimiser moved the Gather above the node making t and the returned t came back gathered,
+    (1, 6) for (4, 6), with no error (fixed in ``passes/engine_graph_fixes.py``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         super().__init__()
         self.p = nn.Parameter(torch.tensor(0.7))
+        self.w = nn.Parameter(torch.linspace(-1.0, 1.0, 24).reshape(4, 6))
+        self.kind = kind
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t = x.transpose(0, 1)
-        return t[1] * self.p, t
+        if self.kind == "transpose":
+            t = x.transpose(0, 1)
+            return t[1] * self.p, t
+        t = x.transpose(0, 1) @ self.w.t()  # (4, 4)
+        return (t + 1.0)[1] * self.p, t
 
 
+@pytest.mark.parametrize("kind", ["transpose", "matmul_then_add"])
 @pytest.mark.parametrize("frontend", ["torchscript", "torch_export"])
-def test_a_returned_transpose_read_by_a_gather(
-    monkeypatch: pytest.MonkeyPatch, frontend: str
+def test_a_returned_value_read_by_a_gather(
+    monkeypatch: pytest.MonkeyPatch, frontend: str, kind: str
 ) -> None:
     monkeypatch.setenv("ORTMODULE_EXPORTER", frontend)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(6, 4, generator=g) for _ in range(2)]
     records = []
-    for model in (GatherOfAReturnedTranspose(), ORTModule(GatherOfAReturnedTranspose())):
+    for model in (GatherOfAReturnedValue(kind), ORTModule(GatherOfAReturnedValue(kind))):
         got = []
         for x in xs:
             model.zero_grad(set_to_none=True)
             out, t = model(x)
-            (
-                out.sum() + (t * torch.linspace(-1.0, 1.0, t.numel()).reshape(t.shape)).sum()
-            ).backward()
-            (p,) = model.parameters()
-            got.append((out.detach(), t.detach(), p.grad))
+            weights = torch.linspace(-1.0, 1.0, t.numel()).reshape(t.shape)
+            (out.sum() + (t * weights).sum()).backward()
+            got.append((out.detach(), t.detach(), [p.grad for p in model.parameters()]))
         records.append(got)
-    assert [r[1].shape for r in records[1]] == [(4, 6), (4, 6)]
     assert_tree_close(records[1], records[0])

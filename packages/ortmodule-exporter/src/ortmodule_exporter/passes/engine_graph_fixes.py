@@ -27,13 +27,14 @@
   numerator may be any constant expression, the engine folds it to 1 first). The Div becomes
   ``Reciprocal(d)``: the same number up to the last bit (the engine's CPU Reciprocal was
   within one ulp of ``1 / d`` in the tests, 2026-11-26).
-* A ``Transpose`` whose output is a graph output and is read inside the graph too
-  (``t = x.transpose(0, 1); return t[1] * w, t``): the engine's compute optimiser moves a
-  ``Gather`` reading it above the Transpose (gathering the input first) and the graph output
-  comes back gathered, (1, 6) for (4, 6), without an error (1.19.2; found by the differential
-  fuzzer, seed 9091). The graph output becomes an ``Identity`` of the Transpose's output,
-  which the optimiser then leaves alone (a LayerNorm, an Add, a MatMul, a Softmax or a Reshape
-  in the Transpose's place was right). The Identity copies the tensor once a step.
+* A graph output that a ``Gather`` or ``Slice`` reads, directly or through other nodes
+  (``t = x.transpose(0, 1); return t[1] * w, t``, or ``t = x @ w; return (t + 1)[1], t``):
+  the engine's compute optimiser moves the Gather up above the node that makes the output
+  (gathering that node's input first), and the graph output comes back gathered, (1, 6) for
+  (4, 6), without an error (1.19.2; found by the differential fuzzer, seed 9091; above a
+  MatMul with a Slice the build crashed instead). The graph output becomes an ``Identity`` of
+  the value, which the optimiser does not move past. The Identity copies the output once a
+  step; an output no Gather or Slice reads (GPT-2's logits, read by the loss) keeps none.
 * ``ReduceLogSumExp`` with ``keepdims=0`` and its axes as an attribute (opsets below 18:
   ``torch.logsumexp(x, dim)``): the engine's gradient puts the reduced axes back with an
   ``Unsqueeze`` carrying an ``axes`` attribute, which Unsqueeze lost in opset 13 ("Unsqueeze
@@ -242,6 +243,25 @@ def _normalised_source(name: str, producer: Mapping[str, onnx.NodeProto]) -> str
     return name
 
 
+_GATHERS = frozenset({"Gather", "Slice"})
+
+
+def _above_gathers(graph: onnx.GraphProto) -> set[str]:
+    """Values a Gather or Slice reads data from, directly or through any chain of nodes."""
+    producer = {o: n for n in graph.node for o in n.output}
+    todo = [n.input[0] for n in graph.node if n.op_type in _GATHERS and n.input]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = producer.get(name)
+        if node is not None:
+            todo.extend(i for i in node.input if i)
+    return seen
+
+
 def fix_graph(model: onnx.ModelProto) -> int:
     """Apply the rewrites to ``model`` in place; returns how many nodes changed."""
     reciprocals = _unit_reciprocals(model)
@@ -261,7 +281,7 @@ def fix_graph(model: onnx.ModelProto) -> int:
     #: the tensor each LayerNormalization normalises -> how many did so far
     layer_norms: dict[str, int] = {}
     producer = {o: n for n in graph.node for o in n.output}
-    read_inside = {name for n in graph.node for name in n.input}
+    under_gathers = _above_gathers(graph)
     for node in graph.node:
         for slot, name in enumerate(node.input):
             if name in renamed:
@@ -292,17 +312,14 @@ def fix_graph(model: onnx.ModelProto) -> int:
                 else:
                     renamed[node.output[0]] = node.input[0]
                 continue
-        if (
-            node.op_type == "Transpose"
-            and node.domain in ("", "ai.onnx")
-            and node.output[0] in outputs
-            and node.output[0] in read_inside
-        ):
-            graph_output = node.output[0]
-            node.output[0] = renamed[graph_output] = f"{graph_output}__transposed"
+        gathered = [o for o in node.output if o in outputs and o in under_gathers]
+        if gathered:
+            for graph_output in gathered:
+                slot = list(node.output).index(graph_output)
+                node.output[slot] = renamed[graph_output] = f"{graph_output}__returned"
             nodes.append(node)
-            nodes.append(onnx.helper.make_node("Identity", [node.output[0]], [graph_output]))
-            changed += 1
+            nodes.extend(onnx.helper.make_node("Identity", [renamed[o]], [o]) for o in gathered)
+            changed += len(gathered)
             continue
         if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
             source = _normalised_source(node.input[0], producer)
