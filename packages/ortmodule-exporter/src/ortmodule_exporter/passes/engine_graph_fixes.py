@@ -34,7 +34,9 @@
   (4, 6), without an error (1.19.2; found by the differential fuzzer, seed 9091; above a
   MatMul with a Slice the build crashed instead). The graph output becomes an ``Identity`` of
   the value, which the optimiser does not move past. The Identity copies the output once a
-  step; an output no Gather or Slice reads (GPT-2's logits, read by the loss) keeps none.
+  step; an output no Gather or Slice reads (GPT-2's logits, read by the loss) keeps none, and
+  so does one above a value with another reader, where the optimiser stopped in the tests
+  (``u = t + 1`` read by the Gather and by a Mul: ``t`` came back whole).
 * ``ReduceLogSumExp`` with ``keepdims=0`` and its axes as an attribute (opsets below 18:
   ``torch.logsumexp(x, dim)``): the engine's gradient puts the reduced axes back with an
   ``Unsqueeze`` carrying an ``axes`` attribute, which Unsqueeze lost in opset 13 ("Unsqueeze
@@ -247,8 +249,14 @@ _GATHERS = frozenset({"Gather", "Slice"})
 
 
 def _above_gathers(graph: onnx.GraphProto) -> set[str]:
-    """Values a Gather or Slice reads data from, directly or through any chain of nodes."""
+    """Values the engine may move a Gather or Slice above: the one it reads, and upward from
+    there through each producer while the value passed through has no other reader (where one
+    has, the optimiser stops: a Llama's rotary Slice does not reach the layers before it)."""
     producer = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, int] = {}
+    for n in graph.node:
+        for name in set(n.input):
+            readers[name] = readers.get(name, 0) + 1
     todo = [n.input[0] for n in graph.node if n.op_type in _GATHERS and n.input]
     seen: set[str] = set()
     while todo:
@@ -257,7 +265,7 @@ def _above_gathers(graph: onnx.GraphProto) -> set[str]:
             continue
         seen.add(name)
         node = producer.get(name)
-        if node is not None:
+        if node is not None and readers.get(name, 0) == 1:
             todo.extend(i for i in node.input if i)
     return seen
 
