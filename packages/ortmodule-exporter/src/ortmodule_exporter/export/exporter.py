@@ -535,6 +535,7 @@ def _torchscript_trace_once(
     verbose: bool,
     activations: ActivationsDropped | None,
 ) -> tuple[_FlatModule, onnx.ModelProto]:
+    """One trace and lowering; the forward runs under ``activations``' hooks where given."""
     opset = config.opset
     flat = _FlatModule(target, input_schema, activations)
     buf = io.BytesIO()
