@@ -74,5 +74,6 @@ def test_the_backward_releases_where_the_session_says(
     session._agent = _Agent()
     session._threads, session._trial = engine.TorchThreadsInEngine(0), None
     session._release_after_backward = release
-    assert session.backward([], None) == []
+    state = engine.ForwardState(None, engine.python_op_runner.RunContexts())
+    assert session.backward([], state) == []
     assert calls == ([1] if release else [])

@@ -35,6 +35,7 @@ from .forked import EngineCrashed, run_forked
 from .heap import release_free_pages
 from .onnx_graph import output_dependencies
 from .passes.built_graph import run_built_graph_passes
+from .python_op import runner as python_op_runner
 from .sparsity import density
 from .sparsity.token_rows import PUT_ROWS, TAKE_ROWS
 
@@ -748,23 +749,37 @@ class TrainingSession(_ThreadedRuns):
         """The engine's ``TrainingAgent`` (components read statistics from it)."""
         return self._agent
 
-    def forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    def forward(self, feeds: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], ForwardState]:
         C = _C()
         if self._seed_device is not None:
             seed_engine(self._seed_device)
+        # outside any run: the engine's pool may let go of forwards dropped without a backward
+        python_op_runner.release_abandoned_contexts()
         state = C.PartialGraphExecutionState()
         outputs = C.OrtValueVector()
-        self._first_run(self._agent.run_forward, _feeds(feeds), outputs, state, None)
-        return _to_torch(outputs), state
+        with python_op_runner.kept_by_run() as kept:
+            self._first_run(self._agent.run_forward, _feeds(feeds), outputs, state, None)
+        return _to_torch(outputs), ForwardState(state, kept)
 
-    def backward(self, grad_outputs: Sequence[torch.Tensor], state: Any) -> list[torch.Tensor]:
+    def backward(
+        self, grad_outputs: Sequence[torch.Tensor], state: ForwardState
+    ) -> list[torch.Tensor]:
         outputs = _C().OrtValueVector()
-        self._later_run(self._agent.run_backward, _feeds(grad_outputs), outputs, state)
+        self._later_run(self._agent.run_backward, _feeds(grad_outputs), outputs, state.engine)
         if self._release_after_backward:
             # workaround: glibc keeps the freed activations resident in its heap
             # (heap.py); under ZeRO-2 at 106M parameters the step's peak 3411 -> 3253 MiB
             release_free_pages()
         return _to_torch(outputs)
+
+
+@dataclass(frozen=True)
+class ForwardState:
+    """What a training forward hands its backward: the engine's partial execution state and
+    the PythonOp contexts the run kept (freed with this object where no backward runs)."""
+
+    engine: Any
+    python_op_contexts: python_op_runner.RunContexts
 
 
 class InferenceSession(_ThreadedRuns):

@@ -42,12 +42,15 @@ from .registry import REGISTRY, FunctionEntry, _EngineStub
 
 __all__ = [
     "RELEASE_EVERY",
+    "RunContexts",
     "engine_context_releases",
     "install",
     "installed",
+    "kept_by_run",
     "kernel_count",
     "live_contexts",
     "protective_copies",
+    "release_abandoned_contexts",
     "release_engine_contexts",
     "take_pending_error",
     "user_errors",
@@ -134,7 +137,64 @@ class _Context(FunctionCtx):
 
 #: contexts whose forward ran and whose backward has not: id -> context
 _LIVE: dict[int, _Context] = {}
-_LIVE_LOCK = threading.Lock()
+#: reentrant: a RunContexts dropped by the garbage collector inside a locked block takes it too
+_LIVE_LOCK = threading.RLock()
+#: the RunContexts of the engine forward running in this thread
+_RUN = threading.local()
+#: forwards whose contexts were dropped without a backward since the engine's pool was emptied
+_ABANDONED = [0]
+
+
+class RunContexts:
+    """The contexts the PythonOp calls of one engine forward kept for their backward.
+
+    The forward's state holds it. Dropped without a backward (a loss never backpropagated, an
+    exception between forward and backward), it takes its contexts out of the pending ones, as
+    autograd frees a Function's saved tensors with its graph; the engine's pool, which holds
+    them too, is emptied at the next forward where none is pending
+    (:func:`release_abandoned_contexts`). Before, each such forward kept its Functions' saved
+    tensors for the life of the process.
+    """
+
+    __slots__ = ("kept",)
+
+    def __init__(self) -> None:
+        self.kept: list[_Context] = []
+
+    def __del__(self) -> None:
+        dropped = False
+        with _LIVE_LOCK:
+            for ctx in self.kept:
+                if _LIVE.get(id(ctx)) is ctx:
+                    del _LIVE[id(ctx)]
+                    dropped = True
+            if dropped:
+                _ABANDONED[0] += 1
+        self.kept = []
+
+
+class kept_by_run:  # noqa: N801 - used as a context manager, like contextlib's
+    """Collect the contexts one engine forward in this thread keeps (``with kept_by_run() as
+    kept: run_forward(...)``)."""
+
+    def __enter__(self) -> RunContexts:
+        self._previous = getattr(_RUN, "current", None)
+        _RUN.current = RunContexts()
+        return _RUN.current  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: object) -> None:
+        _RUN.current = self._previous
+
+
+def release_abandoned_contexts() -> bool:
+    """Empty the engine's pool of the contexts of forwards dropped without a backward, where
+    none is pending now (call it outside engine runs); whether it did."""
+    if not _ABANDONED[0]:
+        return False
+    released = release_engine_contexts()
+    if released:
+        _ABANDONED[0] = 0
+    return released
 
 
 def live_contexts() -> int:
@@ -363,6 +423,9 @@ def run_forward(
     if keep:
         with _LIVE_LOCK:
             _LIVE[id(ctx)] = ctx
+        run = getattr(_RUN, "current", None)
+        if run is not None:
+            run.kept.append(ctx)
     else:
         _contextless_call()
     return [ctx if keep else None, *returned]
