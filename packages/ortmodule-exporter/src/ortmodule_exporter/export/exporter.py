@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import functools
 import io
 import logging
 import os
@@ -496,20 +497,21 @@ def _torchscript_trace(
     """The TorchScript frontend: ``torch.onnx.export(dynamo=False)`` of the flat wrapper, with
     the symbolic table of ``config``. The trace's forward keeps no tensors for a backward
     unless the forward reads them itself (see trace_activations)."""
+    trace = functools.partial(
+        _torchscript_trace_once,
+        module,
+        target,
+        input_schema,
+        tensors,
+        training,
+        config,
+        static_shapes,
+        verbose,
+    )
     activations = ActivationsDropped()
     traced = None
     try:
-        traced = _torchscript_trace_once(
-            module,
-            target,
-            input_schema,
-            tensors,
-            training,
-            config,
-            static_shapes,
-            verbose,
-            activations,
-        )
+        traced = trace(activations)
     except Exception:
         if not activations.read:
             raise
@@ -519,9 +521,7 @@ def _torchscript_trace(
     logger.info(
         "%s reads saved tensors in its forward: traced again keeping them", module_path(module)
     )
-    return _torchscript_trace_once(
-        module, target, input_schema, tensors, training, config, static_shapes, verbose, None
-    )
+    return trace(None)
 
 
 def _torchscript_trace_once(

@@ -57,7 +57,7 @@ import onnx
 import onnx.numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from ..onnx_graph import value_types
+from ..onnx_graph import producers_and_consumers, value_types
 from .registry import register_post_export_pass
 
 __all__ = ["fix_graph"]
@@ -252,11 +252,7 @@ def _above_gathers(graph: onnx.GraphProto) -> set[str]:
     """Values the engine may move a Gather or Slice above: the one it reads, and upward from
     there through each producer while the value passed through has no other reader (where one
     has, the optimiser stops: a Llama's rotary Slice does not reach the layers before it)."""
-    producer = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, int] = {}
-    for n in graph.node:
-        for name in set(n.input):
-            readers[name] = readers.get(name, 0) + 1
+    producer, consumers = producers_and_consumers(graph)
     todo = [n.input[0] for n in graph.node if n.op_type in _GATHERS and n.input]
     seen: set[str] = set()
     while todo:
@@ -265,7 +261,8 @@ def _above_gathers(graph: onnx.GraphProto) -> set[str]:
             continue
         seen.add(name)
         node = producer.get(name)
-        if node is not None and readers.get(name, 0) == 1:
+        # one reading node (a node reading it twice counts once)
+        if node is not None and len({id(n) for n in consumers.get(name, [])}) == 1:
             todo.extend(i for i in node.input if i)
     return seen
 
@@ -322,9 +319,9 @@ def fix_graph(model: onnx.ModelProto) -> int:
                 continue
         gathered = [o for o in node.output if o in outputs and o in under_gathers]
         if gathered:
-            for graph_output in gathered:
-                slot = list(node.output).index(graph_output)
-                node.output[slot] = renamed[graph_output] = f"{graph_output}__returned"
+            for slot, name in enumerate(node.output):
+                if name in gathered:
+                    node.output[slot] = renamed[name] = f"{name}__returned"
             nodes.append(node)
             nodes.extend(onnx.helper.make_node("Identity", [renamed[o]], [o]) for o in gathered)
             changed += len(gathered)

@@ -27,7 +27,8 @@ import ctypes
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,20 +171,21 @@ class RunContexts:
                     dropped = True
             if dropped:
                 _ABANDONED[0] += 1
+        # the contexts go now, not when this object's memory does: without this line the
+        # saved tensors of a dropped forward outlived the engine pool's release in the test
         self.kept = []
 
 
-class kept_by_run:  # noqa: N801 - used as a context manager, like contextlib's
+@contextmanager
+def kept_by_run() -> Iterator[RunContexts]:
     """Collect the contexts one engine forward in this thread keeps (``with kept_by_run() as
     kept: run_forward(...)``)."""
-
-    def __enter__(self) -> RunContexts:
-        self._previous = getattr(_RUN, "current", None)
-        _RUN.current = RunContexts()
-        return _RUN.current  # type: ignore[no-any-return]
-
-    def __exit__(self, *exc: object) -> None:
-        _RUN.current = self._previous
+    previous = getattr(_RUN, "current", None)
+    _RUN.current = kept = RunContexts()
+    try:
+        yield kept
+    finally:
+        _RUN.current = previous
 
 
 def release_abandoned_contexts() -> bool:
