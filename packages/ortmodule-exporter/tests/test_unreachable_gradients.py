@@ -6,11 +6,20 @@ unreachable from the output node(s)")."""
 from __future__ import annotations
 
 import onnx
+import pytest
 import torch
 from conftest import assert_engine_matches_eager
 
 from ortmodule_exporter import export
-from ortmodule_exporter.onnx_graph import differentiable_inputs
+from ortmodule_exporter.aten import executor as aten_executor
+from ortmodule_exporter.aten.executor import ATEN_DOMAIN
+from ortmodule_exporter.onnx_graph import attribute, differentiable_inputs
+
+
+@pytest.fixture(autouse=True)
+def _aten() -> None:
+    # the TopK route runs in the engine's ATen executor (alone, no other test installed it)
+    aten_executor.install()
 
 
 class _Indexed(torch.nn.Module):
@@ -47,3 +56,33 @@ def test_differentiable_inputs_follow_float_values_only() -> None:
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.INT64, [2])],
     )
     assert differentiable_inputs(onnx.helper.make_model(graph), ["x"]) == set()
+
+
+def test_differentiable_inputs_stop_at_engine_stop_gradient_edges() -> None:
+    """The stop-gradient copies (a BatchNormalization's running-mean input, an ATen node's
+    registered stop edges) carry no gradient: a weight reached only through one has none."""
+    h = onnx.helper
+    f = onnx.TensorProto.FLOAT
+    graph = h.make_graph(
+        [
+            h.make_node(
+                "BatchNormalization",
+                ["zeros", "ones", "zeros1", "w", "ones"],
+                ["y", "copy", "var"],
+                training_mode=1,
+                momentum=1.0,
+            ),
+            h.make_node("Mul", ["copy", "x"], ["out"]),
+            h.make_node("ATen", ["v"], ["v_copy"], domain=ATEN_DOMAIN, operator="cut"),
+            h.make_node("Add", ["out", "v_copy"], ["out2"]),
+        ],
+        "g",
+        [h.make_tensor_value_info(n, f, [2]) for n in ("zeros", "ones", "zeros1", "w", "x", "v")],
+        [h.make_tensor_value_info("out2", f, [2])],
+    )
+    model = h.make_model(graph)
+    assert differentiable_inputs(model, ["w", "x", "v"]) == {"x", "v"}
+    cut = {"cut"}
+    assert differentiable_inputs(
+        model, ["w", "x", "v"], lambda n: {0} if attribute(n, "operator") in cut else set()
+    ) == {"x"}  # fmt: skip

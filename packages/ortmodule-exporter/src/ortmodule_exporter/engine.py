@@ -22,6 +22,7 @@ from torch.utils.dlpack import to_dlpack
 from . import named_dims, onnx_graph
 from .aten.attention_layout import FLASH, FLASH_BSHD
 from .aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError, aten_operator
+from .aten.gradients import stop_gradient_edges
 from .aten.kernel_choice import CROSS_ENTROPY, GELU, LAYER_NORM
 from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
 from .aten.stop_gradient import STOP_GRADIENT
@@ -295,6 +296,16 @@ def _pytorch_operator(node: onnx.NodeProto) -> str:
     return f" ({comment})" if node.op_type == "PythonOp" and comment.startswith("aten::") else ""
 
 
+def _aten_stop_edges(node: onnx.NodeProto) -> frozenset[int]:
+    """The inputs of an ATen node registered as never differentiated (none for other nodes)."""
+    if node.op_type != "ATen" or node.domain != ATEN_DOMAIN:
+        return frozenset()
+    attrs = {
+        a.name: a.s.decode() for a in node.attribute if a.name in ("operator", "overload_name")
+    }
+    return stop_gradient_edges(attrs.get("operator", ""), attrs.get("overload_name", ""))
+
+
 def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     """Run ``OrtModuleGraphBuilder`` on an exported model.
 
@@ -311,7 +322,9 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     # does the runtime for a name the graph gives no gradient.
     reached = (
         onnx_graph.differentiable_inputs(
-            exported.model, [*config.params_to_train, *config.inputs_require_grad]
+            exported.model,
+            [*config.params_to_train, *config.inputs_require_grad],
+            _aten_stop_edges,
         )
         if config.build_gradient
         else set()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -203,12 +203,19 @@ def value_types(model: onnx.ModelProto) -> dict[str, int]:
     return {name: elem for name, (elem, _) in value_shapes(graph).items()}
 
 
-def differentiable_inputs(model: onnx.ModelProto, names: list[str]) -> set[str]:
+def differentiable_inputs(
+    model: onnx.ModelProto,
+    names: list[str],
+    stop_edges: Callable[[onnx.NodeProto], Collection[int]] = lambda node: (),
+) -> set[str]:
     """Those of ``names`` (graph inputs) that some floating-point graph output is computed from
     through floating-point values only: the ones a gradient can reach. A path through an integer
     or bool value (TopK's indices, a comparison, a Shape) carries no gradient, in PyTorch as in
-    the engine. A value of unknown type counts as floating point, and a node with subgraphs
-    (If, Loop) reads every value its subgraphs name."""
+    the engine, nor does one through an input the engine never differentiates: a
+    BatchNormalization's running mean and variance (the stop-gradient copy of
+    ``symbolics.helpers._stop_gradient``), or an input of a node that ``stop_edges(node)``
+    names. A value of unknown type counts as floating point, and a node with subgraphs (If,
+    Loop) reads every value its subgraphs name."""
     graph = model.graph
     types = value_types(model)
 
@@ -225,7 +232,11 @@ def differentiable_inputs(model: onnx.ModelProto, names: list[str]) -> set[str]:
         seen.add(name)
         node = producer.get(name)
         if node is not None:
-            stack.extend(i for i in (*node.input, *_subgraph_reads(node)) if carries(i))
+            blocked = set(stop_edges(node))
+            if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+                blocked |= {3, 4}
+            inputs = [i for k, i in enumerate(node.input) if k not in blocked]
+            stack.extend(i for i in (*inputs, *_subgraph_reads(node)) if carries(i))
     return {name for name in names if name in seen}
 
 

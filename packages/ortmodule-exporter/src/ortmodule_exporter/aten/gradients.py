@@ -37,6 +37,7 @@ __all__ = [
     "register_aten_gradient",
     "register_stop_gradient_edges",
     "registered_gradients",
+    "stop_gradient_edges",
 ]
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -109,6 +110,12 @@ def register_stop_gradient_edges(operator: str, overload: str, inputs: Sequence[
         _STOP_EDGES[key] = frozenset(inputs)
         if _INSTALLED[0]:
             _send_stop_edges(key)
+
+
+def stop_gradient_edges(operator: str, overload: str = "") -> frozenset[int]:
+    """The inputs of ``operator.overload`` registered as never differentiated."""
+    with _LOCK:
+        return _STOP_EDGES.get(gradient_key(operator, overload), frozenset())
 
 
 def has_gradient(operator: str, overload: str = "") -> bool:

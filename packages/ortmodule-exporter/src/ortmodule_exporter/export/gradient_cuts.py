@@ -169,6 +169,14 @@ def cut_gradients(graph: torch._C.Graph, grad_enabled: bool = True) -> int:
         )
         if in_place:
             requires_grad.update(o for o in node.outputs() if _is_float(o))
+        if not mode and any(v in requires_grad for v in inputs):
+            # an op that handed back its input tensor itself under no_grad (``h.to(h.dtype)``,
+            # ``h.float()`` of a float32 ``h``, ``h.contiguous()`` of a contiguous one): eager's
+            # result *is* ``h`` and still requires grad, and the tracer now gives ``h``'s later
+            # reads this output. The tracer records the tensor's own flag on it; under no_grad
+            # only such a returned input has it set. Without this, a read of ``h`` after the
+            # block was cut (a wrong gradient, or none at all)
+            requires_grad.update(o for o in node.outputs() if _is_float(o) and _requires_grad(o))
         if outputs_grad:
             requires_grad.update(o for o in node.outputs() if _is_float(o))
             for i, v in enumerate(inputs):

@@ -18,6 +18,7 @@ from .. import onnx_graph
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.stop_gradient import STOP_GRADIENT as ATEN_STOP_GRADIENT
 from ..errors import ExportError
+from .gradient_cuts import STOP_GRADIENT
 from .torch_export_empty import stub_zero_element_nodes
 from .torch_export_kernels import widen_narrow_integer_operands
 
@@ -43,6 +44,7 @@ def fix_for_engine(model: onnx.ModelProto) -> None:
     _layer_norm_centered(model)
     _max_pool_values_gathered(model)
     _where_branches_expanded(model)
+    _stop_gradients_as_engine_cuts(model)
 
     widen_narrow_integer_operands(model)
 
@@ -873,6 +875,52 @@ def _where_branches_expanded(model: onnx.ModelProto) -> None:
     graph.node.extend(new_nodes)
 
 
+def _stop_gradient_copy(x: str, out: str, dtype: int, tag: str) -> list[onnx.NodeProto]:
+    """``out``: ``x``'s value with no gradient path back, as the engine builds no backward for:
+    the ``BatchNormalization`` trick for float32 and float16 (its CPU kernels' types), the
+    internal ATen copy whose input is a registered stop-gradient edge otherwise."""
+    if dtype in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+        return _batch_norm_copy(x, out, dtype, tag)
+    return [
+        onnx.helper.make_node(
+            "ATen",
+            [x],
+            [out],
+            name=tag,
+            domain=ATEN_DOMAIN,
+            operator=ATEN_STOP_GRADIENT,
+            overload_name="",
+        )
+    ]
+
+
+def _stop_gradients_as_engine_cuts(model: onnx.ModelProto) -> None:
+    """Each ``ortmodule::stop_gradient`` node (the cuts of ``torch_export_grad_cuts``, which the
+    translator writes as an ATen node of that custom operator) becomes a copy the engine never
+    differentiates (:func:`_stop_gradient_copy`).
+
+    Left as it was, the node ran as a PythonOp with a PythonOpGrad that handed back no
+    gradient: a weight reached only through a cut (a ``Linear`` read under ``no_grad`` whose
+    result feeds the loss) got zeros instead of None, and with a float64 value on that path
+    the engine crashed the process while creating the session (1.19.2, a segmentation fault).
+    """
+    graph = model.graph
+    types = _elem_types(model)
+    nodes: list[onnx.NodeProto] = []
+    for k, node in enumerate(graph.node):
+        if not (
+            node.domain == ATEN_DOMAIN
+            and node.op_type == "ATen"
+            and onnx_graph.attribute(node, "operator", "") == STOP_GRADIENT
+        ):
+            nodes.append(node)
+            continue
+        x, out = node.input[0], node.output[0]
+        nodes.extend(_stop_gradient_copy(x, out, types.get(x, 0), f"{node.name or out}_cut{k}"))
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
 def cut_gradients_of_outputs(model: onnx.ModelProto, names: Sequence[str]) -> None:
     """Each graph output of ``names`` becomes a stop-gradient copy of its value; the graph's
     other reads of the value keep their gradient.
@@ -890,7 +938,6 @@ def cut_gradients_of_outputs(model: onnx.ModelProto, names: Sequence[str]) -> No
     graph = model.graph
     types = {vi.name: vi.type.tensor_type.elem_type for vi in graph.output}
     producer = {o: n for n in graph.node for o in n.output if o}
-    h = onnx.helper
     count = Counter(vi.name for vi in graph.output)
     for k, name in enumerate(names):
         dtype = types.get(name, 0)
@@ -904,20 +951,7 @@ def cut_gradients_of_outputs(model: onnx.ModelProto, names: Sequence[str]) -> No
         for vi in graph.output:
             if vi.name == value:
                 vi.name = name
-        if dtype in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
-            nodes = _batch_norm_copy(value, name, dtype, tag)
-        else:
-            nodes = [
-                h.make_node(
-                    "ATen",
-                    [value],
-                    [name],
-                    domain=ATEN_DOMAIN,
-                    operator=ATEN_STOP_GRADIENT,
-                    overload_name="",
-                )
-            ]
-        graph.node.extend(nodes)
+        graph.node.extend(_stop_gradient_copy(value, name, dtype, tag))
 
 
 def _batch_norm_copy(x: str, out: str, dtype: int, tag: str) -> list[onnx.NodeProto]:

@@ -12,9 +12,13 @@ also read under ``no_grad`` got twice eager's weight gradient).
 which values require grad as eager's autograd does (an op other than ``detach``, outside a
 no-grad body, requires grad when an input does), and routes each read of a value that does not
 require grad but was computed from a trainable input, by an op whose result does, through
-``ortmodule::stop_gradient``. That operator stays whole through the decompositions and takes the
-ATen route as a copy whose input the engine never differentiates (its stop-gradient edge is
-registered here).
+``ortmodule::stop_gradient``. That operator stays whole through the decompositions, and
+``torch_export_fixes`` turns its node into the copy the TorchScript frontend writes, one the
+engine never differentiates.
+
+A no-grad body's output that is one of its operands handed back (``h.float()`` of a float32
+``h`` under ``no_grad``: eager returns ``h`` itself, which still requires grad) requires grad as
+that operand does; later reads of ``h`` read that output.
 
 >>> from ortmodule_exporter.export.torch_export_grad_cuts import cut_detached_gradients
 """
@@ -27,14 +31,9 @@ from typing import Any
 
 import torch
 
-from ..aten.gradients import register_stop_gradient_edges
-from .gradient_cuts import DETACHING_OPERATORS, STOP_GRADIENT, VALUE_FREE_OPERATORS
+from .gradient_cuts import DETACHING_OPERATORS, VALUE_FREE_OPERATORS
 
 __all__ = ["cut_detached_gradients"]
-
-# the operator the cut inserts (registered by gradient_cuts) runs as an ATen node whose input
-# the engine never differentiates
-register_stop_gradient_edges(STOP_GRADIENT, "", [0])
 
 
 def _stop_gradient() -> Any:
@@ -75,6 +74,71 @@ def _trainable_placeholders(
     return found
 
 
+# ops that return their input tensor itself when they have nothing to do (``h.to(h.dtype)``,
+# ``h.float()`` of a float32 ``h``, ``h.contiguous()`` of a contiguous one, ``h.type_as(h)``)
+_SELF_RETURNING = frozenset({"aten::to", "aten::contiguous", "aten::type_as"})
+
+
+def _argument(node: torch.fx.Node, name: str) -> Any:
+    """The value ``node`` passed for its operator's argument ``name``, by position or keyword."""
+    schema = getattr(node.target, "_schema", None)
+    for position, argument in enumerate(schema.arguments if schema is not None else ()):
+        if argument.name == name:
+            if position < len(node.args):
+                return node.args[position]
+            return node.kwargs.get(
+                name, argument.default_value if argument.has_default_value() else None
+            )
+    return node.kwargs.get(name)
+
+
+def _same_tensor_layout(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and (a.dtype, a.device, tuple(a.shape), a.stride())
+        == (b.dtype, b.device, tuple(b.shape), b.stride())
+    )
+
+
+def _returned_operand(module: torch.fx.GraphModule, item: torch.fx.Node) -> torch.fx.Node | None:
+    """For ``item = wrap_with_set_grad_enabled(False, body, *operands)[i]``: the operand that
+    output ``i`` of ``body`` is, handed back as is or through ops that returned their input
+    itself; None otherwise. In eager that output *is* the operand's tensor, and still requires
+    grad when the operand does, though the body ran under no_grad."""
+    wrap, index = item.args
+    if (
+        not isinstance(wrap, torch.fx.Node)
+        or wrap.target is not torch.ops.higher_order.wrap_with_set_grad_enabled
+        or wrap.args[0]
+        or not isinstance(wrap.args[1], torch.fx.Node)
+        or not isinstance(index, int)
+    ):
+        return None
+    body = getattr(module, str(wrap.args[1].target), None)
+    if not isinstance(body, torch.fx.GraphModule):
+        return None
+    outputs = body.graph.output_node().args[0]
+    value = outputs[index] if isinstance(outputs, (list, tuple)) and index < len(outputs) else None
+    while isinstance(value, torch.fx.Node) and value.op == "call_function":
+        source = value.args[0] if value.args else None
+        if (
+            _name(value.target) not in _SELF_RETURNING
+            or _argument(value, "copy")
+            or not isinstance(source, torch.fx.Node)
+            or not _same_tensor_layout(source.meta.get("val"), value.meta.get("val"))
+        ):
+            return None
+        value = source
+    if not isinstance(value, torch.fx.Node) or value.op != "placeholder":
+        return None
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    operands = wrap.args[2:]
+    position = placeholders.index(value)
+    operand = operands[position] if position < len(operands) else None
+    return operand if isinstance(operand, torch.fx.Node) else None
+
+
 def cut_detached_gradients(
     program: torch.export.ExportedProgram, tensors: Sequence[torch.Tensor]
 ) -> int:
@@ -94,8 +158,12 @@ def cut_detached_gradients(
         inputs = [i for i in node.all_input_nodes if i.op != "get_attr"]
         reads_trainable = any(i in trainable for i in inputs)
         if node.target is operator.getitem:
-            # an output of a multi-output node: as the node is
+            # an output of a multi-output node: as the node is; a no-grad body's output that is
+            # one of its operands handed back, as the operand is
             if inputs and inputs[0] in requires_grad:
+                requires_grad.add(node)
+            operand = _returned_operand(program.graph_module, node)
+            if operand is not None and operand in requires_grad:
                 requires_grad.add(node)
             if reads_trainable:
                 trainable.add(node)
