@@ -685,10 +685,10 @@ def _run(threads: TorchThreadsInEngine, call: Callable[..., Any], *args: Any) ->
     thread count is set for it where the graph has PyTorch-run nodes (elsewhere the context
     is left out: it sits on every step's path and would set nothing)."""
     if threads.threads:
-        with user_errors(), threads:
+        with python_op_runner.in_engine(), user_errors(), threads:
             call(*args)
     else:
-        with user_errors():
+        with python_op_runner.in_engine(), user_errors():
             call(*args)
 
 

@@ -62,7 +62,6 @@ __all__ = [
     "ThreadTrial",
     "TorchThreadsInEngine",
     "elementwise",
-    "helper_threads",
     "in_rows",
     "over_rows",
     "register_row_split",
@@ -253,11 +252,6 @@ def _helper_loop(jobs: queue.SimpleQueue[_Job]) -> None:
 
 _JOBS: queue.SimpleQueue[_Job] = queue.SimpleQueue()
 _HELPERS: list[threading.Thread] = []
-
-
-def helper_threads() -> int:
-    """How many helper threads exist (they run PyTorch pieces only, never the engine)."""
-    return len(_HELPERS)
 
 
 # one caller at a time uses the helpers; another thread's node meanwhile runs whole

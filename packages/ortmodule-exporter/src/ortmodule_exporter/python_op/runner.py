@@ -36,7 +36,6 @@ import torch
 from torch.autograd.function import Function, FunctionCtx, _SingleLevelFunction
 
 from .. import dlpack_bridge as bridge
-from ..aten import parallel
 from ..callback_errors import remember, take_pending_error, user_errors
 from ..engine_binding import _C
 from .registry import REGISTRY, FunctionEntry, _EngineStub
@@ -53,6 +52,7 @@ __all__ = [
     "protective_copies",
     "release_abandoned_contexts",
     "release_engine_contexts",
+    "in_engine",
     "take_pending_error",
     "user_errors",
 ]
@@ -438,7 +438,7 @@ def run_forward(
 #: The engine files every PythonOp call's context under a new id and drops it only when the
 #: PythonOpGrad node runs; calls that need no backward (eval, no_grad) leave an entry holding
 #: None behind (~100 bytes each). Every this many such calls, when no forward is waiting for its
-#: backward and no other Python thread could be inside the engine, the entries are dropped.
+#: backward and no other thread is inside an engine call, the entries are dropped.
 RELEASE_EVERY = 8192
 _CONTEXTLESS = [0]
 _RELEASES = [0]
@@ -450,13 +450,34 @@ def _contextless_call() -> None:
         release_engine_contexts()
 
 
-def release_engine_contexts() -> bool:
-    """Drop the engine's context entries when none is pending; returns whether it did."""
-    # our attention/GELU piece threads never enter the engine
-    if threading.active_count() - parallel.helper_threads() != 1:
-        return False
+#: engine calls under way, in every thread (:func:`in_engine`)
+_IN_ENGINE = [0]
+#: how deep this thread is in engine calls (a PythonOp's call runs inside its thread's)
+_IN_ENGINE_HERE = threading.local()
+
+
+@contextmanager
+def in_engine() -> Iterator[None]:
+    """Around each engine call: while another thread is inside one, the engine's context pool
+    is not emptied (a PythonOp there may have filed a context the pool still holds)."""
     with _LIVE_LOCK:
-        if _LIVE:
+        _IN_ENGINE[0] += 1
+    _IN_ENGINE_HERE.depth = getattr(_IN_ENGINE_HERE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _IN_ENGINE_HERE.depth -= 1
+        with _LIVE_LOCK:
+            _IN_ENGINE[0] -= 1
+
+
+def release_engine_contexts() -> bool:
+    """Drop the engine's context entries when none is pending and no other thread is inside
+    an engine call; returns whether it did. Threads that never enter the engine (a progress
+    bar's monitor, a data loader's) do not hold it back: counting every live thread, as
+    before, kept a dropped forward's saved tensors for good once one such thread lived."""
+    with _LIVE_LOCK:
+        if _LIVE or _IN_ENGINE[0] - getattr(_IN_ENGINE_HERE, "depth", 0):
             return False
         C = _C()
         C.unregister_python_functions()  # drops the contexts and the function pool together
