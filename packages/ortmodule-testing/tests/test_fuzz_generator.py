@@ -76,10 +76,14 @@ def test_shapes_change_between_steps_and_switches_hold() -> None:
     assert any(len({dict(s).get("B") for s in p.sizes}) > 1 for p in programs_)
     kinds = {op.kind for p in programs_ for op in p.ops}
     assert {"loop", "matmul", "reduce", "inplace", "create", "conv1d", "gather"} <= kinds
-    assert {"data_dependent", "input_inplace"} <= kinds  # on by default
-    off = GenConfig(data_dependent=False, input_inplace=False, linspace_by_shape=False)
+    assert {"data_dependent", "input_inplace", "grad_cut"} <= kinds  # on by default
+    off = GenConfig(
+        data_dependent=False, input_inplace=False, linspace_by_shape=False, grad_cuts=False
+    )
     programs_off = [generate_program(seed, off) for seed in range(200)]
-    assert not {op.kind for p in programs_off for op in p.ops} & {"data_dependent", "input_inplace"}
+    assert not {op.kind for p in programs_off for op in p.ops} & {
+        "data_dependent", "input_inplace", "grad_cut"
+    }  # fmt: skip
     sources = [p.to_source() for p in programs_off]
     assert not any(
         "torch.linspace(-1.0, 1.0, t" in s or "linspace(-1.0, 1.0, x" in s for s in sources

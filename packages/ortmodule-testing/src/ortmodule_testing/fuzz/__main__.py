@@ -64,6 +64,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=GenConfig.vector_batched_matmul,
         help="generate matmul(v, x) with v 1-D and x batched",
     )
+    p.add_argument(
+        "--grad-cuts",
+        action=argparse.BooleanOptionalAction,
+        default=GenConfig.grad_cuts,
+        help="generate x.detach() and torch.no_grad() blocks",
+    )
     p.add_argument("--replay", help="run one program given by its comma-separated choices")
     return p.parse_args(argv)
 

@@ -31,6 +31,9 @@ class GenConfig:
     ``vector_batched_matmul``: ``torch.matmul(v, x)`` with ``v`` 1-D and ``x`` batched (the
     engine's MatMul gradient for it was wrong, found 2026-11-26 by this fuzzer; exported as a
     batch of rows since).
+    ``grad_cuts``: ``x.detach()`` and ``torch.no_grad()`` blocks, among them ops that hand back
+    their input itself there (``x.float()``, ``x.contiguous()``), read again after the block
+    (both frontends cut such a read, found 2026-11-28 in a Hugging Face model).
     Each switch is on; turning one off keeps a run away from that feature.
     """
 
@@ -43,6 +46,7 @@ class GenConfig:
     dynamic_shapes: bool = True
     dynamic_loops: bool = True
     vector_batched_matmul: bool = True
+    grad_cuts: bool = True
 
 
 DEFAULT = GenConfig()
@@ -666,6 +670,44 @@ def _render_data_dependent(op: Op) -> list[str]:
     return [f"if {x}.sum() > 0:", f"    {o} = {x} * 2.0", "else:", f"    {o} = {x} - 1.0"]
 
 
+#: each keeps a gradient path from its input to its output in eager, beside the cut one
+GRAD_CUTS = {
+    "detach": ["{o} = {x} * {x}.detach()"],
+    "no_grad": ["with torch.no_grad():", "    {c} = torch.tanh({x})", "{o} = {x} + {c}"],
+    # {x}.float() is {x} itself, which still requires grad
+    "no_grad_same_tensor": [
+        "with torch.no_grad():",
+        "    {c} = {x}.float()",
+        "{o} = {c} * 2.0 + {x}",
+    ],
+    # {x} itself where it is contiguous, a copy without grad where not
+    "no_grad_contiguous": [
+        "with torch.no_grad():",
+        "    {c} = {x}.contiguous()",
+        "{o} = {c} * {x}",
+    ],
+    "no_grad_copy": [
+        "with torch.no_grad():",
+        "    {c} = {x}.to(torch.float32, copy=True)",
+        "{o} = {c} * {x}",
+    ],
+    # {x} read after a block that handed it back as is
+    "no_grad_reread": ["with torch.no_grad():", "    {c} = {x}.float().mean()", "{o} = {x} * {c}"],
+}
+
+
+def _gen_grad_cut(b: Builder) -> Op | None:
+    found = b.pick()
+    if found is None:
+        return None
+    return Op(b.fresh(), "grad_cut", (found[0],), (("fn", b.one_of(list(GRAD_CUTS))),), found[1])
+
+
+def _render_grad_cut(op: Op) -> list[str]:
+    x, o = op.args[0], op.out
+    return [line.format(x=x, o=o, c=f"{o}_cut") for line in GRAD_CUTS[op.attr("fn")]]
+
+
 def _gen_input_inplace(b: Builder) -> Op | None:
     # only as the first op: a write after an op read the input is invalid in eager when that
     # op saved it for backward (layer_norm, mul)
@@ -718,6 +760,7 @@ OPS: tuple[OpDef, ...] = (
         _gen_input_inplace,
         _render_input_inplace,
     ),
+    OpDef("grad_cut", lambda c: 3 if c.grad_cuts else 0, _gen_grad_cut, _render_grad_cut),
 )
 
 _RENDER: dict[str, Callable[[Op], list[str]]] = {
@@ -746,6 +789,7 @@ _RENDER: dict[str, Callable[[Op], list[str]]] = {
     "create": _render_create,
     "data_dependent": _render_data_dependent,
     "input_inplace": _render_input_inplace,
+    "grad_cut": _render_grad_cut,
 }
 
 
