@@ -79,11 +79,29 @@ class NoGradOnBuffers(nn.Module):
         return self.lin(x) * table + torch.zeros_like(x)
 
 
+class StackedSteps(nn.Module):
+    """A loop's steps through ``torch.stack`` (the trace reads them as a list), then cut: the
+    list lost track of the parameter, no cut was made, and the engine's gradient went through
+    the ``detach`` too (twice eager's; fuzz seed 42939)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.7]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps = torch.stack([x.select(1, i) * self.w * (i + 1) for i in range(x.shape[1])], 1)
+        with torch.no_grad():
+            smooth = torch.tanh(steps)
+        return steps * steps.detach() + smooth
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("module_cls", [Detached, NoGradSteps, NoGradConv])
+@pytest.mark.parametrize("module_cls", [Detached, NoGradSteps, NoGradConv, StackedSteps])
 def test_gradient_is_cut_where_eager_cuts_it(module_cls: type, dtype: torch.dtype) -> None:
     if module_cls is NoGradConv and dtype != torch.float32:
         pytest.skip("the CPU engine has no float64 or bfloat16 Conv kernel")
+    if module_cls is StackedSteps and dtype == torch.float64:
+        pytest.skip("the CPU engine's Concat gradient (SplitTraining) has no float64 kernel")
     torch.manual_seed(0)
     module = module_cls().to(dtype)
     shape = (3, 2, 4) if module_cls is NoGradConv else (3, 4)

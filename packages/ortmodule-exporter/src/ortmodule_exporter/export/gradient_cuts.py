@@ -114,6 +114,22 @@ def _is_float(v: Any) -> bool:
     return t is not None and t.dtype() in _FLOAT
 
 
+def _carries(v: Any) -> bool:
+    """A float tensor, or a list or tuple holding tensors (``torch.stack`` of a loop's steps
+    reads a ``prim::ListConstruct``; ``split`` writes a list that ``prim::ListUnpack`` reads):
+    what requires grad and what depends on a trainable input passes through them too. Without
+    this, ``torch.stack(steps).detach()`` was not cut (the stack lost track of the parameter)
+    and the engine's gradient was twice eager's (fuzz seed 42939)."""
+    if _is_float(v):
+        return True
+    t = v.type()
+    if isinstance(t, torch._C.ListType):
+        return isinstance(t.getElementType(), torch._C.TensorType)
+    if isinstance(t, torch._C.TupleType):
+        return any(isinstance(e, torch._C.TensorType) for e in t.elements())
+    return False
+
+
 #: ops whose result never requires grad, whatever the grad mode
 DETACHING_OPERATORS = frozenset({"aten::detach", "aten::detach_"})
 
@@ -154,7 +170,7 @@ def cut_gradients(graph: torch._C.Graph, grad_enabled: bool = True) -> int:
             mode
             and node.kind() not in DETACHING_OPERATORS
             and any(v in requires_grad for v in inputs)
-            and any(_is_float(o) for o in node.outputs())
+            and any(_carries(o) for o in node.outputs())
         )
         # an in-place op under no_grad on a tensor that requires grad (``var.clamp_(min=eps)``
         # in gaussian_nll_loss): the tensor still requires grad in eager, with the op outside
@@ -168,7 +184,7 @@ def cut_gradients(graph: torch._C.Graph, grad_enabled: bool = True) -> int:
             and inputs[0] in requires_grad
         )
         if in_place:
-            requires_grad.update(o for o in node.outputs() if _is_float(o))
+            requires_grad.update(o for o in node.outputs() if _carries(o))
         if not mode and any(v in requires_grad for v in inputs):
             # an op that handed back its input tensor itself under no_grad (``h.to(h.dtype)``,
             # ``h.float()`` of a float32 ``h``, ``h.contiguous()`` of a contiguous one): eager's
@@ -178,7 +194,7 @@ def cut_gradients(graph: torch._C.Graph, grad_enabled: bool = True) -> int:
             # block was cut (a wrong gradient, or none at all)
             requires_grad.update(o for o in node.outputs() if _is_float(o) and _requires_grad(o))
         if outputs_grad:
-            requires_grad.update(o for o in node.outputs() if _is_float(o))
+            requires_grad.update(o for o in node.outputs() if _carries(o))
             for i, v in enumerate(inputs):
                 if v not in trainable or v in requires_grad or not _is_float(v):
                     continue
@@ -190,7 +206,7 @@ def cut_gradients(graph: torch._C.Graph, grad_enabled: bool = True) -> int:
                     cut = cuts[v] = made.output()
                 node.replaceInput(i, cut)
         if node.kind() not in VALUE_FREE_OPERATORS and any(v in trainable for v in inputs):
-            trainable.update(o for o in node.outputs() if _is_float(o))
+            trainable.update(o for o in node.outputs() if _carries(o))
     if _marks_in_blocks(graph.nodes()):
         raise RuntimeError(
             "ORTModule cannot tell where the traced forward switched grad mode "
