@@ -235,3 +235,37 @@ def test_a_returned_value_read_by_a_gather(
             got.append((out.detach(), t.detach(), [p.grad for p in model.parameters()]))
         records.append(got)
     assert_tree_close(records[1], records[0])
+
+
+class SelectReadTwice(nn.Module):
+    """``t.select(3, 0)`` read twice, ``t`` a matrix product (fuzzer seed 42065): the engine's
+    compute optimiser moved the rank-dropping Gather above the MatMul and handed one reader the
+    unsqueezed value: (2, 2, 1, 1) for (2, 1, 1), wrong gradients, no error (fixed in
+    ``passes/engine_graph_fixes.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor([0.3, -0.8]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t1 = torch.matmul(self.p, x)  # (2, 1, 1, 1)
+        t = torch.matmul(t1, t1.transpose(-1, -2))
+        return torch.tanh(torch.zeros_like(t.select(3, 0)) * self.p[0] + t.select(3, 0))
+
+
+@pytest.mark.parametrize("frontend", ["torchscript", "torch_export"])
+def test_a_selected_value_read_twice(monkeypatch: pytest.MonkeyPatch, frontend: str) -> None:
+    monkeypatch.setenv("ORTMODULE_EXPORTER", frontend)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 1, 1, 2, 1, generator=g) for _ in range(2)]
+    records = []
+    for model in (SelectReadTwice(), ORTModule(SelectReadTwice())):
+        got = []
+        for x in xs:
+            model.zero_grad(set_to_none=True)
+            x = x.clone().requires_grad_()
+            out = model(x)
+            (out * torch.linspace(-1.0, 1.0, out.numel()).reshape(out.shape)).sum().backward()
+            got.append((out.detach(), x.grad, [p.grad for p in model.parameters()]))
+        records.append(got)
+    assert_tree_close(records[1], records[0])

@@ -37,6 +37,13 @@
   step; an output no Gather or Slice reads (GPT-2's logits, read by the loss) keeps none, and
   so does one above a value with another reader, where the optimiser stopped in the tests
   (``u = t + 1`` read by the Gather and by a Mul: ``t`` came back whole).
+* A ``Gather`` at a constant scalar index whose value has two readers, or two such Gathers
+  of one value at one index (``torch.zeros_like(t.select(3, 0)) + t.select(3, 0)`` with
+  ``t = a @ b``): the engine's compute optimiser moves the rank-dropping Gather above the
+  MatMul with an Unsqueeze before and a Squeeze after, then hands one reader the squeezed value
+  and the other the unsqueezed one; the result came back (2, 2, 1, 1) for (2, 1, 1), with
+  wrong gradients and no error (1.19.2; fuzz seed 42065). The Gather keeps the axis (a
+  one-element index) and a ``Squeeze`` follows it, which needs no adaptor.
 * ``ReduceLogSumExp`` with ``keepdims=0`` and its axes as an attribute (opsets below 18:
   ``torch.logsumexp(x, dim)``): the engine's gradient puts the reduced axes back with an
   ``Unsqueeze`` carrying an ``axes`` attribute, which Unsqueeze lost in opset 13 ("Unsqueeze
@@ -267,9 +274,83 @@ def _above_gathers(graph: onnx.GraphProto) -> set[str]:
     return seen
 
 
+def _scalar_constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """Rank-0 constants (Constant nodes and initializers) by value name."""
+    found = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer if not i.dims}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for a in node.attribute:
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR and not a.t.dims:
+                    found[node.output[0]] = onnx.numpy_helper.to_array(a.t)
+    return found
+
+
+def _read_gathers_keep_their_axis(graph: onnx.GraphProto) -> int:
+    """Each ``Gather`` at a constant scalar index whose value is read more than once (by two
+    nodes, or by two such Gathers of one value at one index, which the engine's
+    common-subexpression pass merges) gathers at a one-element index and a ``Squeeze`` drops
+    the axis after it. The engine's compute optimiser moves a rank-dropping Gather above the
+    node it reads (a MatMul, say) with an Unsqueeze before and a Squeeze after, then gives only
+    one reader the squeezed value and another the unsqueezed one:
+    ``torch.zeros_like(t.select(3, 0)) + t.select(3, 0)`` with ``t = a @ b`` came back of shape
+    (2, 2, 1, 1) for (2, 1, 1), with wrong gradients and no error (1.19.2; fuzz seed 42065).
+    A Gather that keeps its axis needs no adaptor."""
+    scalars = _scalar_constants(graph)
+    _producer, consumers = producers_and_consumers(graph)
+    outputs = {vi.name for vi in graph.output}
+
+    def readers(name: str) -> int:
+        return len({id(n) for n in consumers.get(name, [])}) + (name in outputs)
+
+    groups: dict[tuple[str, int, Any], list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        index = scalars.get(node.input[1])
+        if index is None:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        groups.setdefault((node.input[0], axis, index.item()), []).append(node)
+    #: id of a rewritten Gather -> the nodes around it (index constant and axes before, the
+    #: Squeeze after)
+    around: dict[int, tuple[list[onnx.NodeProto], list[onnx.NodeProto]]] = {}
+    for (_data, axis, _index), gathers in groups.items():
+        if sum(readers(g.output[0]) for g in gathers) < 2:
+            continue
+        for node in gathers:
+            tag = f"{node.output[0]}__kept_axis"
+            before = [
+                onnx.helper.make_node(
+                    "Constant",
+                    [],
+                    [f"{tag}_index"],
+                    value=onnx.numpy_helper.from_array(
+                        scalars[node.input[1]].reshape(1), f"{tag}_index_value"
+                    ),
+                ),
+                onnx.helper.make_node(
+                    "Constant",
+                    [],
+                    [f"{tag}_axes"],
+                    value=onnx.numpy_helper.from_array(np.array([axis], np.int64), f"{tag}_ax"),
+                ),
+            ]
+            after = [onnx.helper.make_node("Squeeze", [tag, f"{tag}_axes"], [node.output[0]])]
+            node.input[1], node.output[0] = f"{tag}_index", tag
+            around[id(node)] = (before, after)
+    if around:
+        nodes: list[onnx.NodeProto] = []
+        for node in graph.node:
+            before, after = around.get(id(node), ([], []))
+            nodes.extend([*before, node, *after])
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return len(around)
+
+
 def fix_graph(model: onnx.ModelProto) -> int:
     """Apply the rewrites to ``model`` in place; returns how many nodes changed."""
-    reciprocals = _unit_reciprocals(model)
+    reciprocals = _unit_reciprocals(model) + _read_gathers_keep_their_axis(model.graph)
     graph = model.graph
     # inferred too: a Cast after a Reshape has an input of no declared type
     types = value_types(model)
