@@ -166,6 +166,36 @@ def test_a_returned_intermediate_survives_backward(kind: str, shape: tuple[int, 
     assert_tree_close(kept.detach(), before)
 
 
+class WrittenAtAnIndex(nn.Module):
+    """``t = tanh(x).clone(); t[..., 0] = 0.25`` returned beside ``t * p`` (fuzz seed 45140, the
+    torch_export frontend): the indexed write is a ScatterElements that may run in the buffer of
+    the intermediate ``tanh(x)``, which the engine then gave to a backward value; ``t`` held
+    values of 1e32 after ``backward()``. Copied since (``execution._viewed_outputs``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.tanh(x).clone()
+        t[..., 0] = 0.25
+        return t * self.p, t
+
+
+@pytest.mark.parametrize("frontend", ["torchscript", "torch_export"])
+def test_a_tensor_written_at_an_index_survives_backward(
+    monkeypatch: pytest.MonkeyPatch, frontend: str
+) -> None:
+    monkeypatch.setenv("ORTMODULE_EXPORTER", frontend)
+    torch.manual_seed(0)
+    x = torch.randn(6, 1, 2, 2)
+    eager_out, eager_t = WrittenAtAnIndex()(x)
+    model = ORTModule(WrittenAtAnIndex())
+    out, t = model(x)
+    (out.sum() + t.sum()).backward()  # type: ignore[no-untyped-call]
+    assert_tree_close((out.detach(), t.detach()), (eager_out.detach(), eager_t.detach()))
+
+
 class ExpandOfAnInputThatRequiresGrad(nn.Module):
     """gelu(tanh(x)).expand(-1, 2) of a (2, 1) input that requires grad: symbolic shape
     inference took x's dynamic dim 1 for the expanded 2, the engine's builder dropped the

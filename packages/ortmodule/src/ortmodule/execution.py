@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -814,13 +814,18 @@ def _check_param_dtypes(module: torch.nn.Module, device: torch.device) -> None:
             )
 
 
+#: engine kernels whose output is a view of their input's buffer
+_VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 #: engine kernels whose output may share its input's buffer: views, and CPU kernels that may
 #: run in place (each found to hand back an overwritten output, see :func:`_viewed_outputs`)
 _ALIASING_OPS = frozenset(
     {
-        *("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"),
+        *_VIEW_OPS,
         *("Relu", "Tanh", "Sigmoid", "Clip", "Softmax", "LogSoftmax", "Trilu"),
         *("LeakyRelu", "Elu", "Selu", "Softplus", "Softsign", "HardSigmoid", "ThresholdedRelu"),
+        # writes into its data input's buffer: the torch_export frontend's in-place writes
+        # (``t = tanh(x).clone(); t[..., 0] = 0.25`` returned with ``t * w``)
+        *("ScatterElements", "ScatterND", "Scatter"),
     }
 )
 
@@ -835,7 +840,8 @@ def _viewed_outputs(built: BuiltGraph) -> frozenset[int]:
     held a gradient after ``backward()`` for ``unsqueeze``, ``reshape``, ``flatten``, ``relu``,
     ``tanh``, ``sigmoid``, ``clamp``, ``softmax``, ``log_softmax``, ``leaky_relu`` and ``tril``
     (found by the differential fuzzer; ``neg``, ``exp``, ``abs``, ``gelu``, ``elu``, ``+``,
-    ``*`` and ``where`` were right). Such an
+    ``*`` and ``where`` were right), and on the torch_export frontend for an indexed write
+    (``ScatterElements``; fuzz seed 45140: values of 1e32 after ``backward()``). Such an
     output is copied before it is handed back. One computed from a graph input alone (a
     parameter, the user's tensor) is not: that buffer is never the engine's to reuse.
     """
@@ -844,15 +850,28 @@ def _viewed_outputs(built: BuiltGraph) -> frozenset[int]:
     inputs = {vi.name for vi in model.graph.input}
     found = set()
     for index, name in enumerate(built.user_output_names):
-        node = producer.get(name)
-        if node is None or node.op_type not in _ALIASING_OPS:
-            continue
-        while node is not None and node.op_type in _ALIASING_OPS:
-            source = node.input[0]
-            node = producer.get(source)
-        if source not in inputs:
+        if _shares_an_engine_buffer(name, producer, inputs):
             found.add(index)
     return frozenset(found)
+
+
+def _shares_an_engine_buffer(
+    name: str, producer: Mapping[str, onnx.NodeProto], inputs: Collection[str]
+) -> bool:
+    """Whether graph output ``name`` may share its buffer with another value of the engine's:
+    up through views, an in-place-capable kernel reading an intermediate (it may write into
+    that buffer) or making a value the views read; not a view of a graph input, nor a kernel
+    reading a graph input whose result is the output itself (the engine never writes into a
+    graph input, so that result has a buffer of its own)."""
+    value, node = name, producer.get(name)
+    while node is not None and node.op_type in _ALIASING_OPS:
+        source = node.input[0]
+        if node.op_type not in _VIEW_OPS:
+            return source not in inputs or value != name
+        if source in inputs:
+            return False
+        value, node = source, producer.get(source)
+    return value != name
 
 
 _FOLDED_GUARD = re.compile(r"(guard\.\d+): couldn't find the producer node")
