@@ -300,10 +300,9 @@ def _aten_stop_edges(node: onnx.NodeProto) -> frozenset[int]:
     """The inputs of an ATen node registered as never differentiated (none for other nodes)."""
     if node.op_type != "ATen" or node.domain != ATEN_DOMAIN:
         return frozenset()
-    attrs = {
-        a.name: a.s.decode() for a in node.attribute if a.name in ("operator", "overload_name")
-    }
-    return stop_gradient_edges(attrs.get("operator", ""), attrs.get("overload_name", ""))
+    return stop_gradient_edges(
+        onnx_graph.attribute(node, "operator", ""), onnx_graph.attribute(node, "overload_name", "")
+    )
 
 
 def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:

@@ -64,7 +64,7 @@ import onnx
 import onnx.numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from ..onnx_graph import producers_and_consumers, value_types
+from ..onnx_graph import constant_values, producers_and_consumers, value_types
 from .registry import register_post_export_pass
 
 __all__ = ["fix_graph"]
@@ -268,21 +268,14 @@ def _above_gathers(graph: onnx.GraphProto) -> set[str]:
             continue
         seen.add(name)
         node = producer.get(name)
-        # one reading node (a node reading it twice counts once)
-        if node is not None and len({id(n) for n in consumers.get(name, [])}) == 1:
+        if node is not None and _reading_nodes(consumers, name) == 1:
             todo.extend(i for i in node.input if i)
     return seen
 
 
-def _scalar_constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """Rank-0 constants (Constant nodes and initializers) by value name."""
-    found = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer if not i.dims}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            for a in node.attribute:
-                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR and not a.t.dims:
-                    found[node.output[0]] = onnx.numpy_helper.to_array(a.t)
-    return found
+def _reading_nodes(consumers: Mapping[str, list[onnx.NodeProto]], name: str) -> int:
+    """How many nodes read ``name`` (a node reading it twice counts once)."""
+    return len({id(n) for n in consumers.get(name, [])})
 
 
 def _read_gathers_keep_their_axis(graph: onnx.GraphProto) -> int:
@@ -295,12 +288,12 @@ def _read_gathers_keep_their_axis(graph: onnx.GraphProto) -> int:
     ``torch.zeros_like(t.select(3, 0)) + t.select(3, 0)`` with ``t = a @ b`` came back of shape
     (2, 2, 1, 1) for (2, 1, 1), with wrong gradients and no error (1.19.2; fuzz seed 42065).
     A Gather that keeps its axis needs no adaptor."""
-    scalars = _scalar_constants(graph)
+    scalars = {name: v for name, v in constant_values(graph).items() if v.ndim == 0}
     _producer, consumers = producers_and_consumers(graph)
     outputs = {vi.name for vi in graph.output}
 
     def readers(name: str) -> int:
-        return len({id(n) for n in consumers.get(name, [])}) + (name in outputs)
+        return _reading_nodes(consumers, name) + (name in outputs)
 
     groups: dict[tuple[str, int, Any], list[onnx.NodeProto]] = {}
     for node in graph.node:
@@ -350,7 +343,7 @@ def _read_gathers_keep_their_axis(graph: onnx.GraphProto) -> int:
 
 def fix_graph(model: onnx.ModelProto) -> int:
     """Apply the rewrites to ``model`` in place; returns how many nodes changed."""
-    reciprocals = _unit_reciprocals(model) + _read_gathers_keep_their_axis(model.graph)
+    rewritten_first = _unit_reciprocals(model) + _read_gathers_keep_their_axis(model.graph)
     graph = model.graph
     # inferred too: a Cast after a Reshape has an input of no declared type
     types = value_types(model)
@@ -433,7 +426,7 @@ def fix_graph(model: onnx.ModelProto) -> int:
         ]
         del graph.node[:]
         graph.node.extend(nodes)
-    return changed + reciprocals
+    return changed + rewritten_first
 
 
 def _pass(exported: Any, _options: Mapping[str, Any]) -> None:
