@@ -100,8 +100,10 @@ print("kept", mmapped() - before)
 """
 
 
-def _kept_after_steps(arena: str | None, recompute: bool) -> int:
-    """Bytes of mmapped blocks three steps leave behind, in a fresh process."""
+def _kept_after_steps(arena: str | None, recompute: bool, kernel_choice: str = "ENGINE") -> int:
+    """Bytes of mmapped blocks three steps leave behind, in a fresh process. ``kernel_choice``:
+    ``ENGINE`` keeps the matrix products on the engine (a graph whose products run on PyTorch
+    gives the arena up under ``AUTO``), ``TORCH`` gives them to PyTorch."""
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallopt"):
         pytest.skip("needs glibc's mallinfo2, malloc_trim and mallopt")
@@ -111,6 +113,7 @@ def _kept_after_steps(arena: str | None, recompute: bool) -> int:
     # are 24 MiB of mmapped blocks (none on an AMD EPYC), which this reading would count as the
     # engine's. Without that manager MKL frees them: what is left is the engine's and ours
     env["MKL_DISABLE_FAST_MM"] = "1"
+    env["ORTMODULE_KERNEL_CHOICE"] = kernel_choice
     if arena is not None:
         env["ORTMODULE_CPU_MEM_ARENA"] = arena
     code = _STEPS_IN_A_FRESH_PROCESS.format(tests=str(Path(__file__).parent), level=int(recompute))
@@ -130,6 +133,15 @@ def test_the_arena_keeps_a_steps_engine_buffers_unless_switched_off() -> None:
     kept_auto, kept_off = _kept_after_steps(None, False), _kept_after_steps("0", False)
     assert kept_off < 16 * MIB, f"{kept_off / MIB:.0f} MiB of large blocks kept after the steps"
     assert kept_auto - kept_off > 32 * MIB, (kept_auto / MIB, kept_off / MIB)
+
+
+def test_products_on_pytorch_give_the_arena_up_unless_it_is_switched_on() -> None:
+    """With the graph's matrix products on PyTorch (``passes/matmul_routes.py``), most of a
+    step's large tensors are PyTorch's: ``AUTO`` builds the session without the arena."""
+    kept_auto = _kept_after_steps(None, False, kernel_choice="TORCH")
+    kept_on = _kept_after_steps("1", False, kernel_choice="TORCH")
+    assert kept_auto < 16 * MIB, f"{kept_auto / MIB:.0f} MiB of large blocks kept after the steps"
+    assert kept_on - kept_auto > 16 * MIB, (kept_on / MIB, kept_auto / MIB)
 
 
 def test_recompute_gives_the_engine_buffers_back_unless_the_arena_is_switched_on() -> None:

@@ -327,14 +327,17 @@ def elementwise(
     return out
 
 
-def over_rows(fill: Callable[[int, int], Any], rows: int, work: int) -> None:
+def over_rows(
+    fill: Callable[[int, int], Any], rows: int, work: int, min_work: int | None = None
+) -> None:
     """``fill(start, stop)`` for every row of ``range(rows)``: in pieces, one per thread PyTorch
-    would have had, when the engine's threads allow and ``work`` (elements) reaches
-    :data:`MIN_ELEMENTWISE`; else in one call. ``fill`` writes its rows' results into tensors
+    would have had, when the engine's threads allow and ``work`` reaches ``min_work`` (by
+    default :data:`MIN_ELEMENTWISE`, both in elements); else in one call. ``fill`` writes its rows' results into tensors
     the caller allocated, and computes each row alone (a row's result is the same in any
-    piece): the cross-entropy's logsumexp and its gradient (``kernel_choice.cross_entropy``)."""
+    piece): the cross-entropy's logsumexp and its gradient (``kernel_choice.cross_entropy``),
+    the rows of a matrix product (``kernel_choice.matmul``, ``work`` in multiply-adds)."""
     pieces = min(_WIDTH[0], rows)
-    if pieces < 2 or work < MIN_ELEMENTWISE:
+    if pieces < 2 or work < (MIN_ELEMENTWISE if min_work is None else min_work):
         fill(0, rows)
         return
     ranges = _bounds(rows, pieces)

@@ -29,6 +29,8 @@ engine built (built-graph passes).
                         choice measured it faster (60)
 ``gelu_grads``          built-graph pass: the engine's ``FastGeluGrad``/``GeluGrad`` on PyTorch's
                         ``gelu_backward`` where the kernel choice measured it faster (61)
+``matmul_routes``       built-graph pass: matrix products by a 2-d operand on PyTorch's ``mm``
+                        where the kernel choice measured it faster (62)
 ``low_precision_sums``  built-graph pass: the engine's own bfloat16/float16 gradient sums on CPU
                         computed in float32 and rounded once, as PyTorch's kernels do (70)
 ======================  =========================================================================
@@ -48,6 +50,7 @@ from . import (  # noqa: F401 - register
     gelu_grads,
     grouped_conv_grad,
     low_precision_sums,
+    matmul_routes,
     nan_gradients,
     output_ranks,
     python_op,

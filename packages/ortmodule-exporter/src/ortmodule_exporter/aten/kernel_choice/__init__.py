@@ -59,6 +59,8 @@ all, the families in the order they register, and keeps every name importable fr
                        ``_torch_us``)
 ``helpers``            what the families' ATen functions and symbolics share
 ``row_sum``            bias gradients (a built-graph pass's ``ReduceSum``): :func:`row_sum_route`
+``matmul``             matrix products by a 2-d operand (a built-graph pass's ``Gemm``,
+                       ``MatMul``, ``FusedMatMul``): :func:`matmul_route`
 ``gelu``, ``relu``,    the operator families
 ``layer_norm``,
 ``cross_entropy``,
@@ -107,6 +109,14 @@ from .traced import recording_traced_sizes
 # configure_kernel_choice installs.
 from .row_sum import ROW_SUM, measure_row_sum, row_sum_route
 from .row_sum import _row_sum as _row_sum
+from .matmul import (
+    CALIBRATION_ROWS,
+    MATMUL,
+    matmul_overload,
+    matmul_route,
+    measure_matmul,
+)
+from .matmul import _matmul as _matmul
 from .gelu import (
     ENGINE_GELU_GRADS,
     GELU,
@@ -147,6 +157,7 @@ from .max_pool import _max_pool2d as _max_pool2d
 __all__ = [
     "ATEN_NODE_US",
     "CALIBRATION_NUMEL",
+    "CALIBRATION_ROWS",
     "CHANNELS_LAST",
     "CONV",
     "CONV_BACKWARD",
@@ -157,6 +168,7 @@ __all__ = [
     "GELU",
     "GELU_BACKWARD",
     "LAYER_NORM",
+    "MATMUL",
     "LAYER_NORM_BACKWARD",
     "MAX_POOL2D",
     "MAX_POOL2D_BACKWARD",
@@ -193,6 +205,9 @@ __all__ = [
     "gelu_backward_route",
     "ENGINE_GELU_GRADS",
     "measure_layer_norm",
+    "matmul_overload",
+    "matmul_route",
+    "measure_matmul",
     "measure_max_pool2d",
     "measure_relu",
     "measure_relu_backward",
