@@ -85,6 +85,7 @@ def mmapped():
     libc.malloc_trim(0)
     return int(libc.mallinfo2().hblkhd)
 
+{setup}
 torch.manual_seed(0)
 config = GPTConfig(vocab_size=256, d_model=256, n_layers=2, n_heads=4, seq_len=256)
 model = ORTModule(GPTDecoder(config), DebugOptions(memory_opt_level={level}))
@@ -100,10 +101,13 @@ print("kept", mmapped() - before)
 """
 
 
-def _kept_after_steps(arena: str | None, recompute: bool, kernel_choice: str = "ENGINE") -> int:
+def _kept_after_steps(
+    arena: str | None, recompute: bool, kernel_choice: str = "ENGINE", setup: str = ""
+) -> int:
     """Bytes of mmapped blocks three steps leave behind, in a fresh process. ``kernel_choice``:
-    ``ENGINE`` keeps the matrix products on the engine (a graph whose products run on PyTorch
-    gives the arena up under ``AUTO``), ``TORCH`` gives them to PyTorch."""
+    ``ENGINE`` keeps the matrix products on the engine (a large graph whose products run on
+    PyTorch gives the arena up under ``AUTO``), ``TORCH`` gives them to PyTorch; ``setup``: a
+    line run before the model is made."""
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallopt"):
         pytest.skip("needs glibc's mallinfo2, malloc_trim and mallopt")
@@ -116,7 +120,9 @@ def _kept_after_steps(arena: str | None, recompute: bool, kernel_choice: str = "
     env["ORTMODULE_KERNEL_CHOICE"] = kernel_choice
     if arena is not None:
         env["ORTMODULE_CPU_MEM_ARENA"] = arena
-    code = _STEPS_IN_A_FRESH_PROCESS.format(tests=str(Path(__file__).parent), level=int(recompute))
+    code = _STEPS_IN_A_FRESH_PROCESS.format(
+        tests=str(Path(__file__).parent), level=int(recompute), setup=setup
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
     )
@@ -137,11 +143,16 @@ def test_the_arena_keeps_a_steps_engine_buffers_unless_switched_off() -> None:
 
 def test_products_on_pytorch_give_the_arena_up_unless_it_is_switched_on() -> None:
     """With the graph's matrix products on PyTorch (``passes/matmul_routes.py``), most of a
-    step's large tensors are PyTorch's: ``AUTO`` builds the session without the arena."""
-    kept_auto = _kept_after_steps(None, False, kernel_choice="TORCH")
-    kept_on = _kept_after_steps("1", False, kernel_choice="TORCH")
+    step's large tensors are PyTorch's: ``AUTO`` builds the session without the arena once the
+    module's parameters reach ``PRODUCTS_ARENA_OFF_BYTES`` (lowered here: the model is small),
+    and keeps it below that."""
+    lowered = "import ortmodule.execution as e; e.PRODUCTS_ARENA_OFF_BYTES = 0"
+    kept_auto = _kept_after_steps(None, False, kernel_choice="TORCH", setup=lowered)
+    kept_on = _kept_after_steps("1", False, kernel_choice="TORCH", setup=lowered)
+    kept_small = _kept_after_steps(None, False, kernel_choice="TORCH")
     assert kept_auto < 16 * MIB, f"{kept_auto / MIB:.0f} MiB of large blocks kept after the steps"
     assert kept_on - kept_auto > 16 * MIB, (kept_on / MIB, kept_auto / MIB)
+    assert kept_small - kept_auto > 16 * MIB, (kept_small / MIB, kept_auto / MIB)
 
 
 def test_recompute_gives_the_engine_buffers_back_unless_the_arena_is_switched_on() -> None:

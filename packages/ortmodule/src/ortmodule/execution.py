@@ -147,18 +147,29 @@ _GRAPH_FIELDS_FROM_OPTIONS = (
 )
 
 
+#: under ``ORTMODULE_CPU_MEM_ARENA=AUTO``, a graph whose matrix products run on PyTorch and whose
+#: module holds at least this many bytes of parameters gets a session without the arena
+PRODUCTS_ARENA_OFF_BYTES = 64 << 20
+
+
 def _cpu_arena(
-    setting: str, contribution: SessionContribution | None, products_on_torch: bool = False
+    setting: str,
+    contribution: SessionContribution | None,
+    products_on_torch: bool = False,
+    parameter_bytes: int = 0,
 ) -> bool:
     """Whether a CPU session allocates from the engine's arena: ``ORTMODULE_CPU_MEM_ARENA``,
-    and under ``AUTO`` the arena unless a contributor (recompute, ZeRO-3) asks for the memory
-    or the graph's matrix products run on PyTorch (``passes/matmul_routes.py``). Then most of
-    a step's large tensors are PyTorch's, and an arena kept at the peak of the engine's own
-    share held it resident beside them: GPT-2 124M on the 2-core Xeon, steps peak 3982 MiB with
-    the arena and 3173 MiB without, step 3.57 s and 3.70 s."""
+    and under ``AUTO`` the arena unless a contributor (recompute, ZeRO-3) asks for the memory,
+    or the graph's matrix products run on PyTorch (``passes/matmul_routes.py``) in a module of
+    :data:`PRODUCTS_ARENA_OFF_BYTES` of parameters or more. Then most of a step's large
+    tensors are PyTorch's, and an arena kept at the peak of the engine's own share held it
+    resident beside them: GPT-2 124M (475 MiB of parameters) on the 2-core Xeon, steps peak
+    3982 MiB with the arena and 3173 MiB without, step 3.57 and 3.70 s. A small model keeps it:
+    the toy GPT of the benchmarks (13 MiB) stepped at 1.22x eager with the arena and 1.32x
+    without, where the engine's own buffers were fetched and faulted in again every step."""
     if setting in ("1", "0"):
         return setting == "1"
-    if products_on_torch:
+    if products_on_torch and parameter_bytes >= PRODUCTS_ARENA_OFF_BYTES:
         return False
     return not (contribution is not None and contribution.release_cpu_memory)
 
@@ -736,7 +747,12 @@ class GraphRunner:
             optimized_model_path=save.file_path("execution", exported.training) if save else None,
             memory_efficient_order=bool(contribution and contribution.memory_efficient_order),
             config_entries=tuple(contribution.config_entries.items()) if contribution else (),
-            cpu_arena=_cpu_arena(cfg.cpu_mem_arena, contribution, products_on_torch),
+            cpu_arena=_cpu_arena(
+                cfg.cpu_mem_arena,
+                contribution,
+                products_on_torch,
+                sum(p.numel() * p.element_size() for p in self.module.parameters()),
+            ),
         )
         with times.phase("session creation"), self._silenced():
             session: TrainingSession | InferenceSession = (

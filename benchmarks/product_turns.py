@@ -1,0 +1,88 @@
+"""Matrix products on the engine or on PyTorch, against eager and torch.compile, in turns in one
+process (``passes/matmul_routes.py``, issue #41).
+
+    python -m benchmarks.product_turns                    # GPT-2 124M, 6 rounds
+    python -m benchmarks.product_turns --layers 4 --rounds 3 --no-compile
+
+One ``GPT2LMHeadModel`` (GPT-2 small's config, batch 4 x 256, 2 threads) is trained by four
+steppers that share its weights: PyTorch eager, ``torch.compile``, ORTModule with the matrix
+products kept on the engine (the kernel choice's products answered "engine" while its graph is
+built; everything else as by default, the CPU arena included) and ORTModule as by default. Each
+step is forward + backward (gradients cleared between steps; no optimizer, so every stepper
+sees the same weights). After warm-up steps (14 for ORTModule: its in-engine thread trial
+settles by then), the four take turns, ABCD DCBA, for ``--rounds`` rounds; each one's median
+and the ratios of medians are printed. Steps in separate processes vary by up to 30 % on a
+2-core machine; turns in one process share its drift. Peak memory needs a process each
+(``python -m benchmarks --scale``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from .models import GPT2_BATCH, GPT2_SMALL, causal_lm_batch, gpt2_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=GPT2_SMALL["n_layer"])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    args = parser.parse_args()
+    os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    from ortmodule import ORTModule
+    from ortmodule_exporter.passes import matmul_routes
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = gpt2_model(dict(GPT2_SMALL, n_layer=args.layers))
+    batch = causal_lm_batch(GPT2_SMALL["vocab_size"], GPT2_BATCH)
+    steppers: dict[str, Callable[..., object]] = {"eager": model}
+    if not args.no_compile:
+        steppers["compile"] = torch.compile(model)
+    steppers["engine products"] = ORTModule(model)
+    steppers["default"] = ORTModule(model)
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+
+    def step(name: str, i: int) -> float:
+        _, kwargs = batch(i, False)
+        start = time.perf_counter()
+        steppers[name](**kwargs).loss.backward()  # type: ignore[attr-defined]
+        took = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        return took
+
+    real_route = matmul_routes.matmul_route
+    for name in steppers:
+        # the products' decision is made while the first step builds the graph
+        if name == "engine products":
+            matmul_routes.matmul_route = lambda *a, **k: "engine"  # type: ignore[assignment]
+        try:
+            first = step(name, 0)
+        finally:
+            matmul_routes.matmul_route = real_route
+        warm = [
+            step(name, i) for i in range(1, 14 if "products" in name or name == "default" else 3)
+        ]
+        print(f"{name}: first step {first:.2f} s, warm-up {' '.join(f'{t:.2f}' for t in warm)}")
+    order = list(steppers)
+    for i in range(args.rounds):
+        for name in order + order[::-1]:
+            times[name].append(step(name, i))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, t in times.items():
+        ratios = "  ".join(f"{medians[name] / medians[o]:.2f}x {o}" for o in order if o != name)
+        print(
+            f"{name}: median {medians[name]:.3f} s  ({ratios})  [{' '.join(f'{x:.2f}' for x in t)}]"
+        )
+
+
+if __name__ == "__main__":
+    main()
