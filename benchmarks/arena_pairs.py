@@ -17,26 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
-import torch
-
-from .models import GPT2_BATCH, GPT2_SMALL, causal_lm_batch, gpt2_model
+from .turns import gpt2_in_turns
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=GPT2_SMALL["n_layer"])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    args, model, timed = gpt2_in_turns(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     from ortmodule import ORTModule
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = gpt2_model(dict(GPT2_SMALL, n_layer=args.layers))
-    batch = causal_lm_batch(GPT2_SMALL["vocab_size"], GPT2_BATCH)
     wrapped = {}
     for setting in ("1", "0"):  # read when the ORTModule is made
         os.environ["ORTMODULE_CPU_MEM_ARENA"] = setting
@@ -44,12 +32,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"1": [], "0": []}
 
     def step(setting: str, i: int) -> float:
-        _, kwargs = batch(i, False)
-        start = time.perf_counter()
-        wrapped[setting](**kwargs).loss.backward()
-        took = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        return took
+        return timed(wrapped[setting], i)
 
     for setting in ("1", "0"):
         for i in range(3):

@@ -19,31 +19,21 @@ and the ratios of medians are printed. Steps in separate processes vary by up to
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
-from .models import GPT2_BATCH, GPT2_SMALL, causal_lm_batch, gpt2_model
+from .turns import gpt2_in_turns
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=GPT2_SMALL["n_layer"])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
-    args = parser.parse_args()
-    os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    args, model, timed = gpt2_in_turns(parser)
     from ortmodule import ORTModule
     from ortmodule_exporter.passes import matmul_routes
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = gpt2_model(dict(GPT2_SMALL, n_layer=args.layers))
-    batch = causal_lm_batch(GPT2_SMALL["vocab_size"], GPT2_BATCH)
     steppers: dict[str, Callable[..., object]] = {"eager": model}
     if not args.no_compile:
         steppers["compile"] = torch.compile(model)
@@ -52,12 +42,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in steppers}
 
     def step(name: str, i: int) -> float:
-        _, kwargs = batch(i, False)
-        start = time.perf_counter()
-        steppers[name](**kwargs).loss.backward()  # type: ignore[attr-defined]
-        took = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        return took
+        return timed(steppers[name], i)
 
     real_route = matmul_routes.matmul_route
     for name in steppers:
@@ -68,9 +53,8 @@ def main() -> None:
             first = step(name, 0)
         finally:
             matmul_routes.matmul_route = real_route
-        warm = [
-            step(name, i) for i in range(1, 14 if "products" in name or name == "default" else 3)
-        ]
+        # ORTModule's in-engine thread trial settles by its 14th step
+        warm = [step(name, i) for i in range(1, 14 if isinstance(steppers[name], ORTModule) else 3)]
         print(f"{name}: first step {first:.2f} s, warm-up {' '.join(f'{t:.2f}' for t in warm)}")
     order = list(steppers)
     for i in range(args.rounds):

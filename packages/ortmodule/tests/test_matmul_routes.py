@@ -4,6 +4,9 @@ where PyTorch was measured faster, transposes around it are folded, and training
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import onnx
 import pytest
 import torch
@@ -12,6 +15,7 @@ from onnx import TensorProto, helper
 from ortmodule import ORTModule
 from ortmodule_exporter.aten import kernel_choice
 from ortmodule_exporter.aten.kernel_choice import choice, matmul
+from ortmodule_exporter.aten.parallel import TorchThreadsInEngine, width
 from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_exporter.passes.matmul_routes import route_matmuls, routes_products
 from ortmodule_testing.parity import assert_same_training, clone_model, train_steps
@@ -37,6 +41,16 @@ class TiedLm(torch.nn.Module):
         h = self.mix(h)
         logits = h @ self.embed.weight.t()
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+@contextlib.contextmanager
+def _kernel_choice(mode: str) -> Iterator[None]:
+    """The kernel choice in ``mode`` for the block, back to ``engine`` after it."""
+    kernel_choice.configure_kernel_choice(mode)
+    try:
+        yield
+    finally:
+        kernel_choice.configure_kernel_choice("engine")
 
 
 def _built_operators(model: ORTModule) -> list[tuple[str, str]]:
@@ -97,23 +111,17 @@ def test_recompute_keeps_the_forward_products_on_the_engine(
 
     monkeypatch.setattr(matmul_routes, "matmul_route", route)
     model = _two_products_with_yield()
-    kernel_choice.configure_kernel_choice(kernel_choice.LOSSES)
-    try:
+    with _kernel_choice(kernel_choice.LOSSES):
         assert route_matmuls(model, "cpu") == 2
-    finally:
-        kernel_choice.configure_kernel_choice("engine")
     # the pass asks with the half each product is in; matmul_route answers "engine" for the
     # forward one under "losses" (below)
     assert seen == [False, True]
     monkeypatch.setattr(choice, "_DECISIONS", {})
     monkeypatch.setattr(choice, "_SECONDS", {})
-    kernel_choice.configure_kernel_choice(kernel_choice.LOSSES)
-    try:
+    with _kernel_choice(kernel_choice.LOSSES):
         assert kernel_choice.matmul_route(None, 8, 8, False, False) == "engine"
         monkeypatch.setattr(matmul, "measure_matmul", lambda *a: (2.0, 1.0))
         assert kernel_choice.matmul_route(None, 8, 8, False, False, backward=True) == "torch"
-    finally:
-        kernel_choice.configure_kernel_choice("engine")
 
 
 def _two_products_with_yield() -> onnx.ModelProto:
@@ -137,12 +145,9 @@ def _two_products_with_yield() -> onnx.ModelProto:
 
 def test_cuda_graphs_keep_the_engines_products() -> None:
     model = _two_products_with_yield()
-    kernel_choice.configure_kernel_choice("torch")
-    try:
+    with _kernel_choice("torch"):
         assert route_matmuls(model, "cuda") == 0
         assert route_matmuls(model, "cpu") == 2
-    finally:
-        kernel_choice.configure_kernel_choice("engine")
     assert routes_products(model.SerializeToString())
 
 
@@ -158,17 +163,16 @@ def test_a_product_of_another_type_stays_on_the_engine() -> None:
         [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [4, 8])],
     )
     model = helper.make_model(graph)
-    kernel_choice.configure_kernel_choice("torch")
-    try:
+    with _kernel_choice("torch"):
         assert route_matmuls(model, "cpu") == 0
-    finally:
-        kernel_choice.configure_kernel_choice("engine")
 
 
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("bias", ["none", "row", "full"])
-def test_the_product_function_is_gemm(trans_a: bool, trans_b: bool, bias: str) -> None:
+def test_the_product_function_is_gemm(
+    trans_a: bool, trans_b: bool, bias: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``alpha * op(A) @ op(B) + beta * C`` as ONNX's Gemm defines it, whole and in row pieces
     (the engine's threads: ``TorchThreadsInEngine(1)`` on a 2-thread PyTorch)."""
     gen = torch.Generator().manual_seed(0)
@@ -186,16 +190,10 @@ def test_the_product_function_is_gemm(trans_a: bool, trans_b: bool, bias: str) -
     torch.set_num_threads(2)
     try:
         whole = matmul._matmul(overload, inputs)[0]
-        monkey = matmul.MIN_PIECES_WORK
-        matmul.MIN_PIECES_WORK = 0
-        try:
-            from ortmodule_exporter.aten.parallel import TorchThreadsInEngine, width
-
-            with TorchThreadsInEngine(1):
-                assert width() == 2
-                pieces = matmul._matmul(overload, inputs)[0]
-        finally:
-            matmul.MIN_PIECES_WORK = monkey
+        monkeypatch.setattr(matmul, "MIN_PIECES_WORK", 0)
+        with TorchThreadsInEngine(1):
+            assert width() == 2
+            pieces = matmul._matmul(overload, inputs)[0]
     finally:
         torch.set_num_threads(threads)
     for got in (whole, pieces):
@@ -229,13 +227,10 @@ def test_a_product_is_timed_at_a_capped_shape(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(matmul, "measure_matmul", fake)
     monkeypatch.setattr(choice, "_DECISIONS", {})
     monkeypatch.setattr(choice, "_SECONDS", {})
-    kernel_choice.configure_kernel_choice("auto")
-    try:
+    with _kernel_choice("auto"):
         assert kernel_choice.matmul_route(None, 768, 50257, False, True) == "torch"
         # a second product of the same class is not timed again
         assert kernel_choice.matmul_route(None, 768, 60000, False, True) == "torch"
-    finally:
-        kernel_choice.configure_kernel_choice("engine")
     cap = matmul.CALIBRATION_CAP
     assert timed == [
         (min(kernel_choice.CALIBRATION_ROWS, cap), 768, cap, False, True, False, False)

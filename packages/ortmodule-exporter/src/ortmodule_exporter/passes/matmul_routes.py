@@ -35,7 +35,7 @@ import onnx
 
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.kernel_choice import MATMUL, current_mode, matmul_overload, matmul_route
-from ..onnx_graph import attribute, value_shapes
+from ..onnx_graph import attribute, producers_and_consumers, value_shapes
 from .built_graph import register_built_graph_pass
 
 __all__ = ["route_matmuls", "routes_products"]
@@ -51,7 +51,6 @@ Shapes = dict[str, tuple[int, list[int | None] | None]]
 class _Product:
     """One product node read as ``alpha * op(A) @ op(B) + beta * C``."""
 
-    position: int
     a: str
     b: str
     c: str
@@ -62,38 +61,27 @@ class _Product:
     fused: bool  # the engine runs it as FusedMatMul (MatMul, FusedMatMul), else Gemm
 
 
-def _read(position: int, node: onnx.NodeProto) -> _Product | None:
-    """The product ``node`` computes, or None for a node the pass leaves alone."""
-    if node.op_type == "Gemm" and node.domain in ("", "ai.onnx"):
-        c = node.input[2] if len(node.input) > 2 else ""
-        return _Product(
-            position,
-            node.input[0],
-            node.input[1],
-            c,
-            bool(attribute(node, "transA", 0)),
-            bool(attribute(node, "transB", 0)),
-            float(attribute(node, "alpha", 1.0)),
-            float(attribute(node, "beta", 1.0)) if c else 0.0,
-            fused=False,
-        )
-    if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
-        return _Product(position, node.input[0], node.input[1], "", False, False, 1.0, 0.0, True)
-    if node.op_type == "FusedMatMul" and node.domain == _MS:
-        if attribute(node, "transBatchA", 0) or attribute(node, "transBatchB", 0):
-            return None
-        return _Product(
-            position,
-            node.input[0],
-            node.input[1],
-            "",
-            bool(attribute(node, "transA", 0)),
-            bool(attribute(node, "transB", 0)),
-            float(attribute(node, "alpha", 1.0)),
-            0.0,
-            fused=True,
-        )
-    return None
+def _read(node: onnx.NodeProto) -> _Product | None:
+    """The product ``node`` computes, or None for a node the pass leaves alone. A ``MatMul``
+    has none of the attributes read: their defaults are its product."""
+    onnx_domain = node.domain in ("", "ai.onnx")
+    gemm = node.op_type == "Gemm" and onnx_domain
+    fused = node.op_type == "FusedMatMul" and node.domain == _MS
+    if not (gemm or fused or (node.op_type == "MatMul" and onnx_domain)):
+        return None
+    if fused and (attribute(node, "transBatchA", 0) or attribute(node, "transBatchB", 0)):
+        return None
+    c = node.input[2] if gemm and len(node.input) > 2 else ""
+    return _Product(
+        node.input[0],
+        node.input[1],
+        c,
+        bool(attribute(node, "transA", 0)),
+        bool(attribute(node, "transB", 0)),
+        float(attribute(node, "alpha", 1.0)),
+        float(attribute(node, "beta", 1.0)) if c else 0.0,
+        fused=not gemm,
+    )
 
 
 def _float32(shapes: Shapes, names: list[str]) -> bool:
@@ -116,17 +104,14 @@ class _Transposes:
     """The graph's 2-d ``Transpose`` nodes (``perm=[1, 0]``) by output, and who reads what."""
 
     def __init__(self, graph: onnx.GraphProto) -> None:
-        self.producer: dict[str, onnx.NodeProto] = {}
-        self.readers: dict[str, list[onnx.NodeProto]] = {}
-        for node in graph.node:
-            for name in node.input:
-                self.readers.setdefault(name, []).append(node)
-            if (
-                node.op_type == "Transpose"
-                and node.domain in ("", "ai.onnx")
-                and list(attribute(node, "perm", [])) == [1, 0]
-            ):
-                self.producer[node.output[0]] = node
+        producers, self.readers = producers_and_consumers(graph)
+        self.producer = {
+            name: node
+            for name, node in producers.items()
+            if node.op_type == "Transpose"
+            and node.domain in ("", "ai.onnx")
+            and list(attribute(node, "perm", [])) == [1, 0]
+        }
 
     def source(self, name: str) -> str | None:
         """What ``name`` is the transpose of, when a 2-d ``Transpose`` makes it."""
@@ -136,9 +121,8 @@ class _Transposes:
     def only_reader(self, name: str) -> onnx.NodeProto | None:
         """The 2-d ``Transpose`` that is the only reader of ``name``, if there is one."""
         readers = self.readers.get(name, [])
-        if len(readers) == 1 and readers[0].output[0] in self.producer:
-            if readers[0] is self.producer[readers[0].output[0]]:
-                return readers[0]
+        if len(readers) == 1 and self.producer.get(readers[0].output[0]) is readers[0]:
+            return readers[0]
         return None
 
 
@@ -155,7 +139,7 @@ def route_matmuls(model: onnx.ModelProto, device_type: str) -> int:
     replaced: dict[int, onnx.NodeProto] = {}
     removed: set[int] = set()
     for position, node in enumerate(nodes):
-        product = _read(position, node)
+        product = _read(node)
         if product is None or len(node.output) != 1:
             continue
         rewritten = _route(product, node, shapes, transposes, outputs, position > split)

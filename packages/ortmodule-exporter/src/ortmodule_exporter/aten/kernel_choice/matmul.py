@@ -27,8 +27,6 @@ torch.Size([2, 4])
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import output_pool
@@ -73,7 +71,8 @@ def _matmul(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tens
     lead: tuple[int, ...] = ()
     if a.dim() != 2:
         if trans_a or a.dim() < 2:
-            # not written by the pass (it takes only a 2-d A when transposed); kept correct
+            # a vector: a MatMul's A of a rank the built graph did not know (the pass writes a
+            # transposed A only when it knows A is 2-d)
             x = a.transpose(-1, -2) if trans_a else a
             y = torch.matmul(x, b.t() if trans_b else b)
             return [y * alpha if alpha != 1.0 else y]
@@ -171,14 +170,11 @@ def matmul_route(
     ``op(B)`` (``k`` x ``n``); a dim the graph does not fix is None (timed at
     :data:`CALIBRATION_ROWS`). ``backward``: a node of the built graph's backward half (it is
     measured under the recompute levels too, which keep forward nodes on the engine)."""
-    size = tuple(_calibration_dim(d) for d in (m, k, n)) + (trans_a, trans_b, bias)
-    kind = "fused_matmul" if fused else "gemm"
-    cm, ck, cn = size[0], size[1], size[2]
-    assert math.prod((cm, ck, cn)) > 0
+    cm, ck, cn = (_calibration_dim(d) for d in (m, k, n))
     return _decide(
-        f"matmul({kind})",
+        f"matmul({'fused_matmul' if fused else 'gemm'})",
         "Float",
-        size,
+        (cm, ck, cn, trans_a, trans_b, bias),
         lambda: measure_matmul(cm, ck, cn, trans_a, trans_b, bias, fused),
         backward_only=backward,
     )
