@@ -31,6 +31,8 @@ engine built (built-graph passes).
                         ``gelu_backward`` where the kernel choice measured it faster (61)
 ``matmul_routes``       built-graph pass: matrix products by a 2-d operand on PyTorch's ``mm``
                         where the kernel choice measured it faster (62)
+``embedding_grad_sums`` built-graph pass: a lookup table's gradient and its other gradients (a
+                        tied head's) summed in one pass over the table (64)
 ``low_precision_sums``  built-graph pass: the engine's own bfloat16/float16 gradient sums on CPU
                         computed in float32 and rounded once, as PyTorch's kernels do (70)
 ======================  =========================================================================
@@ -45,6 +47,7 @@ from . import (  # noqa: F401 - register
     attention_fusion,
     attention_layout,
     batchnorm,
+    embedding_grad_sums,
     engine_forwards,
     engine_graph_fixes,
     gelu_grads,

@@ -115,6 +115,7 @@ from .matmul import (
     matmul_overload,
     matmul_route,
     measure_matmul,
+    parse_matmul_overload,
 )
 from .matmul import _matmul as _matmul
 from .gelu import (
@@ -143,7 +144,12 @@ from .cross_entropy import (
     measure_cross_entropy,
 )
 from .convolution import CONV, CONV_BACKWARD, measure_conv
-from .embedding import embedding_route, measure_embedding
+from .embedding import (
+    EMBEDDING_GRAD_ADD,
+    embedding_grad_add_overload,
+    embedding_route,
+    measure_embedding,
+)
 from .max_pool import (
     CHANNELS_LAST,
     MAX_POOL2D,
@@ -163,6 +169,7 @@ __all__ = [
     "CONV_BACKWARD",
     "CROSS_ENTROPY",
     "CROSS_ENTROPY_BACKWARD",
+    "EMBEDDING_GRAD_ADD",
     "ENGINE_FORWARD",
     "ENGINE_FORWARDS",
     "GELU",
@@ -191,6 +198,7 @@ __all__ = [
     "decisions",
     "decisions_from_json",
     "decisions_to_json",
+    "embedding_grad_add_overload",
     "embedding_route",
     "fx_covered_operators",
     "fx_example_inputs",
@@ -206,6 +214,7 @@ __all__ = [
     "ENGINE_GELU_GRADS",
     "measure_layer_norm",
     "matmul_overload",
+    "parse_matmul_overload",
     "matmul_route",
     "measure_matmul",
     "measure_max_pool2d",

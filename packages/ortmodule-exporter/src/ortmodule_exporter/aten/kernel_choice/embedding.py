@@ -17,6 +17,7 @@ import torch
 
 from ...symbolics import embedding as embedding_symbolic
 from ...torchscript_onnx import symbolic_helper as sh
+from ..executor import AtenFunction, register_aten_function
 from ..routes import embedding_node
 from .choice import _decide, _size_class
 from .fx_nodes import (
@@ -27,10 +28,55 @@ from .fx_nodes import (
     fx_sizes,
     register_fx_kernel_choice,
 )
-from .helpers import _dtype, _ints_const
+from .helpers import _all_tensors, _dtype, _ints_const
 from .measuring import _engine_us, _randn, _seeded, _torch_us
 from .modes import current_mode
 from .traced import _traced
+
+#: a table's lookup gradient added to its other gradients (``passes/embedding_grad_sums.py``)
+EMBEDDING_GRAD_ADD = "_ortmodule_embedding_grad_add"
+
+
+def embedding_grad_add_overload(in_place: bool, padding_idx: int = -1) -> str:
+    """The overload name of an :data:`EMBEDDING_GRAD_ADD` node: ``"in_place|-1"``."""
+    return f"{'in_place' if in_place else ''}|{int(padding_idx)}"
+
+
+def _embedding_grad_add(
+    overload: str, inputs: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """A lookup's gradient (the engine's ``GatherGrad`` on axis 0, or PyTorch's
+    ``embedding_backward`` without frequency scaling) plus the table's other gradients, in one
+    pass over the table. Inputs: the table's shape or its row count, the indices, ``dY`` (the
+    lookups' gradient), then the others. Overload ``"in_place|P"``: the first other is a buffer
+    no one else reads (a product's output), which the rows are added into; ``"|P"``: the sum
+    goes to a new table. Rows looked up at ``P`` (a padding index, or -1) add nothing, as
+    ``embedding_backward`` gives that row no gradient."""
+    size, indices, dy, *others = inputs
+    assert size is not None and indices is not None and dy is not None and others
+    mode, padding = overload.split("|")
+    dims = [int(size.reshape(-1)[0]), *dy.shape[indices.dim() :]]
+    first = others[0]
+    assert first is not None
+    if mode == "in_place" and list(first.shape) == dims and first.is_contiguous():
+        out = first
+    else:
+        out = torch.empty(dims, dtype=dy.dtype, device=dy.device)
+        out.copy_(first)  # broadcasts a summand of another shape, as Sum does
+    for other in others[1:]:
+        assert other is not None
+        out.add_(other)
+    flat, rows = indices.reshape(-1).long(), dy.reshape(-1, *dims[1:])
+    if bool((flat < 0).any()):  # Gather's negative indices count from the end
+        flat = torch.where(flat < 0, flat + dims[0], flat)
+    if int(padding) >= 0:
+        kept = flat != int(padding)
+        flat, rows = flat[kept], rows[kept]
+    out.index_add_(0, flat, rows.to(out.dtype))
+    return [out]
+
+
+register_aten_function(EMBEDDING_GRAD_ADD, AtenFunction(_embedding_grad_add, _all_tensors))
 
 
 def measure_embedding(rows: int, dim: int, lookups: int) -> tuple[float, float]:

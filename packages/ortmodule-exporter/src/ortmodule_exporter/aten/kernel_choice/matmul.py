@@ -56,7 +56,9 @@ def matmul_overload(
     return f"{flags}|{float(alpha)!r}|{float(beta)!r}"
 
 
-def _parse(overload: str) -> tuple[bool, bool, float, float, bool]:
+def parse_matmul_overload(overload: str) -> tuple[bool, bool, float, float, bool]:
+    """``(trans_a, trans_b, alpha, beta, graph_output)`` of an overload name
+    (:func:`matmul_overload`)."""
     flags, alpha, beta = overload.split("|")
     return flags[0] == "1", flags[1] == "1", float(alpha), float(beta), flags[2:] == "o"
 
@@ -64,7 +66,7 @@ def _parse(overload: str) -> tuple[bool, bool, float, float, bool]:
 def _matmul(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """``alpha * op(A) @ op(B) + beta * C``, in row pieces across the engine's threads when they
     allow (each piece writes its rows of the pooled output)."""
-    trans_a, trans_b, alpha, beta, graph_output = _parse(overload)
+    trans_a, trans_b, alpha, beta, graph_output = parse_matmul_overload(overload)
     a, b = inputs[0], inputs[1]
     c = inputs[2] if len(inputs) > 2 and beta != 0.0 else None
     assert a is not None and b is not None
