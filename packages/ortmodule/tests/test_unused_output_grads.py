@@ -17,6 +17,7 @@ from onnx import helper
 
 from ortmodule import ORTModule
 from ortmodule_exporter.engine import summed_output_grads
+from ortmodule_exporter.passes.output_grad_sums import adds_output_grad
 from ortmodule_testing.parity import clone_model
 
 
@@ -71,8 +72,25 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+def _adds_in_loss(wrapped: ORTModule) -> bool:
+    """Whether PyTorch's loss gradient adds the logits' outside gradient itself, with no
+    ``Add`` of the outside gradient left (``passes/output_grad_sums.py``)."""
+    nodes = list(_training_graph(wrapped).built.model.graph.node)
+    yielded = {name for n in nodes if n.op_type == "YieldOp" for name in n.output}
+    adds = [n for n in nodes if n.op_type == "Add" and set(n.input) & yielded]
+    folded = [n for n in nodes if adds_output_grad(n)]
+    assert bool(adds) != bool(folded), (adds, folded)
+    return bool(folded)
+
+
 @pytest.mark.parametrize("use_logits", [False, True])
-def test_unused_logits_take_a_scalar_zero_and_gradients_match_eager(use_logits: bool) -> None:
+@pytest.mark.parametrize("kernels", ["ENGINE", "TORCH"])
+def test_unused_logits_take_a_scalar_zero_and_gradients_match_eager(
+    use_logits: bool, kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the engine's loss gradient the engine's ``Add`` sums the two; on PyTorch's, the loss
+    gradient adds the outside one in place (nothing for the 0-d zero)."""
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", kernels)
     torch.manual_seed(0)
     eager = _LossAndLogits()
     wrapped = ORTModule(clone_model(eager))
@@ -81,6 +99,7 @@ def test_unused_logits_take_a_scalar_zero_and_gradients_match_eager(use_logits: 
     wrapped(ids)[0].backward()  # the first call builds the graph
     wrapped.zero_grad()
     assert _training_graph(wrapped).built.summed_output_grads == frozenset({1})
+    assert _adds_in_loss(wrapped) == (kernels == "TORCH")
     seen = _record_backward_feeds(wrapped)
 
     for model in (eager, wrapped):
@@ -92,6 +111,29 @@ def test_unused_logits_take_a_scalar_zero_and_gradients_match_eager(use_logits: 
         assert seen == [[(), ()]]  # the loss's 1.0 and the logits' 0-d zero
     for got, want in zip(_grads(wrapped), _grads(eager), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_loss_gradient_adds_a_full_or_a_zero_outside_gradient() -> None:
+    """``adds_output_grad``: the outside gradient, reshaped as the graph reshapes the loss's
+    gradient, added to it; a 0-d zero adds nothing."""
+    from ortmodule_exporter.aten.kernel_choice.cross_entropy import (
+        ADDS_OUTPUT_GRAD,
+        _cross_entropy_backward,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5, generator=gen)
+    target = torch.tensor([0, 4, 1, -100, 2, 2])
+    lse = torch.logsumexp(logits, 1)
+    inputs = [torch.tensor(1.0), logits, lse, target, torch.tensor(5.0), torch.tensor([1, -100])]
+    (plain,) = _cross_entropy_backward("", list(inputs))
+    outside = torch.randn(2, 3, 5, generator=gen)
+    shape = torch.tensor([2, 3, 5])
+    (full,) = _cross_entropy_backward(ADDS_OUTPUT_GRAD, [*inputs, outside, shape])
+    (zero,) = _cross_entropy_backward(ADDS_OUTPUT_GRAD, [*inputs, torch.tensor(0.0), shape])
+    assert plain is not None and full is not None and zero is not None
+    torch.testing.assert_close(full, plain + outside.reshape(6, 5))
+    assert torch.equal(zero, plain)
 
 
 def test_an_output_the_graph_does_not_read_takes_a_full_shape_zero() -> None:

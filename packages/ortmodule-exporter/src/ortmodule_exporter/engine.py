@@ -471,7 +471,8 @@ def summed_output_grads(model: onnx.ModelProto) -> frozenset[int]:
     logits at batch 4 x 256). The builder says so itself: ``YieldOp``'s ``full_shape_outputs``
     lists the outputs that need the full shape, and its kernel checks only those. This also
     checks every reader of each other gradient in the final graph (after the built-graph
-    passes) and keeps the full shape where one is not a ``Sum``/``Add``.
+    passes) and keeps the full shape where one is not a ``Sum``/``Add`` (or a loss gradient
+    that adds it itself, ``passes/output_grad_sums.py``).
     """
     yield_node = next((n for n in model.graph.node if n.op_type == "YieldOp"), None)
     if yield_node is None:
@@ -481,6 +482,8 @@ def summed_output_grads(model: onnx.ModelProto) -> frozenset[int]:
         return frozenset()
     non_diff = set(onnx_graph.attribute(yield_node, "non_differentiable_outputs", []))
     differentiable = [i for i in range(len(yield_node.input)) if i not in non_diff]
+    from .passes.output_grad_sums import adds_output_grad
+
     _, readers = onnx_graph.producers_and_consumers(model.graph)
     graph_outputs = {vi.name for vi in model.graph.output}
     return frozenset(
@@ -490,7 +493,10 @@ def summed_output_grads(model: onnx.ModelProto) -> frozenset[int]:
         if i not in full
         and grad not in graph_outputs
         and readers.get(grad)
-        and all(n.op_type in _BROADCAST_SUMS and n.domain in ("", "ai.onnx") for n in readers[grad])
+        and all(
+            (n.op_type in _BROADCAST_SUMS and n.domain in ("", "ai.onnx")) or adds_output_grad(n)
+            for n in readers[grad]
+        )
     )
 
 

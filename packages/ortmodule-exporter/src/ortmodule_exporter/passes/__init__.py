@@ -33,6 +33,8 @@ engine built (built-graph passes).
                         where the kernel choice measured it faster (62)
 ``embedding_grad_sums`` built-graph pass: a lookup table's gradient and its other gradients (a
                         tied head's) summed in one pass over the table (64)
+``output_grad_sums``    built-graph pass: the logits' outside gradient added inside PyTorch's
+                        loss gradient instead of by a logits-sized ``Add`` (66)
 ``low_precision_sums``  built-graph pass: the engine's own bfloat16/float16 gradient sums on CPU
                         computed in float32 and rounded once, as PyTorch's kernels do (70)
 ======================  =========================================================================
@@ -55,6 +57,7 @@ from . import (  # noqa: F401 - register
     low_precision_sums,
     matmul_routes,
     nan_gradients,
+    output_grad_sums,
     output_ranks,
     python_op,
     row_sums,

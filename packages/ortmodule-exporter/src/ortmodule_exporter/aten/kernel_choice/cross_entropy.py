@@ -103,12 +103,30 @@ def _cross_entropy(_overload: str, inputs: list[torch.Tensor | None]) -> list[to
     return [loss, lse, total]
 
 
+#: the overload of a :data:`CROSS_ENTROPY_BACKWARD` node that also adds the gradient autograd
+#: hands in for the logits (``passes/output_grad_sums.py``)
+ADDS_OUTPUT_GRAD = "adds_output_grad"
+
+
+def _onnx_shape(x: torch.Tensor, shape: torch.Tensor) -> list[int]:
+    """ONNX ``Reshape``'s target (``allowzero=0``): a 0 keeps ``x``'s dim there."""
+    return [int(x.shape[i]) if d == 0 else int(d) for i, d in enumerate(shape.tolist())]
+
+
 def _cross_entropy_backward(
-    _overload: str, inputs: list[torch.Tensor | None]
+    overload: str, inputs: list[torch.Tensor | None]
 ) -> list[torch.Tensor | None]:
     """softmax(logits) - one_hot(target), scaled by the loss's gradient (divided by the
     counted rows for a mean), zero on ignored rows: ``nll_loss_backward`` and
-    ``_log_softmax_backward_data`` in one tensor of the logits' size."""
+    ``_log_softmax_backward_data`` in one tensor of the logits' size. :data:`ADDS_OUTPUT_GRAD`:
+    two more inputs, the logits' gradient from outside the graph (a 0-d zero where the user
+    did not use them) and the shape the graph reshapes this gradient to before adding it; it
+    is added here, in place."""
+    outside: torch.Tensor | None = None
+    outside_shape: torch.Tensor | None = None
+    if overload == ADDS_OUTPUT_GRAD:
+        *inputs, outside, outside_shape = inputs
+        assert outside is not None and outside_shape is not None
     grad, logits, lse, target, total, params = inputs
     assert grad is not None and logits is not None and lse is not None
     assert target is not None and total is not None and params is not None
@@ -124,7 +142,11 @@ def _cross_entropy_backward(
             torch.sub(logits[a:b], lse[a:b].unsqueeze(1), out=out).exp_().mul_(row[a:b])
 
     parallel.over_rows(fill, logits.shape[0], logits.numel())
-    return [grad_logits.scatter_add_(1, classes, row.neg())]
+    grad_logits.scatter_add_(1, classes, row.neg())
+    if outside is not None and (outside.numel() != 1 or bool(outside.reshape(()) != 0)):
+        assert outside_shape is not None
+        grad_logits.view(_onnx_shape(grad_logits, outside_shape)).add_(outside)
+    return [grad_logits]
 
 
 register_aten_function(CROSS_ENTROPY, AtenFunction(_cross_entropy, _all_tensors))
