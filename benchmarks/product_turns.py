@@ -7,7 +7,10 @@ process (``passes/matmul_routes.py``, issue #41).
 One ``GPT2LMHeadModel`` (GPT-2 small's config, batch 4 x 256, 2 threads) is trained by four
 steppers that share its weights: PyTorch eager, ``torch.compile``, ORTModule with the matrix
 products kept on the engine (the kernel choice's products answered "engine" while its graph is
-built; everything else as by default, the CPU arena included) and ORTModule as by default. Each
+built; everything else as by default, the CPU arena included), ORTModule without the two
+built-graph passes that sum a tied table's gradients and the logits' outside gradient in place
+(``embedding_grad_sums``, ``output_grad_sums``, left out while its graph is built) and ORTModule
+as by default. Each
 step is forward + backward (gradients cleared between steps; no optimizer, so every stepper
 sees the same weights). After warm-up steps (14 for ORTModule: its in-engine thread trial
 settles by then), the four take turns, ABCD DCBA, for ``--rounds`` rounds; each one's median
@@ -32,13 +35,23 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     args, model, timed = gpt2_in_turns(parser)
     from ortmodule import ORTModule
-    from ortmodule_exporter.passes import matmul_routes
+    from ortmodule_exporter.passes import (
+        built_graph,
+        embedding_grad_sums,
+        matmul_routes,
+        output_grad_sums,
+    )
 
     steppers: dict[str, Callable[..., object]] = {"eager": model}
     if not args.no_compile:
         steppers["compile"] = torch.compile(model)
     steppers["engine products"] = ORTModule(model)
+    steppers["no in-place sums"] = ORTModule(model)
     steppers["default"] = ORTModule(model)
+    in_place_sums = {
+        "embedding_grad_sums": (embedding_grad_sums._pass, 64),
+        "output_grad_sums": (output_grad_sums._pass, 66),
+    }
     times: dict[str, list[float]] = {name: [] for name in steppers}
 
     def step(name: str, i: int) -> float:
@@ -49,10 +62,16 @@ def main() -> None:
         # the products' decision is made while the first step builds the graph
         if name == "engine products":
             matmul_routes.matmul_route = lambda *a, **k: "engine"  # type: ignore[assignment]
+        if name == "no in-place sums":
+            for pass_name in in_place_sums:
+                built_graph.unregister_built_graph_pass(pass_name)
         try:
             first = step(name, 0)
         finally:
             matmul_routes.matmul_route = real_route
+            if name == "no in-place sums":
+                for pass_name, (fn, order) in in_place_sums.items():
+                    built_graph.register_built_graph_pass(pass_name, fn, order)
         # ORTModule's in-engine thread trial settles by its 14th step
         warm = [step(name, i) for i in range(1, 14 if isinstance(steppers[name], ORTModule) else 3)]
         print(f"{name}: first step {first:.2f} s, warm-up {' '.join(f'{t:.2f}' for t in warm)}")
