@@ -98,6 +98,34 @@ def _version(dist: str) -> str | None:
         return None
 
 
+#: modules a first step imports lazily (the model's code, the exporter, torch.onnx's): whether
+#: their source is compiled again in each process shows in first-step times
+_LAZY_MODULES = (
+    "transformers.models.gpt2.modeling_gpt2",
+    "torch.onnx._internal.torchscript_exporter.utils",
+    "ortmodule_exporter.export.exporter",
+)
+
+
+def bytecode_cached() -> tuple[int, int]:
+    """(how many of :data:`_LAZY_MODULES` have a current ``.pyc``, how many were found)."""
+    import importlib.util
+
+    cached = found = 0
+    for name in _LAZY_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        found += 1
+        pyc = importlib.util.cache_from_source(spec.origin)
+        if os.path.exists(pyc) and os.path.getmtime(pyc) >= os.path.getmtime(spec.origin):
+            cached += 1
+    return cached, found
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 
@@ -119,6 +147,8 @@ def machine_info() -> dict[str, Any]:
         "cuda": torch.cuda.is_available(),
         "bf16_flags": cpu_flags(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bytecode_cached": bytecode_cached(),
+        "dont_write_bytecode": bool(os.environ.get("PYTHONDONTWRITEBYTECODE")),
     }
 
 
@@ -681,6 +711,23 @@ def _nox_equivalent(command: str) -> str:
     return "nox -s bench" + (f" -- {args}" if args else "")
 
 
+def _bytecode_line(info: dict[str, Any]) -> str:
+    cached, found = info.get("bytecode_cached", (0, 0))
+    unset = "" if not info.get("dont_write_bytecode") else ", `PYTHONDONTWRITEBYTECODE` set"
+    if found and cached == found:
+        state = "cached (`.pyc` current)"
+    else:
+        state = (
+            f"cached for {cached} of {found}: the others' source is compiled again in every "
+            "process, inside first steps (`python -m compileall` over the environment caches it, "
+            "as `pip install` does)"
+        )
+    return (
+        f"- Python bytecode of the modules first steps import (the model's code, torch.onnx's "
+        f"exporter, ORTModule's): {state}{unset}"
+    )
+
+
 def write_report(report: Report, path: Path) -> str:
     info = report.info
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
@@ -705,6 +752,7 @@ def write_report(report: Report, path: Path) -> str:
             if report.threads
             else f"{info['torch_threads']} (PyTorch's default)"
         ),
+        _bytecode_line(info),
         f"- Suite: {'full' if report.full else 'quick'}, {report.seconds / 60:.1f} minutes in all",
         f"- Load average (1, 5, 15 min): {load} at the start, {load_after} at the end "
         "(the suite's own processes count in the second)",
