@@ -16,8 +16,8 @@ import torch
 from onnx import helper
 
 from ortmodule import ORTModule
+from ortmodule_exporter.aten.kernel_choice import adds_output_grad
 from ortmodule_exporter.engine import summed_output_grads
-from ortmodule_exporter.passes.output_grad_sums import adds_output_grad
 from ortmodule_testing.parity import clone_model
 
 

@@ -23,7 +23,7 @@ from . import named_dims, onnx_graph
 from .aten.attention_layout import FLASH, FLASH_BSHD
 from .aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError, aten_operator
 from .aten.gradients import stop_gradient_edges
-from .aten.kernel_choice import CROSS_ENTROPY, GELU, LAYER_NORM
+from .aten.kernel_choice import CROSS_ENTROPY, GELU, LAYER_NORM, adds_output_grad
 from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
 from .aten.stop_gradient import STOP_GRADIENT
 from .aten.topk import TOPK_INDICES
@@ -472,7 +472,7 @@ def summed_output_grads(model: onnx.ModelProto) -> frozenset[int]:
     lists the outputs that need the full shape, and its kernel checks only those. This also
     checks every reader of each other gradient in the final graph (after the built-graph
     passes) and keeps the full shape where one is not a ``Sum``/``Add`` (or a loss gradient
-    that adds it itself, ``passes/output_grad_sums.py``).
+    that adds it itself, ``passes/output_grad_sums.py``: ``adds_output_grad``).
     """
     yield_node = next((n for n in model.graph.node if n.op_type == "YieldOp"), None)
     if yield_node is None:
@@ -482,8 +482,6 @@ def summed_output_grads(model: onnx.ModelProto) -> frozenset[int]:
         return frozenset()
     non_diff = set(onnx_graph.attribute(yield_node, "non_differentiable_outputs", []))
     differentiable = [i for i in range(len(yield_node.input)) if i not in non_diff]
-    from .passes.output_grad_sums import adds_output_grad
-
     _, readers = onnx_graph.producers_and_consumers(model.graph)
     graph_outputs = {vi.name for vi in model.graph.output}
     return frozenset(

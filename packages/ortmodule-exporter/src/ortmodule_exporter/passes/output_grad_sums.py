@@ -25,22 +25,11 @@ from typing import Any
 import onnx
 
 from ..aten.executor import ATEN_DOMAIN
-from ..aten.kernel_choice import CROSS_ENTROPY_BACKWARD
-from ..aten.kernel_choice.cross_entropy import ADDS_OUTPUT_GRAD
+from ..aten.kernel_choice import ADDS_OUTPUT_GRAD, CROSS_ENTROPY_BACKWARD
 from ..onnx_graph import attribute, producers_and_consumers
 from .built_graph import register_built_graph_pass
 
-__all__ = ["add_output_grads_in_loss", "adds_output_grad"]
-
-
-def adds_output_grad(node: onnx.NodeProto) -> bool:
-    """Whether ``node`` is a loss gradient that adds an outside gradient (this pass's)."""
-    return (
-        node.op_type == "ATen"
-        and node.domain == ATEN_DOMAIN
-        and attribute(node, "operator", "") == CROSS_ENTROPY_BACKWARD
-        and attribute(node, "overload_name", "") == ADDS_OUTPUT_GRAD
-    )
+__all__ = ["add_output_grads_in_loss"]
 
 
 def add_output_grads_in_loss(model: onnx.ModelProto) -> int:

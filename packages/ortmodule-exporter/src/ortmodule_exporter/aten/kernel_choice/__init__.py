@@ -137,8 +137,10 @@ from .relu import (
 )
 from .layer_norm import LAYER_NORM, LAYER_NORM_BACKWARD, measure_layer_norm
 from .cross_entropy import (
+    ADDS_OUTPUT_GRAD,
     CROSS_ENTROPY,
     CROSS_ENTROPY_BACKWARD,
+    adds_output_grad,
     aten_cross_entropy,
     cross_entropy_route,
     measure_cross_entropy,
@@ -161,6 +163,7 @@ from .max_pool import _max_pool2d as _max_pool2d
 # isort: on
 
 __all__ = [
+    "ADDS_OUTPUT_GRAD",
     "ATEN_NODE_US",
     "CALIBRATION_NUMEL",
     "CALIBRATION_ROWS",
@@ -185,6 +188,7 @@ __all__ = [
     "ROW_SUM",
     "AtenChoice",
     "CoveredOperator",
+    "adds_output_grad",
     "aten_cross_entropy",
     "calibration_seconds",
     "choose",

@@ -108,6 +108,17 @@ def _cross_entropy(_overload: str, inputs: list[torch.Tensor | None]) -> list[to
 ADDS_OUTPUT_GRAD = "adds_output_grad"
 
 
+def adds_output_grad(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is a loss gradient that adds an outside gradient
+    (``passes/output_grad_sums.py``)."""
+    return (
+        node.op_type == "ATen"
+        and node.domain == ATEN_DOMAIN
+        and attribute(node, "operator", "") == CROSS_ENTROPY_BACKWARD
+        and attribute(node, "overload_name", "") == ADDS_OUTPUT_GRAD
+    )
+
+
 def _onnx_shape(x: torch.Tensor, shape: torch.Tensor) -> list[int]:
     """ONNX ``Reshape``'s target (``allowzero=0``): a 0 keeps ``x``'s dim there."""
     return [int(x.shape[i]) if d == 0 else int(d) for i, d in enumerate(shape.tolist())]
