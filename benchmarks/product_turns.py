@@ -35,12 +35,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     args, model, timed = gpt2_in_turns(parser)
     from ortmodule import ORTModule
-    from ortmodule_exporter.passes import (
-        built_graph,
-        embedding_grad_sums,
-        matmul_routes,
-        output_grad_sums,
-    )
+    from ortmodule_exporter.passes import built_graph, matmul_routes
 
     steppers: dict[str, Callable[..., object]] = {"eager": model}
     if not args.no_compile:
@@ -48,10 +43,11 @@ def main() -> None:
     steppers["engine products"] = ORTModule(model)
     steppers["no in-place sums"] = ORTModule(model)
     steppers["default"] = ORTModule(model)
-    in_place_sums = {
-        "embedding_grad_sums": (embedding_grad_sums._pass, 64),
-        "output_grad_sums": (output_grad_sums._pass, 66),
-    }
+    in_place_sums = [
+        p
+        for p in built_graph.built_graph_passes()
+        if p.name in ("embedding_grad_sums", "output_grad_sums")
+    ]
     times: dict[str, list[float]] = {name: [] for name in steppers}
 
     def step(name: str, i: int) -> float:
@@ -63,15 +59,15 @@ def main() -> None:
         if name == "engine products":
             matmul_routes.matmul_route = lambda *a, **k: "engine"  # type: ignore[assignment]
         if name == "no in-place sums":
-            for pass_name in in_place_sums:
-                built_graph.unregister_built_graph_pass(pass_name)
+            for p in in_place_sums:
+                built_graph.unregister_built_graph_pass(p.name)
         try:
             first = step(name, 0)
         finally:
             matmul_routes.matmul_route = real_route
             if name == "no in-place sums":
-                for pass_name, (fn, order) in in_place_sums.items():
-                    built_graph.register_built_graph_pass(pass_name, fn, order)
+                for p in in_place_sums:
+                    built_graph.register_built_graph_pass(p.name, p.fn, p.order)
         # ORTModule's in-engine thread trial settles by its 14th step
         warm = [step(name, i) for i in range(1, 14 if isinstance(steppers[name], ORTModule) else 3)]
         print(f"{name}: first step {first:.2f} s, warm-up {' '.join(f'{t:.2f}' for t in warm)}")

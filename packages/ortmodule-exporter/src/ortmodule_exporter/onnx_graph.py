@@ -39,6 +39,13 @@ def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
     return default
 
 
+def set_attribute(node: onnx.NodeProto, name: str, value: Any) -> None:
+    """Give ``node`` the attribute ``name`` = ``value``, in place of any it had by that name."""
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend([*kept, onnx.helper.make_attribute(name, value)])
+
+
 def producers_and_consumers(
     graph: onnx.GraphProto,
 ) -> tuple[dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:

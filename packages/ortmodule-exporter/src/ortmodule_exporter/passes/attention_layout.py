@@ -22,7 +22,7 @@ import onnx
 
 from ..aten.attention_layout import FLASH, FLASH_BSHD
 from ..aten.executor import ATEN_DOMAIN
-from ..onnx_graph import attribute, producers_and_consumers
+from ..onnx_graph import attribute, producers_and_consumers, set_attribute
 from .registry import register_post_export_pass
 
 __all__ = ["read_transposes_into_attention"]
@@ -82,15 +82,8 @@ def read_transposes_into_attention(model: onnx.ModelProto) -> int:
                     dropped.add(id(source))
         node.input[:] = inputs
         node.output[0] = output_name
-        kept = [a for a in node.attribute if a.name not in ("operator", "overload_name")]
-        del node.attribute[:]
-        node.attribute.extend(kept)
-        node.attribute.extend(
-            [
-                onnx.helper.make_attribute("operator", FLASH_BSHD),
-                onnx.helper.make_attribute("overload_name", flags),
-            ]
-        )
+        set_attribute(node, "operator", FLASH_BSHD)
+        set_attribute(node, "overload_name", flags)
         changed += 1
     if dropped:
         keep = [n for n in graph.node if id(n) not in dropped]

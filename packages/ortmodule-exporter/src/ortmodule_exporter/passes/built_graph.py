@@ -25,6 +25,7 @@ from ..ordered import OrderedRegistry, Registered
 
 __all__ = [
     "BuiltGraphPass",
+    "built_graph_passes",
     "register_built_graph_pass",
     "run_built_graph_passes",
     "unregister_built_graph_pass",
@@ -45,6 +46,11 @@ def register_built_graph_pass(name: str, fn: BuiltPassFn, order: int = 100) -> N
 
 def unregister_built_graph_pass(name: str) -> None:
     _PASSES.unregister(name)
+
+
+def built_graph_passes() -> tuple[BuiltGraphPass, ...]:
+    """The registered built-graph passes, in the order they run."""
+    return _PASSES.in_order()
 
 
 def run_built_graph_passes(model_bytes: bytes, config: Any) -> bytes:

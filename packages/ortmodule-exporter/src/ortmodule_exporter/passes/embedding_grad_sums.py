@@ -8,12 +8,13 @@ table with the looked-up rows' gradients scattered in, ``Sum`` adds it to the he
 into a third table. At GPT-2 124M's 50257 x 768 table that is three 154 MB buffers and three
 passes over them, to add 1024 rows: with no CPU arena (``ORTMODULE_CPU_MEM_ARENA=AUTO`` gives
 it up where the products run on PyTorch) both nodes write fresh pages each step, 103 and 95
-ms on the 2-core Xeon (the fused node: 4 ms). Here the pair becomes one ATen node (``_ortmodule_embedding_grad_add``):
-the other gradients' sum with the rows added in by ``index_add_`` (none for a padding
-index's rows, as ``embedding_backward`` gives; a lookup that scales by frequency is left). When the other gradient is
-the output of one of our products (``passes/matmul_routes.py``, which runs before) that nothing
-else reads, the rows are added into it in place, and that product allocates its output as a
-graph output's (not from the output pool, since the user keeps the sum as ``.grad``).
+ms on the 2-core Xeon. Here the pair becomes one ATen node (``_ortmodule_embedding_grad_add``,
+4 ms there): the other gradients' sum with the rows added in by ``index_add_`` (none for a
+padding index's rows, as ``embedding_backward`` gives; a lookup that scales by frequency is
+left). When the other gradient is the output of one of our products
+(``passes/matmul_routes.py``, which runs before) that nothing else reads, the rows are added
+into it in place, and that product allocates its output as a graph output's (not from the
+output pool, since the user keeps the sum as ``.grad``).
 
 Rows gathered more than once are added in index order, then onto the other gradient; the
 engine sums them first: equal up to float rounding. ``ORTMODULE_KERNEL_CHOICE=engine`` keeps the
@@ -39,7 +40,13 @@ from ..aten.kernel_choice import (
     matmul_overload,
     parse_matmul_overload,
 )
-from ..onnx_graph import attribute, constant_values, producers_and_consumers, value_shapes
+from ..onnx_graph import (
+    attribute,
+    constant_values,
+    producers_and_consumers,
+    set_attribute,
+    value_shapes,
+)
 from .built_graph import register_built_graph_pass
 
 __all__ = ["fuse_embedding_grad_sums"]
@@ -138,10 +145,9 @@ def fuse_embedding_grad_sums(model: onnx.ModelProto, device_type: str) -> int:
 def _allocate_as_graph_output(product: onnx.NodeProto) -> None:
     """Turn the ``o`` flag of a ``_ortmodule_matmul`` node's overload on: its output is a plain
     tensor of its own, not a pooled buffer (``aten/kernel_choice/matmul.py``)."""
-    for a in product.attribute:
-        if a.name == "overload_name":
-            trans_a, trans_b, alpha, beta, _ = parse_matmul_overload(a.s.decode())
-            a.s = matmul_overload(trans_a, trans_b, alpha, beta, graph_output=True).encode()
+    trans_a, trans_b, alpha, beta, _ = parse_matmul_overload(attribute(product, "overload_name"))
+    overload = matmul_overload(trans_a, trans_b, alpha, beta, graph_output=True)
+    set_attribute(product, "overload_name", overload)
 
 
 def _pass(model: onnx.ModelProto, config: Any) -> bool:

@@ -24,9 +24,8 @@ from typing import Any
 
 import onnx
 
-from ..aten.executor import ATEN_DOMAIN
-from ..aten.kernel_choice import ADDS_OUTPUT_GRAD, CROSS_ENTROPY_BACKWARD
-from ..onnx_graph import attribute, producers_and_consumers
+from ..aten.kernel_choice import ADDS_OUTPUT_GRAD, cross_entropy_backward_overload
+from ..onnx_graph import attribute, producers_and_consumers, set_attribute
 from .built_graph import register_built_graph_pass
 
 __all__ = ["add_output_grads_in_loss"]
@@ -62,10 +61,7 @@ def add_output_grads_in_loss(model: onnx.ModelProto) -> int:
         loss_grad = producers.get(reshape.input[0])
         if (
             loss_grad is None
-            or loss_grad.op_type != "ATen"
-            or loss_grad.domain != ATEN_DOMAIN
-            or attribute(loss_grad, "operator", "") != CROSS_ENTROPY_BACKWARD
-            or attribute(loss_grad, "overload_name", "") != ""
+            or cross_entropy_backward_overload(loss_grad) != ""
             or len(readers.get(reshape.input[0], [])) != 1
             or reshape.input[0] in outputs
         ):
@@ -75,10 +71,7 @@ def add_output_grads_in_loss(model: onnx.ModelProto) -> int:
         if shape_source is not None and position[id(shape_source)] > position[id(loss_grad)]:
             continue
         loss_grad.input.extend([outside, reshape.input[1]])
-        kept_attributes = [a for a in loss_grad.attribute if a.name != "overload_name"]
-        del loss_grad.attribute[:]
-        loss_grad.attribute.extend(kept_attributes)
-        loss_grad.attribute.append(onnx.helper.make_attribute("overload_name", ADDS_OUTPUT_GRAD))
+        set_attribute(loss_grad, "overload_name", ADDS_OUTPUT_GRAD)
         reshape.output[0] = add.output[0]
         removed.add(id(add))
     if not removed:

@@ -142,6 +142,7 @@ from .cross_entropy import (
     CROSS_ENTROPY_BACKWARD,
     adds_output_grad,
     aten_cross_entropy,
+    cross_entropy_backward_overload,
     cross_entropy_route,
     measure_cross_entropy,
 )
@@ -194,6 +195,7 @@ __all__ = [
     "choose",
     "configure_kernel_choice",
     "covered_operators",
+    "cross_entropy_backward_overload",
     "cross_entropy_route",
     "current_mode",
     "measures",

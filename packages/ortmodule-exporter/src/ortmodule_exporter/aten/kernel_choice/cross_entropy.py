@@ -108,15 +108,22 @@ def _cross_entropy(_overload: str, inputs: list[torch.Tensor | None]) -> list[to
 ADDS_OUTPUT_GRAD = "adds_output_grad"
 
 
+def cross_entropy_backward_overload(node: onnx.NodeProto) -> str | None:
+    """The overload name of a :data:`CROSS_ENTROPY_BACKWARD` ATen node; None for another
+    node."""
+    if (
+        node.op_type != "ATen"
+        or node.domain != ATEN_DOMAIN
+        or attribute(node, "operator", "") != CROSS_ENTROPY_BACKWARD
+    ):
+        return None
+    return str(attribute(node, "overload_name", ""))
+
+
 def adds_output_grad(node: onnx.NodeProto) -> bool:
     """Whether ``node`` is a loss gradient that adds an outside gradient
     (``passes/output_grad_sums.py``)."""
-    return (
-        node.op_type == "ATen"
-        and node.domain == ATEN_DOMAIN
-        and attribute(node, "operator", "") == CROSS_ENTROPY_BACKWARD
-        and attribute(node, "overload_name", "") == ADDS_OUTPUT_GRAD
-    )
+    return cross_entropy_backward_overload(node) == ADDS_OUTPUT_GRAD
 
 
 def _onnx_shape(x: torch.Tensor, shape: torch.Tensor) -> list[int]:
