@@ -112,3 +112,34 @@ def test_clear_frees_only_idle_buffers() -> None:
     assert output_pool.stats()["bytes"] == nbytes
     kept.fill_(2.0)  # still ours to write
     assert bool((kept == 2.0).all())
+
+
+def test_a_large_unpooled_tensor_frees_idle_buffers_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    nbytes = output_pool.size_class(SHAPE[0] * SHAPE[1] * 4)
+    monkeypatch.setattr(output_pool, "ROOM_BYTES", 2 * nbytes)
+    trims: list[bool] = []
+    monkeypatch.setattr(output_pool, "release_free_pages", lambda: trims.append(True) or True)
+    held = output_pool.empty(SHAPE, torch.float32)
+    held.fill_(5.0)
+    idle = [output_pool.empty(SHAPE, torch.float32) for _ in range(3)]
+    del idle
+    assert output_pool.stats()["bytes"] == 4 * nbytes
+
+    # smaller than ROOM_BYTES: the pool keeps its idle buffers
+    small = output_pool.empty_unpooled((SHAPE[0], SHAPE[1] * 2 - 1), torch.float32)
+    assert small.shape == (SHAPE[0], SHAPE[1] * 2 - 1)
+    assert output_pool.stats()["bytes"] == 4 * nbytes and not trims
+
+    # as large as two buffers: two idle ones go (not the held one), and the heap is trimmed
+    big = output_pool.empty_unpooled((SHAPE[0] * 2, SHAPE[1]), torch.float32)
+    assert big.shape == (SHAPE[0] * 2, SHAPE[1]) and big.is_contiguous()
+    assert output_pool.stats()["bytes"] == 2 * nbytes and trims == [True]
+    assert bool((held == 5.0).all())
+    pooled = output_pool.empty(SHAPE, torch.float32)  # the idle one left is still handed out
+    assert output_pool.stats()["bytes"] == 2 * nbytes
+    assert big.untyped_storage().data_ptr() not in {held.data_ptr(), pooled.data_ptr()}
+
+    # nothing idle: nothing freed, no trim
+    big2 = output_pool.empty_unpooled((SHAPE[0] * 2, SHAPE[1]), torch.float32)
+    assert output_pool.stats()["bytes"] == 2 * nbytes and trims == [True]
+    del big, big2, pooled, small

@@ -4,12 +4,17 @@ node that adds the looked-up rows into the head's gradient, and training stays e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 import torch
 from test_matmul_routes import TiedLm
 
 from ortmodule import ORTModule
-from ortmodule_exporter.aten.kernel_choice import EMBEDDING_GRAD_ADD, MATMUL
+from ortmodule_exporter.aten import output_pool
+from ortmodule_exporter.aten.kernel_choice import EMBEDDING_GRAD_ADD, MATMUL, choice
+from ortmodule_exporter.aten.kernel_choice import embedding as embedding_kernel
 from ortmodule_exporter.aten.kernel_choice.embedding import _embedding_grad_add
 from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_exporter.passes import matmul_routes
@@ -60,7 +65,18 @@ def test_the_rows_go_into_our_head_product_in_place_else_into_a_new_table(
     products: str, overload: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(matmul_routes, "matmul_route", lambda *args, **kwargs: products)
+    unpooled: list[tuple[int, ...]] = []
+    allocate = output_pool.empty_unpooled
+
+    def spy(shape: Sequence[int], *args: Any) -> torch.Tensor:
+        unpooled.append(tuple(shape))
+        return allocate(shape, *args)
+
+    monkeypatch.setattr(output_pool, "empty_unpooled", spy)
     nodes = _trained()
+    # the table's gradient (the head product's output, or the new table) is the user's .grad:
+    # not a pooled buffer, and idle pooled ones make room for it where it is large
+    assert tuple(_CASE.build().embed.weight.shape) in unpooled, unpooled
     assert ("ATen", EMBEDDING_GRAD_ADD, overload, "embed.weight_grad") in nodes, nodes
     assert not [n for n in nodes if n[0] == "GatherGrad"], nodes
     if products == "torch":
@@ -92,6 +108,50 @@ def test_engine_mode_keeps_gather_grad_and_sum(monkeypatch: pytest.MonkeyPatch) 
     nodes = _trained(steps=1)
     assert not [n for n in nodes if n[1] == EMBEDDING_GRAD_ADD]
     assert [n for n in nodes if n[0] == "GatherGrad"]
+
+
+class UntiedLm(TiedLm):
+    """:class:`TiedLm` with a head of its own: its table has no other gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Parameter(torch.randn(40, 16) * 0.1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = self.mix(h + self.down(torch.tanh(self.up(h))))
+        logits = h @ self.head.t()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+@pytest.mark.parametrize("frontend", ["torchscript", "torch_export"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_tables_lookup_is_not_timed(
+    tied: bool, frontend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "AUTO")
+    monkeypatch.setenv("ORTMODULE_EXPORTER", frontend)
+    monkeypatch.setattr(choice, "_DECISIONS", {})
+    timed: list[tuple[int, int]] = []
+
+    def measure(rows: int, dim: int, lookups: int) -> tuple[float, float]:
+        timed.append((rows, dim))
+        return 1.0, 2.0  # the engine's
+
+    monkeypatch.setattr(embedding_kernel, "measure_embedding", measure)
+    case = ZooCase(
+        "tied_lm_rows" if tied else "untied_lm_rows",
+        TiedLm if tied else UntiedLm,
+        _batch,
+        _loss,
+        _CASE.tolerance,
+    )
+    nodes = _trained(steps=2, case=case)
+    # a tied table's gradient is summed in one pass whichever route its lookup takes: the
+    # lookup is the engine's, untimed; a table read by its lookup alone is timed
+    assert timed == ([] if tied else [(40, 16)])
+    assert [n for n in nodes if n[0] == "Gather"], nodes
+    assert bool([n for n in nodes if n[1] == EMBEDDING_GRAD_ADD]) == tied, nodes
 
 
 def _reference(

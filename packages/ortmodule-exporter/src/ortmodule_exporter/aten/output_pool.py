@@ -15,7 +15,8 @@ by PyTorch) is never handed out again. Sizes are rounded up to 8 classes per pow
 (:func:`size_class`), so the outputs of batches of other lengths share buffers too. Like the
 engine's arena, the pool keeps about the peak of what was in use at once, and never more than
 :data:`MAX_BYTES`: beyond it idle buffers are freed, least recently used first, and an output
-that still does not fit is allocated as usual. :func:`clear` gives the idle buffers back.
+that still does not fit is allocated as usual. :func:`clear` gives the idle buffers back, and
+:func:`empty_unpooled` frees idle ones to make room for a large tensor the pool will not own.
 
 Used where our own code allocates an output: elementwise operators written with ``out=``
 (GELU and its backward, ``parallel.elementwise``) and the pieces of a node cut along the batch
@@ -35,10 +36,24 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["MAX_BYTES", "MIN_BYTES", "clear", "empty", "size_class", "stats"]
+from ..heap import release_free_pages
+
+__all__ = [
+    "MAX_BYTES",
+    "MIN_BYTES",
+    "ROOM_BYTES",
+    "clear",
+    "empty",
+    "empty_unpooled",
+    "size_class",
+    "stats",
+]
 
 #: outputs smaller than this are allocated as usual (glibc serves them from its heap)
 MIN_BYTES = 1 << 18
+#: a tensor the pool does not own this large (glibc's largest ``mmap`` threshold: always fresh
+#: pages) first frees as many bytes of idle buffers (:func:`empty_unpooled`)
+ROOM_BYTES = 32 << 20
 #: what the pool may hold in all; to stay under it idle buffers go, least recently used first,
 #: and an output that does not fit is allocated as usual
 MAX_BYTES = 256 << 20
@@ -83,21 +98,28 @@ def _held() -> int:
     return sum(size * len(buffers) for size, buffers in _BUFFERS.items())
 
 
+def _free_idle(enough: int) -> int:
+    """Free idle buffers, least recently used first, until ``enough`` bytes are freed or none
+    is idle left; returns the bytes freed."""
+    idle = sorted(
+        ((b.used, size, b) for size, buffers in _BUFFERS.items() for b in buffers if b.is_idle()),
+        key=lambda entry: entry[0],
+    )
+    freed = 0
+    for _used, size, buffer in idle:
+        if freed >= enough:
+            break
+        _BUFFERS[size].remove(buffer)
+        freed += size
+    return freed
+
+
 def _evict(needed: int) -> bool:
     """Free idle buffers, least recently used first, until ``needed`` more bytes fit."""
     room = MAX_BYTES - _held()
     if room >= needed:
         return True
-    idle = sorted(
-        ((b.used, size, b) for size, buffers in _BUFFERS.items() for b in buffers if b.is_idle()),
-        key=lambda entry: entry[0],
-    )
-    for _used, size, buffer in idle:
-        _BUFFERS[size].remove(buffer)
-        room += size
-        if room >= needed:
-            return True
-    return False
+    return room + _free_idle(needed - room) >= needed
 
 
 def empty(
@@ -123,6 +145,26 @@ def empty(
         else:
             return torch.empty(tuple(shape), dtype=dtype)
         return buffer.data[:nbytes].view(dtype).view(tuple(shape))
+
+
+def empty_unpooled(
+    shape: Sequence[int], dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
+    """A new uninitialised tensor the pool will not own: an output the user keeps (a weight's
+    gradient). One of :data:`ROOM_BYTES` or more on the CPU first frees as many bytes of idle
+    buffers, and the C heap's free pages go back to the system: glibc maps such a block
+    fresh, on top of what the process holds, so idle buffers it could have used would only
+    raise the peak. GPT-2 124M's steps peak is where its LM head's weight gradient (154 MB) is
+    allocated, while the pool held 171 MiB idle; the buffers freed are allocated again later in
+    the backward (at the same step time, measured in alternating steps)."""
+    device = device or torch.device("cpu")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type == "cpu" and nbytes >= ROOM_BYTES and _use_count is not None:
+        with _LOCK:
+            freed = _free_idle(nbytes)
+        if freed:
+            release_free_pages()
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
 def clear() -> int:

@@ -9,7 +9,9 @@ or PyTorch's ``embedding`` and ``embedding_backward`` as an ATen node.
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ import torch
 
 from ...symbolics import embedding as embedding_symbolic
 from ...torchscript_onnx import symbolic_helper as sh
+from .. import output_pool
 from ..executor import AtenFunction, register_aten_function
 from ..routes import embedding_node
 from .choice import _decide, _size_class
@@ -32,6 +35,8 @@ from .helpers import _all_tensors, _dtype, _ints_const
 from .measuring import _engine_us, _randn, _seeded, _torch_us
 from .modes import current_mode
 from .traced import _traced
+
+logger = logging.getLogger("ortmodule.exporter")
 
 #: a table's lookup gradient added to its other gradients (``passes/embedding_grad_sums.py``)
 EMBEDDING_GRAD_ADD = "_ortmodule_embedding_grad_add"
@@ -61,7 +66,7 @@ def _embedding_grad_add(
     if mode == "in_place" and list(first.shape) == dims and first.is_contiguous():
         out = first
     else:
-        out = torch.empty(dims, dtype=dy.dtype, device=dy.device)
+        out = output_pool.empty_unpooled(dims, dy.dtype, dy.device)  # the user's .grad
         out.copy_(first)  # broadcasts a summand of another shape, as Sum does
     for other in others[1:]:
         assert other is not None
@@ -112,6 +117,34 @@ def measure_embedding(rows: int, dim: int, lookups: int) -> tuple[float, float]:
     return engine_us, _torch_us(torch_route, engine_us=engine_us)
 
 
+#: operators that read a tensor's metadata, not its values: no gradient flows through them
+_METADATA_READS = frozenset(
+    {"aten::size", "aten::dim", "aten::numel", "prim::shape", "prim::device", "prim::dtype"}
+    | {"aten.sym_size.int", "aten.sym_numel.default", "aten.dim.default"}
+)
+
+
+def _read_elsewhere(op: str, readers: Iterable[str]) -> bool:
+    """Whether a table is read by an operator besides its lookup (``readers``: the kinds or
+    targets of the other nodes reading it), a tied LM head's product say, asked where the
+    kernel choice measures (``auto``; ``torch`` still forces PyTorch's lookup). Then its gradient is
+    the sum of the lookup's and the others', which the built-graph pass
+    ``passes/embedding_grad_sums.py`` makes one ATen node on the CPU whichever route the
+    lookup takes, and the route decides only the forward lookup, a copy of the looked-up rows
+    either way: the engine's ``Gather``, untimed (timing GPT-2's 50257-row table's gradient
+    took 0.5 s of its cold start)."""
+    values = [r for r in readers if r not in _METADATA_READS]
+    if not values:
+        return False
+    logger.info(
+        "kernel choice: %s is also read by %s: the engine's lookup, not timed (its gradient "
+        "is summed with theirs in one pass either way)",
+        op,
+        ", ".join(sorted(set(values))),
+    )
+    return True
+
+
 def embedding_route(
     g: Any, weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False
 ) -> Any:
@@ -142,6 +175,16 @@ def embedding_route(
     ):
         return None
     rows, dim = (int(s) for s in weight_sizes)
+    node = getattr(g, "original_node", None)
+    if (
+        node is not None
+        and current_mode() == "auto"
+        and _read_elsewhere(
+            f"embedding({rows}x{dim})",
+            (u.user.kind() for u in node.inputsAt(0).uses() if u.user != node),
+        )
+    ):
+        return None
     lookups = _size_class(math.prod(traced.sizes[1]))
     route = _decide(
         f"embedding({rows}x{dim})",
@@ -187,6 +230,9 @@ def _embedding_fx(node: torch.fx.Node) -> AtenChoice | None:
     ):
         return None
     rows, dim = weight_sizes
+    others = (str(u.target) for u in weight.users if u is not node)
+    if current_mode() == "auto" and _read_elsewhere(f"embedding({rows}x{dim})", others):
+        return None
     lookups = _size_class(math.prod(index_sizes))
     route = _decide(
         f"embedding({rows}x{dim})", "Float", lookups, lambda: measure_embedding(rows, dim, lookups)

@@ -87,7 +87,7 @@ def _matmul(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tens
     # would only take the pool's room until the user drops it
     dtype = torch.result_type(x, y)
     out = (
-        torch.empty((rows, cols), dtype=dtype, device=x.device)
+        output_pool.empty_unpooled((rows, cols), dtype, x.device)
         if graph_output
         else output_pool.empty((rows, cols), dtype, x.device)
     )
