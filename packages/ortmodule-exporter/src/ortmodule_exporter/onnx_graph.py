@@ -186,7 +186,10 @@ REDUCTIONS = frozenset(
 def declared_types(model: onnx.ModelProto) -> dict[str, int]:
     """Value name -> ONNX element type, as the graph declares them (inputs, value_info,
     outputs, initializers), without inference."""
-    graph = model.graph
+    return _elem_types(model.graph)
+
+
+def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:
     types = {
         vi.name: vi.type.tensor_type.elem_type
         for vi in (*graph.input, *graph.value_info, *graph.output)
@@ -207,7 +210,9 @@ def value_types(model: onnx.ModelProto) -> dict[str, int]:
         graph = onnx.shape_inference.infer_shapes(model).graph
     except Exception:  # noqa: BLE001 - inference is best effort, declared types still hold
         pass
-    return {name: elem for name, (elem, _) in value_shapes(graph).items()}
+    # the element types alone: reading every dim too (value_shapes) took 0.1 s of GPT-2 small's
+    # gradient build
+    return {name: elem for name, elem in _elem_types(graph).items() if elem}
 
 
 def differentiable_inputs(
