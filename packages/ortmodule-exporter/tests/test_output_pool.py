@@ -114,32 +114,36 @@ def test_clear_frees_only_idle_buffers() -> None:
     assert bool((kept == 2.0).all())
 
 
-def test_a_large_unpooled_tensor_frees_idle_buffers_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unpooled_tensor_takes_the_room_of_idle_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     nbytes = output_pool.size_class(SHAPE[0] * SHAPE[1] * 4)
-    monkeypatch.setattr(output_pool, "ROOM_BYTES", 2 * nbytes)
+    monkeypatch.setattr(output_pool, "TRIM_BYTES", 2 * nbytes)
     trims: list[bool] = []
     monkeypatch.setattr(output_pool, "release_free_pages", lambda: trims.append(True) or True)
     held = output_pool.empty(SHAPE, torch.float32)
     held.fill_(5.0)
-    idle = [output_pool.empty(SHAPE, torch.float32) for _ in range(3)]
+    idle = [output_pool.empty(SHAPE, torch.float32) for _ in range(4)]
     del idle
-    assert output_pool.stats()["bytes"] == 4 * nbytes
+    assert output_pool.stats()["bytes"] == 5 * nbytes
 
-    # smaller than ROOM_BYTES: the pool keeps its idle buffers
-    small = output_pool.empty_unpooled((SHAPE[0], SHAPE[1] * 2 - 1), torch.float32)
-    assert small.shape == (SHAPE[0], SHAPE[1] * 2 - 1)
+    # smaller than MIN_BYTES: the pool keeps its idle buffers
+    tiny = output_pool.empty_unpooled((16, 16), torch.float32)
+    assert tiny.shape == (16, 16) and output_pool.stats()["bytes"] == 5 * nbytes
+
+    # one buffer's size: one idle buffer goes (least recently used), no trim below TRIM_BYTES
+    one = output_pool.empty_unpooled(SHAPE, torch.float32)
     assert output_pool.stats()["bytes"] == 4 * nbytes and not trims
 
-    # as large as two buffers: two idle ones go (not the held one), and the heap is trimmed
+    # TRIM_BYTES: two more idle ones go (not the held one), and the heap is trimmed
     big = output_pool.empty_unpooled((SHAPE[0] * 2, SHAPE[1]), torch.float32)
     assert big.shape == (SHAPE[0] * 2, SHAPE[1]) and big.is_contiguous()
     assert output_pool.stats()["bytes"] == 2 * nbytes and trims == [True]
     assert bool((held == 5.0).all())
     pooled = output_pool.empty(SHAPE, torch.float32)  # the idle one left is still handed out
     assert output_pool.stats()["bytes"] == 2 * nbytes
-    assert big.untyped_storage().data_ptr() not in {held.data_ptr(), pooled.data_ptr()}
+    unpooled = {t.untyped_storage().data_ptr() for t in (one, big)}
+    assert not unpooled & {held.data_ptr(), pooled.data_ptr()}
 
     # nothing idle: nothing freed, no trim
     big2 = output_pool.empty_unpooled((SHAPE[0] * 2, SHAPE[1]), torch.float32)
     assert output_pool.stats()["bytes"] == 2 * nbytes and trims == [True]
-    del big, big2, pooled, small
+    del big, big2, one, pooled, tiny

@@ -64,6 +64,7 @@ all, the families in the order they register, and keeps every name importable fr
 ``gelu``, ``relu``,    the operator families
 ``layer_norm``,
 ``cross_entropy``,
+``loss_head``,
 ``convolution``,
 ``embedding``,
 ``max_pool``
@@ -140,11 +141,16 @@ from .cross_entropy import (
     ADDS_OUTPUT_GRAD,
     CROSS_ENTROPY,
     CROSS_ENTROPY_BACKWARD,
-    adds_output_grad,
     aten_cross_entropy,
     cross_entropy_backward_overload,
     cross_entropy_route,
     measure_cross_entropy,
+)
+from .loss_head import (
+    LOSS_HEAD_BACKWARD,
+    adds_output_grad,
+    loss_head_overload,
+    parse_loss_head_overload,
 )
 from .convolution import CONV, CONV_BACKWARD, measure_conv
 from .embedding import (
@@ -179,6 +185,7 @@ __all__ = [
     "GELU",
     "GELU_BACKWARD",
     "LAYER_NORM",
+    "LOSS_HEAD_BACKWARD",
     "MATMUL",
     "LAYER_NORM_BACKWARD",
     "MAX_POOL2D",
@@ -209,10 +216,12 @@ __all__ = [
     "fx_covered_operators",
     "fx_example_inputs",
     "fx_kernel_choice",
+    "loss_head_overload",
     "machine_fingerprint",
     "machine_key",
     "measure_conv",
     "measure_cross_entropy",
+    "parse_loss_head_overload",
     "measure_embedding",
     "measure_gelu",
     "measure_gelu_backward",

@@ -120,12 +120,6 @@ def cross_entropy_backward_overload(node: onnx.NodeProto) -> str | None:
     return str(attribute(node, "overload_name", ""))
 
 
-def adds_output_grad(node: onnx.NodeProto) -> bool:
-    """Whether ``node`` is a loss gradient that adds an outside gradient
-    (``passes/output_grad_sums.py``)."""
-    return cross_entropy_backward_overload(node) == ADDS_OUTPUT_GRAD
-
-
 def _onnx_shape(x: torch.Tensor, shape: torch.Tensor) -> list[int]:
     """ONNX ``Reshape``'s target (``allowzero=0``): a 0 keeps ``x``'s dim there."""
     return [int(x.shape[i]) if d == 0 else int(d) for i, d in enumerate(shape.tolist())]
