@@ -44,6 +44,7 @@ __all__ = [
     "TRIM_BYTES",
     "clear",
     "empty",
+    "empty_output",
     "empty_unpooled",
     "size_class",
     "stats",
@@ -167,6 +168,14 @@ def empty_unpooled(
         if freed and nbytes >= TRIM_BYTES:
             release_free_pages()
     return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def empty_output(
+    shape: Sequence[int], dtype: torch.dtype, device: torch.device | None, kept_by_user: bool
+) -> torch.Tensor:
+    """An ATen node's output: :func:`empty_unpooled` where the user keeps it (a graph output,
+    a weight's gradient), else :func:`empty`."""
+    return (empty_unpooled if kept_by_user else empty)(shape, dtype, device)
 
 
 def clear() -> int:

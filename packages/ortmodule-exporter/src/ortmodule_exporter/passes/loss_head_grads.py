@@ -107,15 +107,18 @@ def fuse_loss_head_grads(model: onnx.ModelProto, device_type: str) -> int:
         if found is None or len(found[1]) != 2:
             continue
         views, ends = found
-        kinds = {_product(node): (node, value, targets) for node, value, targets in ends}
-        hidden = kinds.get((False, False, False)) or kinds.get((False, False, True))
-        weight = kinds.get((True, False, False)) or kinds.get((True, False, True))
-        if hidden is None or weight is None or hidden[0] is weight[0]:
+        # each end a product reading G (or a view of it) as its first operand, by its
+        # transposes: G @ W for the hidden states, G^T @ X for the weight
+        products: dict[tuple[bool, bool], tuple[onnx.NodeProto, list[str], bool]] = {}
+        for node, value, targets in ends:
+            flags = _product(node)
+            if flags is not None and node.input[0] == value:
+                products[flags[:2]] = (node, targets, flags[2])
+        hidden, weight = products.get((False, False)), products.get((True, False))
+        if hidden is None or weight is None:
             continue
-        (hidden_node, hidden_value, targets), (weight_node, weight_value, _) = hidden, weight
-        if len(targets) != 1 or hidden_node.input[0] != hidden_value:
-            continue
-        if weight_node.input[0] != weight_value:
+        (hidden_node, targets, hidden_output), (weight_node, _, weight_output) = hidden, weight
+        if len(targets) != 1:
             continue
         aliased = {loss.output[0], *(v for n in views for v in n.output)}
         if hidden_node.input[1] in aliased or weight_node.input[1] in aliased:
@@ -131,8 +134,6 @@ def fuse_loss_head_grads(model: onnx.ModelProto, device_type: str) -> int:
             for name in extra
         ):
             continue
-        hidden_flags, weight_flags = _product(hidden_node), _product(weight_node)
-        assert hidden_flags is not None and weight_flags is not None
         placed[id(last)] = onnx.helper.make_node(
             "ATen",
             [*loss.input, *extra],
@@ -140,7 +141,7 @@ def fuse_loss_head_grads(model: onnx.ModelProto, device_type: str) -> int:
             name=f"{loss.name}_head",
             domain=ATEN_DOMAIN,
             operator=LOSS_HEAD_BACKWARD,
-            overload_name=loss_head_overload(loss_overload, hidden_flags[2], weight_flags[2]),
+            overload_name=loss_head_overload(loss_overload, hidden_output, weight_output),
         )
         removed.update(id(n) for n in (loss, first, *views))
     if not placed:

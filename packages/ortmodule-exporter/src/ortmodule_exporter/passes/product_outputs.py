@@ -52,7 +52,6 @@ def name_outputs_at_products(model: onnx.ModelProto) -> int:
             or attribute(product, "operator", "") != MATMUL
             or len(readers.get(source, [])) != 1
             or source in kept_names
-            or source in renames
         ):
             continue
         renames[source] = output

@@ -35,7 +35,7 @@ from .fx_nodes import (
     fx_sizes,
     register_fx_kernel_choice,
 )
-from .helpers import _all_tensors, _dtype, _ints_const
+from .helpers import _all_tensors, _aten_overload, _dtype, _ints_const
 from .measuring import ATEN_NODE_US, _engine_us, _randn, _seeded, _torch_us
 from .registry import CoveredOperator, register_kernel_choice
 from .traced import _traced
@@ -111,13 +111,7 @@ ADDS_OUTPUT_GRAD = "adds_output_grad"
 def cross_entropy_backward_overload(node: onnx.NodeProto) -> str | None:
     """The overload name of a :data:`CROSS_ENTROPY_BACKWARD` ATen node; None for another
     node."""
-    if (
-        node.op_type != "ATen"
-        or node.domain != ATEN_DOMAIN
-        or attribute(node, "operator", "") != CROSS_ENTROPY_BACKWARD
-    ):
-        return None
-    return str(attribute(node, "overload_name", ""))
+    return _aten_overload(node, CROSS_ENTROPY_BACKWARD)
 
 
 def _onnx_shape(x: torch.Tensor, shape: torch.Tensor) -> list[int]:

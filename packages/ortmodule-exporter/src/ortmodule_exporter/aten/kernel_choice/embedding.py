@@ -133,6 +133,8 @@ def _read_elsewhere(op: str, readers: Iterable[str]) -> bool:
     lookup takes, and the route decides only the forward lookup, a copy of the looked-up rows
     either way: the engine's ``Gather``, untimed (timing GPT-2's 50257-row table's gradient
     took 0.5 s of its cold start)."""
+    if current_mode() != "auto":
+        return False
     values = [r for r in readers if r not in _METADATA_READS]
     if not values:
         return False
@@ -175,23 +177,14 @@ def embedding_route(
     ):
         return None
     rows, dim = (int(s) for s in weight_sizes)
+    op = f"embedding({rows}x{dim})"
     node = getattr(g, "original_node", None)
-    if (
-        node is not None
-        and current_mode() == "auto"
-        and _read_elsewhere(
-            f"embedding({rows}x{dim})",
-            (u.user.kind() for u in node.inputsAt(0).uses() if u.user != node),
-        )
+    if node is not None and _read_elsewhere(
+        op, (u.user.kind() for u in node.inputsAt(0).uses() if u.user != node)
     ):
         return None
     lookups = _size_class(math.prod(traced.sizes[1]))
-    route = _decide(
-        f"embedding({rows}x{dim})",
-        "Float",
-        lookups,
-        lambda: measure_embedding(rows, dim, lookups),
-    )
+    route = _decide(op, "Float", lookups, lambda: measure_embedding(rows, dim, lookups))
     if route != "torch":
         return None
     out = embedding_node(
@@ -230,13 +223,11 @@ def _embedding_fx(node: torch.fx.Node) -> AtenChoice | None:
     ):
         return None
     rows, dim = weight_sizes
-    others = (str(u.target) for u in weight.users if u is not node)
-    if current_mode() == "auto" and _read_elsewhere(f"embedding({rows}x{dim})", others):
+    op = f"embedding({rows}x{dim})"
+    if _read_elsewhere(op, (str(u.target) for u in weight.users if u is not node)):
         return None
     lookups = _size_class(math.prod(index_sizes))
-    route = _decide(
-        f"embedding({rows}x{dim})", "Float", lookups, lambda: measure_embedding(rows, dim, lookups)
-    )
+    route = _decide(op, "Float", lookups, lambda: measure_embedding(rows, dim, lookups))
     if route != "torch":
         return None
     constants = (np.array(padding_idx, np.int64), np.array(by_freq), np.array(False))

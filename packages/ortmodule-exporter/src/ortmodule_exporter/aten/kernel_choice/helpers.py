@@ -1,5 +1,6 @@
-"""What the operator families share: the tensor predicate of their ATen functions, and their
-symbolics' reading of a traced value's dtype, int constants and per-dim settings.
+"""What the operator families share: the tensor predicate of their ATen functions, the overload
+of one of their ATen nodes in a graph, and their symbolics' reading of a traced value's dtype,
+int constants and per-dim settings.
 
 >>> _per_dim([2], 2, 1)
 [2, 2]
@@ -10,11 +11,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import onnx
 import torch
+
+from ...onnx_graph import attribute
+from ..executor import ATEN_DOMAIN
 
 
 def _all_tensors(_overload: str, _index: int, _is_input: bool) -> bool:
     return True
+
+
+def _aten_overload(node: onnx.NodeProto, operator: str) -> str | None:
+    """The overload name of ``node`` where it is an ATen node running ``operator``; else None."""
+    if (
+        node.op_type != "ATen"
+        or node.domain != ATEN_DOMAIN
+        or attribute(node, "operator", "") != operator
+    ):
+        return None
+    return str(attribute(node, "overload_name", ""))
 
 
 def _dtype(value: Any) -> str | None:

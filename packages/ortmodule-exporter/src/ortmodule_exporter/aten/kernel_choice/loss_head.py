@@ -36,9 +36,8 @@ import functools
 import onnx
 import torch
 
-from ...onnx_graph import attribute
 from .. import output_pool, parallel
-from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
+from ..executor import AtenFunction, register_aten_function
 from .cross_entropy import (
     _MEAN,
     ADDS_OUTPUT_GRAD,
@@ -47,7 +46,7 @@ from .cross_entropy import (
     _picked,
     cross_entropy_backward_overload,
 )
-from .helpers import _all_tensors
+from .helpers import _all_tensors, _aten_overload
 
 #: the fused node's ATen operator name
 LOSS_HEAD_BACKWARD = "_ortmodule_loss_head_backward"
@@ -71,21 +70,10 @@ def parse_loss_head_overload(overload: str) -> tuple[str, bool, bool]:
 def adds_output_grad(node: onnx.NodeProto) -> bool:
     """Whether ``node`` is a loss gradient that adds an outside gradient
     (``passes/output_grad_sums.py``), alone or fused with the head's products."""
-    if (
-        node.op_type == "ATen"
-        and node.domain == ATEN_DOMAIN
-        and attribute(node, "operator", "") == LOSS_HEAD_BACKWARD
-    ):
-        return parse_loss_head_overload(str(attribute(node, "overload_name", "")))[0] == (
-            ADDS_OUTPUT_GRAD
-        )
+    fused = _aten_overload(node, LOSS_HEAD_BACKWARD)
+    if fused is not None:
+        return parse_loss_head_overload(fused)[0] == ADDS_OUTPUT_GRAD
     return cross_entropy_backward_overload(node) == ADDS_OUTPUT_GRAD
-
-
-def _empty(shape: list[int], like: torch.Tensor, graph_output: bool) -> torch.Tensor:
-    if graph_output:
-        return output_pool.empty_unpooled(shape, like.dtype, like.device)
-    return output_pool.empty(shape, like.dtype, like.device)
 
 
 def _loss_head_backward(
@@ -103,18 +91,16 @@ def _loss_head_backward(
     grad, logits, lse, target, total, params = core
     assert grad is not None and logits is not None and lse is not None
     assert target is not None and total is not None and params is not None
-    rows, classes = (logits.shape[0], logits.shape[-1]) if logits.dim() == 2 else (-1, -1)
-    hidden = weight.shape[-1]
     if (
         logits.dim() != 2
-        or weight.dim() != 2
-        or weight.shape[0] != classes
-        or x.dim() != 2
-        or x.shape[0] != rows
-        or x.shape[1] != hidden
         or logits.device.type != "cpu"
+        or weight.dim() != 2
+        or x.shape != (logits.shape[0], weight.shape[1])
+        or weight.shape[0] != logits.shape[1]
     ):
         return _unfused(loss_overload, loss_inputs, weight, x, shape)
+    rows, classes = logits.shape
+    hidden = weight.shape[1]
     reduction, ignore_index = params.tolist()
     kept, picked = _picked(target, ignore_index)
     scale = grad / total if reduction == _MEAN else grad
@@ -127,11 +113,17 @@ def _loss_head_backward(
         extra = torch.broadcast_to(outside, _onnx_shape(logits, outside_shape)).reshape(
             rows, classes
         )
-    weight_grad = _empty([classes, hidden], logits, weight_output)
+    weight_grad = output_pool.empty_output(
+        [classes, hidden], logits.dtype, logits.device, weight_output
+    )
     block = max(1, min(classes, _BLOCK_ELEMENTS // max(rows, 1)))
     pieces = max(1, min(parallel.width(), -(-classes // block)))
     bounds = [(classes * i // pieces, classes * (i + 1) // pieces) for i in range(pieces)]
-    shares = [torch.zeros(rows, hidden, dtype=logits.dtype) for _ in bounds]
+    # each piece's share of G @ W; the first is the output, which the others are added to
+    hidden_grad = output_pool.empty_output(
+        [rows, hidden], logits.dtype, logits.device, hidden_output
+    )
+    shares = [hidden_grad.zero_(), *(torch.zeros_like(hidden_grad) for _ in bounds[1:])]
 
     def piece(index: int) -> None:
         start, stop = bounds[index]
@@ -155,8 +147,6 @@ def _loss_head_backward(
     if pieces < 2 or parallel.run_pieces(jobs) is None:
         for i in range(pieces):
             piece(i)
-    hidden_grad = _empty([rows, hidden], logits, hidden_output)
-    hidden_grad.copy_(shares[0])
     for share in shares[1:]:
         hidden_grad.add_(share)
     return [hidden_grad.view(*gshape[:-1], hidden), weight_grad]

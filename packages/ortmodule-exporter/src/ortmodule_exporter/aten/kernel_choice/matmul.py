@@ -86,11 +86,7 @@ def _matmul(overload: str, inputs: list[torch.Tensor | None]) -> list[torch.Tens
     # a graph output (a weight's gradient) is the user's to keep: not a pooled buffer, which
     # would only take the pool's room until the user drops it
     dtype = torch.result_type(x, y)
-    out = (
-        output_pool.empty_unpooled((rows, cols), dtype, x.device)
-        if graph_output
-        else output_pool.empty((rows, cols), dtype, x.device)
-    )
+    out = output_pool.empty_output((rows, cols), dtype, x.device, graph_output)
     broadcast = c is None or c.dim() < 2 or c.shape[0] != rows
 
     def fill(start: int, stop: int) -> None:
