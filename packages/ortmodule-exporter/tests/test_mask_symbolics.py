@@ -67,3 +67,37 @@ def test_outputs_computed_from_no_input_come_back_from_the_trace() -> None:
     run = run_engine(_ConstantOutput(), (torch.randn(2, 3),))  # the gradient graph builds
     restored = exported.restore_outputs(run.outputs[:1])
     assert restored[0] is run.outputs[0] and int(restored[1]) == 4096
+
+
+class _Diffs(torch.nn.Module):
+    """``torch.diff`` as transformers' ``find_packed_sequence_indices`` runs it on position
+    ids, and on float, bool and higher orders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> Any:
+        first = positions[:, :1] - 1
+        steps = torch.diff(positions, prepend=first, dim=-1)
+        packed = (steps != 1).cumsum(-1)
+        y = self.linear(x)
+        along_rows = torch.diff(y, dim=1)
+        second = torch.diff(y, n=2, dim=-1, append=y[..., :2])
+        flips = torch.diff(positions > 2, dim=0)
+        return y * (packed > 0).unsqueeze(-1), along_rows, second, steps, flips
+
+
+def test_diff_exports_as_onnx_slices_and_trains_like_eager() -> None:
+    """No ATen node is left (its output shape was unknown to symbolic shape inference, which
+    then named no dim of the whole graph: ``engine._named_dims``)."""
+    from ortmodule_exporter.engine import _unshaped_nodes
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 6)
+    positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4], [5, 6, 0, 1, 2]])
+    exported = export(_Diffs(), (x, positions), training=True)
+    assert _unshaped_nodes(exported.model) == set()
+    assert not [n for n in exported.model.graph.node if n.op_type == "ATen"]
+    run = assert_engine_matches_eager(_Diffs(), (x, positions))
+    assert [o.dtype for o in run.outputs[3:5]] == [torch.int64, torch.bool]

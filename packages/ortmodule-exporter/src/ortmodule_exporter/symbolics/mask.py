@@ -31,6 +31,7 @@ Value = Any  # torch._C.Value
 _PROMOTED_TO_INT64 = ("Bool", "Byte", "Char", "Short", "Int")
 _ONNX_INT64 = 7
 _ONNX_BOOL = 9
+_INT64_MAX = 2**63 - 1
 _FLOAT_TYPES = ("Float", "Half", "Double", "BFloat16")
 # c10::ScalarType code of an aten ``dtype`` argument -> ONNX TensorProto element type
 _ONNX_TYPE_OF_CODE = {0: 2, 1: 3, 2: 5, 3: 6, 4: 7, 5: 10, 6: 1, 7: 11, 11: 9, 15: 16}
@@ -97,7 +98,37 @@ def _traced_sizes(*values: Value) -> list[int] | None:
         return None
 
 
+def _const(g: Any, *values: int) -> Value:
+    return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
+
+
+def diff(
+    g: Any, x: Value, n: Value, dim: Value, prepend: Value = None, append: Value = None
+) -> Value:
+    """``torch.diff(x, n, dim, prepend, append)`` as ONNX ``Slice`` and ``Sub`` (``Xor`` on bool).
+
+    Hugging Face's mask code runs it on the position ids (``find_packed_sequence_indices``).
+    PyTorch has no ONNX symbolic for it, so it was exported as an ATen node whose output shape
+    symbolic inference cannot know, and the whole graph was then built without named dims: the
+    engine's gradient builder wrote a ``Shape``, ``BroadcastGradientArgs`` and a copying
+    ``ReduceSum`` for every ``Add`` and ``Mul`` (see ``engine._named_dims``).
+    """
+    count = sh._get_const(n, "i", "n")
+    axis = sh._get_const(dim, "i", "dim")
+    parts = [v for v in (prepend, x, append) if v is not None and not sh._is_none(v)]
+    if len(parts) > 1:
+        x = g.op("Concat", *parts, axis_i=axis)
+    is_bool = sh._is_bool(x)
+    axes = _const(g, axis)
+    for _ in range(count):
+        later = g.op("Slice", x, _const(g, 1), _const(g, _INT64_MAX), axes)
+        earlier = g.op("Slice", x, _const(g, 0), _const(g, -1), axes)
+        x = g.op("Xor" if is_bool else "Sub", later, earlier)
+    return x
+
+
 def register_mask_symbolics() -> None:
     """Register the symbolics above (called on import of ``ortmodule_exporter``)."""
     register_symbolic("aten::cumsum", cumsum, 14)
+    register_symbolic("aten::diff", diff, 14)
     register_symbolic("aten::where", where, 14)
