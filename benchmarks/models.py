@@ -472,7 +472,7 @@ WORKLOADS: dict[str, Workload] = {
             lambda full: llama_model(),
             causal_lm_batch(LLAMA_350M["vocab_size"], LLAMA_BATCH),
             _hf_loss,
-            (1, 3),
+            (2, 5),
             (3, 6),
         ),
         Workload(
