@@ -299,3 +299,52 @@ def test_a_selected_value_read_twice(monkeypatch: pytest.MonkeyPatch, frontend: 
             got.append((out.detach(), x.grad, [p.grad for p in model.parameters()]))
         records.append(got)
     assert_tree_close(records[1], records[0])
+
+
+class SoftplusOfSizeOne(nn.Module):
+    """``softplus`` of a parameter of shape (1,) and of one of shape (3, 1), times a batch: the
+    engine has no ``Softplus`` gradient, so the op is PyTorch's (an ATen node), whose output dims
+    the exporter could only name or leave unknown; the build failed (``GetShape(input_grad)``).
+    Fixed by declaring the traced sizes where they cannot change
+    (``passes/aten_nodes._fix_static_sizes``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor([0.4]))
+        self.q = nn.Parameter(torch.tensor([[0.2], [-0.7], [1.1]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softplus(self.p) * x + F.softplus(self.q) * x
+
+
+def test_softplus_of_a_size_one_parameter_times_a_batch() -> None:
+    g = torch.Generator().manual_seed(0)
+    _parity(SoftplusOfSizeOne, [torch.randn(3, 5, generator=g) for _ in range(2)])
+
+
+@pytest.mark.parametrize("frontend", ["torchscript", "torch_export"])
+def test_softplus_of_a_size_one_input_times_a_batch(
+    monkeypatch: pytest.MonkeyPatch, frontend: str
+) -> None:
+    """Seed 49409: ``softplus(x1) * x0``, ``x1`` of shape (1,) requiring grad, ``x0`` of shape
+    (4, 1, 2). The engine took the softplus output's named dim for equal to ``x0``'s last one
+    and did not reduce ``x1``'s gradient over it (a Reshape error in the backward: "Input
+    shape:{1,1,2}, requested shape:{1}"). Fixed as above."""
+    monkeypatch.setenv("ORTMODULE_EXPORTER", frontend)
+
+    class Program(nn.Module):
+        def forward(self, x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
+            return F.softplus(x1) * x0
+
+    g = torch.Generator().manual_seed(49409)
+    batches = [(torch.randn(4, 1, 2, generator=g), torch.randn(1, generator=g)) for _ in range(3)]
+    records = []
+    for model in (Program(), ORTModule(Program())):
+        got = []
+        for x0, x1 in batches:
+            x1 = x1.clone().requires_grad_()
+            out = model(x0, x1)
+            (out * torch.linspace(-1.0, 1.0, out.numel()).reshape(out.shape)).sum().backward()
+            got.append((out.detach(), x1.grad))
+        records.append(got)
+    assert_tree_close(records[1], records[0])

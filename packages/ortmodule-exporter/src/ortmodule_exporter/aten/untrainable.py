@@ -145,8 +145,8 @@ def _untrainable_reasons(node: Any, inputs: list[Any], emitted: list[Any]) -> li
     return bad
 
 
-#: attribute of an exported ATen node: its outputs' traced types, ``"elem:rank,..."`` (ONNX
-#: element type, "" where unknown). The ATen pass reads and removes it
+#: attribute of an exported ATen node: its outputs' traced types, ``"elem:rank:sizes,..."``
+#: (ONNX element type, rank, the traced sizes joined by ``x``; "" where unknown). The ATen pass reads and removes it
 #: (:func:`ortmodule_exporter.passes.aten_nodes.prepare_aten_nodes`): torch writes no
 #: value_info, and the meta kernels the pass otherwise types outputs with reject calls the CPU
 #: kernel runs (``_grouped_mm``'s wants bfloat16), which left the node untyped, hence neither
@@ -155,7 +155,8 @@ TRACED_TYPES = "_ortmodule_traced_types"
 
 
 def _traced_type(value: Any) -> str:
-    """``"elem:rank"`` of a traced value ("" when its dtype or rank is unknown)."""
+    """``"elem:rank:sizes"`` of a traced value (sizes ``?`` when unknown; "" when its dtype or
+    rank is unknown)."""
 
     if value.type().kind() != "TensorType":  # a list (dsplit) or a scalar: no tensor type
         return ""
@@ -164,7 +165,9 @@ def _traced_type(value: Any) -> str:
     rank = traced_rank(value)
     if scalar == undefined or rank is None:
         return ""
-    return f"{int(scalar.onnx_type())}:{rank}"  # type: ignore[call-overload]
+    sizes = value.type().sizes()
+    traced = "x".join(str(int(n)) for n in sizes) if sizes is not None else "?"
+    return f"{int(scalar.onnx_type())}:{rank}:{traced}"  # type: ignore[call-overload]
 
 
 def _record_traced_types(node: Any, result: Any, created: Sequence[Any]) -> None:

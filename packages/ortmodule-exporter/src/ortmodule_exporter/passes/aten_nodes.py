@@ -126,12 +126,31 @@ def _output_types(
     return types
 
 
+#: ATen operators whose output sizes depend on the input's values, not only on its shape: a
+#: traced size of theirs is never taken for a fixed one (:func:`_fix_static_sizes`)
+DATA_DEPENDENT_SIZES = frozenset(
+    {
+        "nonzero",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "masked_select",
+        "repeat_interleave",
+        "bincount",
+    }
+)
+
+
 def _declare_traced_types(graph: onnx.GraphProto) -> None:
     """Declare the types the export recorded on ATen nodes (:data:`TRACED_TYPES`) as value_info,
-    and remove that attribute (the engine knows no such attribute)."""
+    fix the sizes that cannot change (:func:`_fix_static_sizes`), and remove that attribute
+    (the engine knows no such attribute)."""
     declared = {
         vi.name for vi in (*graph.value_info, *graph.output) if vi.type.tensor_type.elem_type
     }
+    traced: dict[str, tuple[onnx.NodeProto, list[int]]] = {}
     for node in graph.node:
         if node.domain != ATEN_DOMAIN:
             continue
@@ -140,11 +159,77 @@ def _declare_traced_types(graph: onnx.GraphProto) -> None:
             continue
         node.attribute.remove(found[0])
         for name, spec in zip(node.output, found[0].s.decode().split(","), strict=False):
-            if not name or not spec or name in declared:
+            if not name or not spec:
                 continue
-            elem, rank = (int(v) for v in spec.split(":"))
-            graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, [None] * rank))
+            elem, rank, *sizes = spec.split(":")
+            if sizes and sizes[0] != "?":
+                traced[name] = (node, [int(n) for n in sizes[0].split("x")] if sizes[0] else [])
+            if name in declared:
+                continue
+            graph.value_info.append(
+                onnx.helper.make_tensor_value_info(name, int(elem), [None] * int(rank))
+            )
             declared.add(name)
+    _fix_static_sizes(graph, traced)
+
+
+def _fix_static_sizes(
+    graph: onnx.GraphProto, traced: Mapping[str, tuple[onnx.NodeProto, list[int]]]
+) -> None:
+    """Declare an ATen output's traced sizes as fixed where they cannot change: every input of
+    its node has fixed dims (or is a constant) and the output has their broadcast shape
+    (``softplus`` of a parameter of shape ``(1,)``, or of an input's fixed dim of size 1).
+
+    Engine workaround: the exporter names an ATen output's dims it cannot infer
+    (``ATen/<output>_dim_0``) or leaves them unknown. The engine's gradient builder takes two
+    differently named dims for equal (``ComputeBroadcastBackwardAxes``, onnxruntime 1.19), so
+    ``softplus(x1) * x0`` with ``x1`` of shape ``(1,)`` and ``x0`` of ``(4, 1, 2)`` did not reduce
+    ``x1``'s gradient over the last axis (a Reshape error in the backward), and an unknown dim
+    failed the build (``GetShape(input_grad)`` in ``HandleBroadcasting``) for
+    ``softplus(p) * x`` with a parameter ``p``. Operators whose sizes depend on values
+    (:data:`DATA_DEPENDENT_SIZES`) are left as they are."""
+    if not traced:
+        return
+    shapes = value_shapes(graph)
+    constants = {init.name for init in graph.initializer}
+    constants.update(
+        o
+        for n in graph.node
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+        for o in n.output
+    )
+    entries: dict[str, list[onnx.ValueInfoProto]] = {}
+    for vi in (*graph.value_info, *graph.output):
+        entries.setdefault(vi.name, []).append(vi)
+    for name, (node, sizes) in traced.items():
+        operator = node.op_type if node.op_type != "ATen" else str(attribute(node, "operator", ""))
+        if operator.split(".")[0] in DATA_DEPENDENT_SIZES or name not in entries:
+            continue
+        inputs = []
+        for i in node.input:
+            if not i:
+                continue
+            known = shapes.get(i)
+            dims = known[1] if known is not None else None
+            if dims is None or any(d is None for d in dims):
+                if i in constants:
+                    continue
+                break
+            inputs.append(tuple(int(d) for d in dims if d is not None))
+        else:
+            try:
+                broadcast = list(np.broadcast_shapes(*inputs)) if inputs else None
+            except ValueError:
+                broadcast = None
+            if broadcast != sizes:
+                continue
+            for entry in entries[name]:
+                tensor = entry.type.tensor_type
+                if tensor.HasField("shape") and len(tensor.shape.dim) != len(sizes):
+                    continue
+                tensor.shape.Clear()
+                for n in sizes:
+                    tensor.shape.dim.add().dim_value = n
 
 
 def _type_aten_outputs(model: onnx.ModelProto) -> None:
