@@ -90,7 +90,7 @@ class _Diffs(torch.nn.Module):
 
 def test_diff_exports_as_onnx_slices_and_trains_like_eager() -> None:
     """No ATen node is left (its output shape was unknown to symbolic shape inference, which
-    then named no dim of the whole graph: ``engine._named_dims``)."""
+    then named no dim of the whole graph: ``engine.model_with_named_dims``)."""
     from ortmodule_exporter.engine import _unshaped_nodes
 
     torch.manual_seed(0)

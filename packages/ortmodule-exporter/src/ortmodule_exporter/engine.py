@@ -172,7 +172,7 @@ def _dims(value: onnx.ValueInfoProto) -> list[str | int] | None:
     return [d.dim_param or d.dim_value for d in tensor.shape.dim]
 
 
-def _named_dims(model: onnx.ModelProto) -> onnx.ModelProto | None:
+def model_with_named_dims(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """``model`` with a symbolic dim on every tensor, for the gradient build; None when symbolic
     shape inference fails or would change what a graph input declares.
 
@@ -360,6 +360,7 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
             builder.build(transformer)
         return builder
 
+    onnx_graph.name_unnamed_nodes(exported.model.graph)
     named = None
     if config.build_gradient and config.broadcast_grad_inputs:
         # symbolic shape inference takes a dynamic dim broadcast against another for equal to it
@@ -374,7 +375,7 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
             ", ".join(config.broadcast_grad_inputs),
         )
     elif config.build_gradient:
-        named = _named_dims(exported.model)
+        named = model_with_named_dims(exported.model)
 
     def build() -> _BuilderOutput:
         try:

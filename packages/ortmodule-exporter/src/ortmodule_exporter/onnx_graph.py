@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -114,6 +115,29 @@ def name_outputs(graph: onnx.GraphProto, names: list[str]) -> None:
     # one walk over the graph for every rename (a walk per output took 0.18 s on GPT-2 124M)
     rename_values(graph, renames)
     graph.node.extend(identities)
+
+
+def name_unnamed_nodes(graph: onnx.GraphProto) -> int:
+    """Give every node of ``graph`` without a name a unique one (``<op_type>_unnamed<i>``);
+    returns how many were named.
+
+    Engine workaround: the memory optimizer names a recomputed node ``<name>_recompute``, so two
+    recomputed nodes without a name made two ``_recompute`` nodes and the session refused the
+    model ("two nodes with same node name", onnxruntime 1.19.2; the torch_export frontend and
+    some of our passes write nodes without names)."""
+    taken = {n.name for n in graph.node if n.name}
+    counter = itertools.count()
+    named = 0
+    for node in graph.node:
+        if node.name:
+            continue
+        candidate = f"{node.op_type}_unnamed{next(counter)}"
+        while candidate in taken:
+            candidate = f"{node.op_type}_unnamed{next(counter)}"
+        node.name = candidate
+        taken.add(candidate)
+        named += 1
+    return named
 
 
 def make_dims_symbolic(vi: onnx.ValueInfoProto, prefix: str) -> None:

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ortmodule_exporter import ExportedModel
-from ortmodule_exporter.passes.density import infer_symbolic_shapes
+from ortmodule_exporter.engine import model_with_named_dims
+from ortmodule_exporter.onnx_graph import FLOAT_TYPES
 
 from .recompute import CONFIG, LEVEL
 
@@ -34,16 +35,44 @@ def wants_named_dims(options: Mapping[str, Any]) -> bool:
     )
 
 
+def _size_one_float_inputs(exported: ExportedModel) -> list[str]:
+    """User inputs of a float type with a fixed dim of 1: each may require grad at a call, and
+    the gradient build then refuses named dims (``GraphConfig.broadcast_grad_inputs``)."""
+    users = set(exported.user_input_names)
+    return [
+        vi.name
+        for vi in exported.model.graph.input
+        if vi.name in users
+        and vi.type.tensor_type.elem_type in FLOAT_TYPES
+        and any(d.HasField("dim_value") and d.dim_value == 1 for d in vi.type.tensor_type.shape.dim)
+    ]
+
+
 def name_dims(exported: ExportedModel, options: Mapping[str, Any]) -> None:
-    """Post-export pass: symbolic shape inference over a training graph, when it will be used."""
+    """Post-export pass: symbolic shape inference over a training graph, when it will be used,
+    and only where the gradient build would name the dims too.
+
+    The model this pass names is the one the engine builds, so it takes the build's own checks
+    (``engine.model_with_named_dims``: no ATen node whose shapes inference would guess, no
+    input's dims changed) and leaves a graph alone when an input of size 1 may require grad.
+    Naming the dims here regardless undid those checks at ``ORTMODULE_LOG_LEVEL=INFO`` and at
+    every recompute level: ``gelu(tanh(x)).expand(-1, 2)`` of a ``(2, 1)`` input that requires
+    grad failed in the backward (fuzz finding, ``test_fuzz_findings.py``) only then."""
     if not exported.training or not wants_named_dims(options):
         return
-    try:
-        exported.model = infer_symbolic_shapes(exported.model)
-    except Exception as err:  # noqa: BLE001 - only the table's byte counts depend on it
+    why = ""
+    size_one = _size_one_float_inputs(exported)
+    if size_one:
+        why = f"inputs with a dim of size 1 may require grad ({', '.join(size_one)})"
+    else:
+        named = model_with_named_dims(exported.model)
+        if named is None:
+            why = "the gradient build would not name them (see the INFO line above)"
+        else:
+            exported.model = named
+    if why:
         logger.info(
-            "memory optimizer: symbolic shape inference failed (%s: %s); recompute savings "
-            "whose dims stay unnamed are shown as unknown",
-            type(err).__name__,
-            err,
+            "memory optimizer: the graph's dims stay unnamed: %s; recompute savings whose dims "
+            "are unnamed are shown as unknown",
+            why,
         )

@@ -570,6 +570,8 @@ class GraphRunner:
         for kind, where in graph.feeds:
             if kind == "input":
                 feeds.append(flat[where])
+            elif kind == "written input":
+                feeds.append(flat[where].clone())
             elif kind == "extra":
                 extra, device = where
                 feeds.append(extra.make(device))
@@ -578,7 +580,8 @@ class GraphRunner:
                 # the module's own parameter/buffer dict: what nn.Module.__getattr__ would
                 # search, without its Python frame (one per parameter per step)
                 tensor = table.get(attr) if table is not None else None
-                feeds.append(tensor if tensor is not None else getattr(owner, attr))
+                tensor = tensor if tensor is not None else getattr(owner, attr)
+                feeds.append(tensor.clone() if kind == "written buffer" else tensor)
         return feeds
 
     def _silenced(self) -> Any:
@@ -777,16 +780,25 @@ class GraphRunner:
         parameters and buffers, written inputs and buffers, guards, gradients)."""
         index_of = {n: i for i, n in enumerate(exported.input_schema.names)}
         extra = dict(exported.extra_inputs)
+        # Inputs and buffers the graph writes are fed as copies: the write lands in the user's
+        # tensor after the forward, and the engine's backward may read its feed again (a
+        # recomputed node does: `self.count += 1; y * self.count` under
+        # ORTMODULE_MEMORY_OPT_LEVEL=1 recomputed the sum from the written count, gradients
+        # 4/3 to 2 times eager's)
+        written_inputs = set(exported.input_writes.values())
+        written_buffers = set(exported.buffer_updates.values())
         feeds: list[tuple[str, Any]] = []
         for name in built.feed_names:
             if name in index_of:
-                feeds.append(("input", index_of[name]))
+                kind = "written input" if name in written_inputs else "input"
+                feeds.append((kind, index_of[name]))
             elif name in extra:
                 feeds.append(("extra", (extra[name], device)))
             else:
                 owner, attr = _owner(self.module, name)
                 table = next((t for t in (owner._parameters, owner._buffers) if attr in t), None)
-                feeds.append(("param", (owner, attr, table)))
+                kind = "written buffer" if name in written_buffers else "param"
+                feeds.append((kind, (owner, attr, table)))
         output_names = list(built.user_output_names)
         n_user = len(exported.user_output_names)
         updates = []

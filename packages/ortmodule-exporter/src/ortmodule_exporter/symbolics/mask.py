@@ -111,7 +111,7 @@ def diff(
     PyTorch has no ONNX symbolic for it, so it was exported as an ATen node whose output shape
     symbolic inference cannot know, and the whole graph was then built without named dims: the
     engine's gradient builder wrote a ``Shape``, ``BroadcastGradientArgs`` and a copying
-    ``ReduceSum`` for every ``Add`` and ``Mul`` (see ``engine._named_dims``).
+    ``ReduceSum`` for every ``Add`` and ``Mul`` (see ``engine.model_with_named_dims``).
     """
     count = sh._get_const(n, "i", "n")
     axis = sh._get_const(dim, "i", "dim")
