@@ -18,7 +18,6 @@ from ortmodule_exporter.engine import (
     TrainingSession,
     build_graph,
 )
-from ortmodule_memory.dims import name_dims
 from ortmodule_memory.plans import read_plan_file
 from ortmodule_memory.recompute import CONFIG_ENTRY_PLANS, CONFIG_ENTRY_PROBE, contribute
 from ortmodule_testing.zoo.gpt import GPTConfig, GPTDecoder
@@ -31,7 +30,6 @@ def _build(options: dict[str, Any]) -> tuple[GPTDecoder, torch.Tensor, BuiltGrap
     model = GPTDecoder(CONFIG)
     ids = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_len))
     exported = export(model, (ids,), {"labels": ids}, training=True)
-    name_dims(exported, options)
     built = build_graph(
         exported, GraphConfig(build_gradient=True, params_to_train=exported.param_names)
     )

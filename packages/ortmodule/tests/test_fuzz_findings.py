@@ -217,7 +217,7 @@ def test_input_gradient_through_expand(
 ) -> None:
     """At ``ORTMODULE_LOG_LEVEL=INFO`` (and at every recompute level) the memory component's
     pass named the graph's dims regardless, and the fix above did not hold (a oneDNN error in
-    the backward under ``AUTO``); it now names them only where the build would."""
+    the backward under ``AUTO``); that pass is gone, the build names dims under its checks."""
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", choice)
     monkeypatch.setenv("ORTMODULE_LOG_LEVEL", log_level)
     g = torch.Generator().manual_seed(0)

@@ -675,19 +675,23 @@ class SplitAfterRoutedLayerNorms(torch.nn.Module):
 
 
 def test_guards_the_engine_folds_are_dropped_in_one_probe(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     import ortmodule.execution as execution
-    import ortmodule_memory.dims as dims
     from ortmodule_exporter import named_dims
+    from ortmodule_exporter.passes import registry
 
     monkeypatch.setenv("ORTMODULE_KERNEL_CHOICE", "TORCH")
+
     # The exported graph named even though inference fixes the input's width (the build
     # refuses that: a user's other width would fail the engine's input check; this test feeds
     # one width). It is how the engine came to fold these guards: until 2026-11-29 the memory
-    # component's pass named every graph so at ORTMODULE_LOG_LEVEL=INFO.
-    monkeypatch.setenv("ORTMODULE_LOG_LEVEL", "INFO")
-    monkeypatch.setattr(dims, "model_with_named_dims", named_dims.infer_symbolic_shapes)
+    # component had such a pass, run at ORTMODULE_LOG_LEVEL=INFO.
+    def name_all(exported, _options):  # type: ignore[no-untyped-def]
+        exported.model = named_dims.infer_symbolic_shapes(exported.model)
+
+    registry.register_post_export_pass("test.name_all", name_all, order=90)
+    request.addfinalizer(lambda: registry.unregister_post_export_pass("test.name_all"))
     builds: list[int] = []
     build_graph = execution.build_graph
 

@@ -9,7 +9,6 @@ from ortmodule_exporter.components import (
     register_step_hook,
 )
 
-from .dims import name_dims
 from .grad_management import ParamSource, pull_parameters
 from .inspector import MemoryHook
 from .options import OPTIONS
@@ -17,14 +16,11 @@ from .recompute import contribute
 
 __all__ = ["COMPONENT", "OPTIONS"]
 
-#: after the runtime's own passes (BatchNorm 10, PythonOp preparation), before label sparsity
-NAME_DIMS_ORDER = 90
 #: after the BatchNorm statistics (10) and PythonOp shapes (20) passes
 GRAD_MGMT_ORDER = 50
 
 
 def _register() -> None:
-    register_post_export_pass("memory.name_dims", name_dims, order=NAME_DIMS_ORDER)
     register_post_export_pass("memory.grad_management", pull_parameters, order=GRAD_MGMT_ORDER)
     # first: the parameters' module must be known before the export a forward may trigger
     register_step_hook("memory.param_source", ParamSource(), order=0)
