@@ -87,3 +87,22 @@ def test_name_outputs_renames_once_and_copies_inputs_and_repeats() -> None:
     x = np.maximum(a, 0)
     assert np.array_equal(w, -x * (x + b)) and np.array_equal(w_again, w)
     assert np.array_equal(a_out, a) and kk == 2.0
+
+
+def test_unnamed_nodes_get_unique_names() -> None:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Relu", ["a"], ["b"], name="Relu_unnamed1"),
+        helper.make_node("Relu", ["b"], ["c"]),
+        helper.make_node("Neg", ["c"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    assert onnx_graph.name_unnamed_nodes(graph) == 3
+    names = [n.name for n in graph.node]
+    assert all(names) and len(set(names)) == 4 and names[1] == "Relu_unnamed1"
+    assert onnx_graph.name_unnamed_nodes(graph) == 0

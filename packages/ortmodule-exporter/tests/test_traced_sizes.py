@@ -55,24 +55,3 @@ def test_sizes_that_may_change_stay_as_exported(
     graph = _graph(operator, input_dims, traced)
     _declare_traced_types(graph)
     assert _dims(graph) == ["ATen/y_dim_0"]
-
-
-def test_unnamed_nodes_get_unique_names() -> None:
-    from ortmodule_exporter.onnx_graph import name_unnamed_nodes
-
-    nodes = [
-        helper.make_node("Relu", ["x"], ["a"]),
-        helper.make_node("Relu", ["a"], ["b"], name="Relu_unnamed1"),
-        helper.make_node("Relu", ["b"], ["c"]),
-        helper.make_node("Neg", ["c"], ["y"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
-    )
-    assert name_unnamed_nodes(graph) == 3
-    names = [n.name for n in graph.node]
-    assert all(names) and len(set(names)) == 4 and names[1] == "Relu_unnamed1"
-    assert name_unnamed_nodes(graph) == 0

@@ -23,9 +23,7 @@ __all__ = [
     "BufferUpdate",
     "CompiledGraph",
     "apply_buffer_updates",
-    "buffer_copies",
     "kept_variances",
-    "restore_buffers",
 ]
 
 #: the dtypes that carry a gradient
@@ -81,8 +79,7 @@ def apply_buffer_updates(
         for u in updates:
             value = outputs[u.index]
             buffer = getattr(u.owner, u.attr)
-            if value.data_ptr() != buffer.data_ptr():  # the engine gave a copy, not the feed
-                buffer.copy_(value)
+            buffer.copy_(value)  # the engine wrote a copy of the buffer (``GraphRunner._bind``)
             if u.count_index >= 0:
                 keep = next(kept_iter)
                 n = int(outputs[u.count_index])
@@ -213,16 +210,3 @@ class CompiledGraph:
             found = frozenset().union(*(deps[i] for i in outputs if i < len(deps)))
             self._reached[outputs] = found
         return found
-
-
-def buffer_copies(graph: CompiledGraph) -> list[torch.Tensor]:
-    """Copies of the buffers ``graph``'s run updates (the engine writes some in place), so a
-    run dropped for a failed guard can put them back."""
-    return [getattr(u.owner, u.attr).clone() for u in graph.buffer_updates]
-
-
-def restore_buffers(graph: CompiledGraph, saved: list[torch.Tensor]) -> None:
-    """Put back the buffers of :func:`buffer_copies` after a dropped run of ``graph``."""
-    with torch.no_grad():
-        for u, value in zip(graph.buffer_updates, saved, strict=True):
-            getattr(u.owner, u.attr).copy_(value)

@@ -68,9 +68,7 @@ from .compiled_graph import (
     BufferUpdate,
     CompiledGraph,
     apply_buffer_updates,
-    buffer_copies,
     kept_variances,
-    restore_buffers,
 )
 from .engine_function import engine_apply, runs_torch
 from .log import PhaseTimer, log_initialisation_summary
@@ -386,15 +384,14 @@ class GraphRunner:
         """Check the graph's guards on this run; while one fails, run the graph built for the
         new values (building it when there is none) instead, and hand back the run that holds.
 
-        A run whose guard failed is dropped before anything reaches the user: its outputs, its
-        autograd node, and the buffers the engine wrote in place (put back from a copy).
+        A run whose guard failed is dropped before anything reaches the user: its outputs and its
+        autograd node. It wrote no buffer: the engine writes into copies of the written buffers
+        (``_bind``), and the buffers are set only after the guards hold.
         """
-        saved = buffer_copies(graph)
         for _ in range(GUARDED_GRAPHS_PER_KEY + 1):
             failed = graph.failed_guard(outputs)
             if failed is None:
                 return graph, outputs, kept
-            restore_buffers(graph, saved)
             index, guard = graph.guards[failed]
 
             def fits(other: CompiledGraph, ran: CompiledGraph = graph, out: Any = outputs) -> bool:
@@ -410,7 +407,6 @@ class GraphRunner:
                 flat,
                 device,
             )
-            saved = buffer_copies(graph)
             outputs, kept = self._run(graph, flat, phases, training_graph)
         raise GuardError(  # pragma: no cover - each pass above builds or finds a new graph
             f"ORTModule: no graph of {type(self.module).__qualname__} holds for this input"
@@ -439,7 +435,6 @@ class GraphRunner:
         for other in reversed(others):
             if other is graph or not other.fits_shapes(flat):
                 continue
-            saved = buffer_copies(other)
             try:
                 outputs, kept = self._run(other, flat, phases, training_graph)
             except RuntimeError:
@@ -448,7 +443,6 @@ class GraphRunner:
                 self.transitions.switch(other.key, other, change)
                 self._last = None
                 return other, outputs, kept
-            restore_buffers(other, saved)  # a dropped run: put back what it wrote in place
         graph = self._graph_for_guards(
             graph,
             graph.guards[0][1],
@@ -784,7 +778,7 @@ class GraphRunner:
         # tensor after the forward, and the engine's backward may read its feed again (a
         # recomputed node does: `self.count += 1; y * self.count` under
         # ORTMODULE_MEMORY_OPT_LEVEL=1 recomputed the sum from the written count, gradients
-        # 4/3 to 2 times eager's)
+        # 4/3 to 2 times eager's), and a run dropped for a failed guard leaves them as they were
         written_inputs = set(exported.input_writes.values())
         written_buffers = set(exported.buffer_updates.values())
         feeds: list[tuple[str, Any]] = []

@@ -190,14 +190,14 @@ def _fix_static_sizes(
     (:data:`DATA_DEPENDENT_SIZES`) are left as they are."""
     if not traced:
         return
-    shapes = value_shapes(graph)
-    constants = {init.name for init in graph.initializer}
-    constants.update(
+    shapes = value_shapes(graph)  # initializers included, with their dims
+    # a Constant node's output has no declared shape; as a scalar argument it broadcasts away
+    constants = {
         o
         for n in graph.node
         if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
         for o in n.output
-    )
+    }
     entries: dict[str, list[onnx.ValueInfoProto]] = {}
     for vi in (*graph.value_info, *graph.output):
         entries.setdefault(vi.name, []).append(vi)
@@ -205,31 +205,41 @@ def _fix_static_sizes(
         operator = node.op_type if node.op_type != "ATen" else str(attribute(node, "operator", ""))
         if operator.split(".")[0] in DATA_DEPENDENT_SIZES or name not in entries:
             continue
-        inputs = []
-        for i in node.input:
-            if not i:
+        if _broadcast_of_fixed_inputs(node, shapes, constants) != sizes:
+            continue
+        for entry in entries[name]:
+            tensor = entry.type.tensor_type
+            if tensor.HasField("shape") and len(tensor.shape.dim) != len(sizes):
                 continue
-            known = shapes.get(i)
-            dims = known[1] if known is not None else None
-            if dims is None or any(d is None for d in dims):
-                if i in constants:
-                    continue
-                break
-            inputs.append(tuple(int(d) for d in dims if d is not None))
-        else:
-            try:
-                broadcast = list(np.broadcast_shapes(*inputs)) if inputs else None
-            except ValueError:
-                broadcast = None
-            if broadcast != sizes:
+            tensor.shape.Clear()
+            for n in sizes:
+                tensor.shape.dim.add().dim_value = n
+
+
+def _broadcast_of_fixed_inputs(
+    node: onnx.NodeProto,
+    shapes: Mapping[str, tuple[int, list[int | None] | None]],
+    constants: set[str],
+) -> list[int] | None:
+    """The broadcast shape of ``node``'s inputs when every one has fixed dims (a constant of no
+    declared shape is passed over), else None."""
+    fixed: list[tuple[int, ...]] = []
+    for i in node.input:
+        if not i:
+            continue
+        known = shapes.get(i)
+        dims = known[1] if known is not None else None
+        if dims is None or any(d is None for d in dims):
+            if i in constants:
                 continue
-            for entry in entries[name]:
-                tensor = entry.type.tensor_type
-                if tensor.HasField("shape") and len(tensor.shape.dim) != len(sizes):
-                    continue
-                tensor.shape.Clear()
-                for n in sizes:
-                    tensor.shape.dim.add().dim_value = n
+            return None
+        fixed.append(tuple(int(d) for d in dims if d is not None))
+    if not fixed:
+        return None
+    try:
+        return list(np.broadcast_shapes(*fixed))
+    except ValueError:
+        return None
 
 
 def _type_aten_outputs(model: onnx.ModelProto) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from ..torchscript_onnx import symbolic_helper as sh
 from ..torchscript_onnx import symbolic_opset9
+from .helpers import _ints
 from .registry import register_symbolic
 
 Value = Any  # torch._C.Value
@@ -98,10 +99,6 @@ def _traced_sizes(*values: Value) -> list[int] | None:
         return None
 
 
-def _const(g: Any, *values: int) -> Value:
-    return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
-
-
 def diff(
     g: Any, x: Value, n: Value, dim: Value, prepend: Value = None, append: Value = None
 ) -> Value:
@@ -119,10 +116,10 @@ def diff(
     if len(parts) > 1:
         x = g.op("Concat", *parts, axis_i=axis)
     is_bool = sh._is_bool(x)
-    axes = _const(g, axis)
+    axes, zero, one, last, end = (_ints(g, [v]) for v in (axis, 0, 1, -1, _INT64_MAX))
     for _ in range(count):
-        later = g.op("Slice", x, _const(g, 1), _const(g, _INT64_MAX), axes)
-        earlier = g.op("Slice", x, _const(g, 0), _const(g, -1), axes)
+        later = g.op("Slice", x, one, end, axes)
+        earlier = g.op("Slice", x, zero, last, axes)
         x = g.op("Xor" if is_bool else "Sub", later, earlier)
     return x
 
