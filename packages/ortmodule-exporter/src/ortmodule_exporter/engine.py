@@ -20,12 +20,11 @@ from torch._C import _from_dlpack
 from torch.utils.dlpack import to_dlpack
 
 from . import named_dims, onnx_graph
-from .aten.attention_layout import FLASH, FLASH_BSHD
 from .aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError, aten_operator
 from .aten.gradients import stop_gradient_edges
-from .aten.kernel_choice import CROSS_ENTROPY, GELU, LAYER_NORM, adds_output_grad
+from .aten.kernel_choice import adds_output_grad
+from .aten.output_shapes import output_shape_rules
 from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
-from .aten.stop_gradient import STOP_GRADIENT
 from .aten.topk import TOPK_INDICES
 from .callback_errors import user_errors
 from .engine_binding import _C, import_onnxruntime
@@ -38,7 +37,6 @@ from .onnx_graph import output_dependencies
 from .passes.built_graph import run_built_graph_passes
 from .python_op import runner as python_op_runner
 from .sparsity import density
-from .sparsity.token_rows import PUT_ROWS, TAKE_ROWS
 
 logger = logging.getLogger("ortmodule.engine")
 
@@ -128,37 +126,25 @@ class BuiltGraph:
         return onnx.load_from_string(self.model_bytes)
 
 
-#: ATen operators whose outputs symbolic shape inference may guess: each output keeps its first
-#: input's leading dims (elementwise, LayerNorm, attention on the query's layout) or is the
-#: lookup's indices plus the row (embedding), or a loss. The inference merges a guessed dim with
-#: the dim it meets in a broadcasting op, which is right for these; for an operator that
-#: reduces to a broadcast dim (``normalize``'s norm, 1 at run time) the merge was wrong and the
-#: gradient came back unreduced.
-SHAPE_KEEPING_ATEN = frozenset(
-    {
-        "embedding",  # the lookup's own ATen node (aten/routes.py, embedding_node)
-        "gelu",
-        GELU,
-        LAYER_NORM,
-        CROSS_ENTROPY,
-        FLASH,
-        FLASH_BSHD,
-        TAKE_ROWS,  # shapes computed, not guessed (named_dims.py, infer_symbolic_shapes)
-        PUT_ROWS,
-        STOP_GRADIENT,  # a copy of its input (export/gradient_cuts.py)
-        TOPK_INDICES,  # shapes computed (named_dims.py, infer_symbolic_shapes)
-    }
-)
+def _shaped_aten() -> frozenset[str]:
+    """ATen operators whose output shapes symbolic shape inference computes: those with a
+    shape rule (:mod:`ortmodule_exporter.aten.output_shapes`), the lookup's own ``embedding``
+    (the inference's own rule) and top-k's indices (``named_dims.infer_symbolic_shapes``). For
+    any other it would guess each output as its first input's shape and merge the guess with
+    the dim it meets in a broadcasting op: wrong for an operator that reduces to a broadcast
+    dim (``normalize``'s norm, 1 at run time), whose gradient then came back unreduced."""
+    return frozenset({*output_shape_rules(), "embedding", TOPK_INDICES})
 
 
 def _unshaped_nodes(model: onnx.ModelProto) -> set[str]:
     """Custom nodes whose output shapes symbolic inference would guess (see
-    :data:`SHAPE_KEEPING_ATEN`): ATen nodes of other operators, PythonOps."""
+    :func:`_shaped_aten`): ATen nodes of other operators, PythonOps."""
+    shaped = _shaped_aten()
     unknown = set()
     for node in model.graph.node:
         if node.domain == ATEN_DOMAIN:
             name = str(onnx_graph.attribute(node, "operator", ""))
-            if name not in SHAPE_KEEPING_ATEN:
+            if name not in shaped:
                 unknown.add(f"ATen {name}")
         elif node.op_type == "PythonOp":
             unknown.add("PythonOp")

@@ -14,6 +14,7 @@ of query, key, value and output (``q``, ``k``, ``v``, ``o``) are in the token-ma
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from . import parallel
 from .executor import AtenFunction, register_aten_function
 from .gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
+from .output_shapes import Shape, register_output_shapes
 
 __all__ = ["FLASH", "FLASH_BSHD", "FLASH_BSHD_BACKWARD", "LAYOUT_FLAGS"]
 
@@ -147,6 +149,19 @@ def _register() -> None:
             ],
         )
         register_stop_gradient_edges(FLASH_BSHD, flags, [3, 4, 5, 6])
+    register_output_shapes(FLASH_BSHD, _forward_shapes)
+
+
+def _forward_shapes(shapes: Sequence[Shape | None], flags: str) -> list[Shape | None]:
+    """The output: the query's (batch, tokens, heads) in its layout (``o``: token-major) with
+    the value's dim; the log-sum-exp: (batch, heads, tokens)."""
+    query, value = shapes[0], shapes[2]
+    if query is None or len(query) != 4:
+        return [None, None]
+    batch, heads, tokens = (query[0], query[2], query[1]) if "q" in flags else query[:3]
+    dim = value[3] if value is not None and len(value) == 4 else None
+    out = [batch, tokens, heads, dim] if "o" in flags else [batch, heads, tokens, dim]
+    return [out, [batch, heads, tokens]]
 
 
 _register()

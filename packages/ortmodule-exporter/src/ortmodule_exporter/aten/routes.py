@@ -438,7 +438,7 @@ def _sdpa(
     return typed_like(outs[0], query, out_sizes)
 
 
-def _flash_attention_shapes(shapes: Sequence[Shape | None]) -> list[Shape | None]:
+def _flash_attention_shapes(shapes: Sequence[Shape | None], _overload: str) -> list[Shape | None]:
     """(batch, heads, queries, value dim) and the log-sum-exp's (batch, heads, queries)."""
     query, value = shapes[0], shapes[2]
     if query is None or len(query) != 4:

@@ -12,6 +12,7 @@ import torch
 
 from .executor import AtenFunction, register_aten_function
 from .gradients import register_stop_gradient_edges
+from .output_shapes import input_shape, register_output_shapes
 
 __all__ = ["STOP_GRADIENT"]
 
@@ -31,3 +32,4 @@ def _all_tensors(_overload: str, _index: int, _is_input: bool) -> bool:
 
 register_aten_function(STOP_GRADIENT, AtenFunction(_copy, _all_tensors))
 register_stop_gradient_edges(STOP_GRADIENT, "", [0])
+register_output_shapes(STOP_GRADIENT, input_shape)

@@ -16,7 +16,6 @@ array(5)
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -28,8 +27,8 @@ import onnx
 import onnx.numpy_helper
 import torch
 
-from ..aten.output_shapes import ShapeRule, output_shape_rules
 from ..engine_binding import import_onnxruntime
+from ..named_dims import teach_aten_shapes
 from .guards import Guard
 
 __all__ = [
@@ -365,7 +364,7 @@ def _symbolic_value_infos(
     log.propagate = False
     try:
         inference = ssi.SymbolicShapeInference(2**31 - 1, True, True, 0)
-        _teach_aten_shapes(inference)
+        teach_aten_shapes(inference, {})
         inference._preprocess(copy)
         while inference.run_:
             inference._infer_impl()
@@ -381,48 +380,6 @@ def _symbolic_value_infos(
         name for name in dim_names if re.search(rf"(?<![\w.]){re.escape(name)}(?![\w.])", text)
     }
     return dict(inference.known_vi_), unsure
-
-
-def _teach_aten_shapes(inference: Any) -> None:
-    """Give ``inference`` the output shapes of the ATen nodes with a rule
-    (:mod:`ortmodule_exporter.aten.output_shapes`).
-
-    Without one, each such node's outputs get fresh dims, and where they meet the node's input
-    again the inference merges them and restarts from the first node: a pass over the graph per
-    LayerNorm routed to PyTorch (25 passes, seconds, on GPT-2 small), with every input dim in
-    those merges counted unsure. Its ``aten_op_dispatcher_`` (onnxruntime 1.19.2's table of the
-    aten operators it knows, by name) takes one handler per rule.
-    """
-    dispatcher = getattr(inference, "aten_op_dispatcher_", None)
-    if not isinstance(dispatcher, dict):  # pragma: no cover - another onnxruntime
-        return
-    for name, rule in output_shape_rules().items():
-        dispatcher.setdefault(name, functools.partial(_infer_by_rule, inference, rule))
-
-
-def _infer_by_rule(inference: Any, rule: ShapeRule, node: onnx.NodeProto) -> None:
-    """One ATen node's outputs, typed as its input 0 (what the inference guesses for a node it
-    does not know) and shaped by ``rule``; a dim the rule leaves unknown gets a fresh name, and
-    an output it cannot tell the rank of input 0 (also the inference's guess)."""
-    from onnx import helper
-
-    known = inference.known_vi_
-    shapes = [inference._get_shape(node, i) if name else None for i, name in enumerate(node.input)]
-    found = list(rule(shapes))
-    dtype = known[node.input[0]].type.tensor_type.elem_type
-    for i, output in enumerate(node.output):
-        if not output:
-            continue
-        shape = found[i] if i < len(found) else None
-        if shape is None:
-            if shapes[0] is None:
-                continue
-            shape = [None] * len(shapes[0])
-        dims = [
-            str(inference._new_symbolic_dim_from_output(node, i, axis)) if d is None else d
-            for axis, d in enumerate(shape)
-        ]
-        known[output].CopyFrom(helper.make_tensor_value_info(output, dtype, dims))
 
 
 def _shape_program(

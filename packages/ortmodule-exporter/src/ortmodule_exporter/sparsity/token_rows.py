@@ -16,10 +16,13 @@ masked-LM step, more than the padding saved.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..aten.executor import AtenFunction, register_aten_function
 from ..aten.gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
+from ..aten.output_shapes import Shape, register_output_shapes
 
 __all__ = ["PUT_ROWS", "TAKE_ROWS", "put_rows", "take_rows"]
 
@@ -67,6 +70,24 @@ def _register() -> None:
             forward, "", [GradientNode.aten(backward, ["GO(0)", "I(1)", "I(2)"], ["GI(0)"])]
         )
         register_stop_gradient_edges(forward, "", [1, 2])
+    register_output_shapes(TAKE_ROWS, _taken_shape)
+    register_output_shapes(PUT_ROWS, _put_shape)
+
+
+def _taken_shape(shapes: Sequence[Shape | None], _overload: str) -> list[Shape | None]:
+    """(batch, seq, ...) -> (rows, ...)."""
+    x, rows = shapes[0], shapes[1]
+    if x is None or rows is None:
+        return [None]
+    return [[*rows[:1], *x[2:]]]
+
+
+def _put_shape(shapes: Sequence[Shape | None], _overload: str) -> list[Shape | None]:
+    """(rows, ...) -> (batch, seq, ...), the grid being the inverse index's shape."""
+    y, inverse = shapes[0], shapes[2]
+    if y is None or inverse is None:
+        return [None]
+    return [[*inverse, *y[1:]]]
 
 
 _register()

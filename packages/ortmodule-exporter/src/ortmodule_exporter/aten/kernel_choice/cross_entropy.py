@@ -10,7 +10,7 @@ pass judges it): the engine's ``SoftmaxCrossEntropyLoss`` and its gradient or Py
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from ...torchscript_onnx import symbolic_helper as sh
 from .. import parallel
 from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient, register_stop_gradient_edges
+from ..output_shapes import Shape, register_output_shapes
 from .choice import _decide, _size_class
 from .fx_nodes import (
     AtenChoice,
@@ -167,6 +168,15 @@ register_aten_gradient(
     ],
 )
 register_stop_gradient_edges(CROSS_ENTROPY, "", [1, 2])
+
+
+def _cross_entropy_shapes(shapes: Sequence[Shape | None], _overload: str) -> list[Shape | None]:
+    """The loss and the labelled count are scalars; the logsumexp has one value per row."""
+    logits = shapes[0]
+    return [[], [logits[0]] if logits is not None and len(logits) == 2 else None, []]
+
+
+register_output_shapes(CROSS_ENTROPY, _cross_entropy_shapes)
 
 
 def measure_cross_entropy(rows: int, classes: int) -> tuple[float, float]:

@@ -18,6 +18,7 @@ import torch
 from ...torchscript_onnx import symbolic_helper as sh
 from ..executor import ATEN_DOMAIN, AtenFunction, register_aten_function
 from ..gradients import GradientNode, register_aten_gradient
+from ..output_shapes import input_shape, register_output_shapes
 from ..parallel import elementwise
 from .choice import choose
 from .fx_nodes import AtenChoice, fx_arg, fx_float32, fx_sizes, register_fx_kernel_choice
@@ -47,6 +48,9 @@ def _gelu_backward(
 
 register_aten_function(GELU, AtenFunction(_gelu, _all_tensors))
 register_aten_function(GELU_BACKWARD, AtenFunction(_gelu_backward, _all_tensors))
+# this route's node and PyTorch's own aten::gelu (the exporter's ATen fallback)
+register_output_shapes(GELU, input_shape)
+register_output_shapes("gelu", input_shape)
 for _approximate in ("none", "tanh"):
     register_aten_gradient(
         GELU,

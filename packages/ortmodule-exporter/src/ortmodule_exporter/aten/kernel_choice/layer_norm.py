@@ -72,7 +72,7 @@ register_aten_gradient(
 register_stop_gradient_edges(LAYER_NORM, "", [3, 4])
 
 
-def _layer_norm_shapes(shapes: Sequence[Shape | None]) -> list[Shape | None]:
+def _layer_norm_shapes(shapes: Sequence[Shape | None], _overload: str) -> list[Shape | None]:
     """``y`` has the input's shape; ``mean`` and ``rstd`` too, with 1 in the ``k`` normalized
     dims (``k``: the length of the normalized-shape input)."""
     x, normalized = shapes[0], shapes[3]
