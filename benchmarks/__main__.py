@@ -114,6 +114,11 @@ class Runner:
 #: ``--scale`` rows that are not a worker mode of their own: report key -> (worker mode, environment)
 SCALE_VARIANTS = {
     "ortmodule-level1": ("ortmodule", {"ORTMODULE_MEMORY_OPT_LEVEL": "1"}),
+    # level 1 with the products on PyTorch's kernels where measured faster, kept, not recomputed
+    "ortmodule-level1-auto": (
+        "ortmodule",
+        {"ORTMODULE_MEMORY_OPT_LEVEL": "1", "ORTMODULE_KERNEL_CHOICE": "AUTO"},
+    ),
     "ortmodule-level2": ("ortmodule", {"ORTMODULE_MEMORY_OPT_LEVEL": "2"}),
     "ortmodule-warm": ("ortmodule", {}),
 }

@@ -21,8 +21,9 @@ SPEED_GOALS = {"gpt": 0.85, "masked_lm": 0.6}
 #: below); the rest of the autocast models: 1.0
 AUTOCAST_GOALS = {"gpt": 0.85}
 #: the rows of ``--scale`` (report keys), in table order: ``ortmodule-level1``/``-level2`` are
-#: ORTModule under ``ORTMODULE_MEMORY_OPT_LEVEL``, ``ortmodule-warm`` a second process on the
-#: export cache the cold one filled
+#: ORTModule under ``ORTMODULE_MEMORY_OPT_LEVEL``, ``ortmodule-level1-auto`` level 1 with
+#: ``ORTMODULE_KERNEL_CHOICE=AUTO`` (the products on PyTorch's kernels where faster, kept, not
+#: recomputed), ``ortmodule-warm`` a second process on the export cache the cold one filled
 SCALE_MODES = (
     "eager",
     "eager-checkpoint",
@@ -30,6 +31,7 @@ SCALE_MODES = (
     "ortmodule",
     "ortmodule-warm",
     "ortmodule-level1",
+    "ortmodule-level1-auto",
     "ortmodule-level2",
 )
 
@@ -51,6 +53,7 @@ MODE_TITLES = {
     "compile-bf16": "torch.compile, bf16 autocast",
     "ortmodule-bf16": "ORTModule, bf16 autocast",
     "ortmodule-level1": "ORTModule, ORTMODULE_MEMORY_OPT_LEVEL=1",
+    "ortmodule-level1-auto": "ORTModule, ORTMODULE_MEMORY_OPT_LEVEL=1, ORTMODULE_KERNEL_CHOICE=AUTO",
     "ortmodule-level2": "ORTModule, ORTMODULE_MEMORY_OPT_LEVEL=2",
     "eager-checkpoint": "PyTorch eager, gradient_checkpointing_enable()",
 }
@@ -354,6 +357,7 @@ class Report:
                     "ortmodule-label-off",
                     "ortmodule-padding",
                     "ortmodule-level1",
+                    "ortmodule-level1-auto",
                     "ortmodule-level2",
                     "eager-checkpoint",
                     *(m for m in MODE_TITLES if m.endswith("-bf16")),
