@@ -214,3 +214,50 @@ def test_a_failure_leaves_the_exported_graph_untouched(
     assert "ShrunkenGather" not in _ops(wrapped)
     (line,) = [r.getMessage() for r in caplog.records if "label sparsity skipped" in r.getMessage()]
     assert "simulated flag failure" in line
+
+
+class _NormLM(torch.nn.Module):
+    """Tokens -> features divided by their norm over ``dim`` (an ATen node the exporter runs
+    through Python, whose output dims symbolic shape inference makes up, then merges with the
+    features' it meets in the division: along the normed dim, wrongly) -> a vocabulary loss."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.emb = torch.nn.Embedding(64, 16)
+        self.proj = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.proj(self.emb(ids))
+        x = x / torch.linalg.vector_norm(x, dim=self.dim, keepdim=True)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 64), labels.view(-1))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_a_python_run_norm_trains_like_eager_with_label_sparsity_on(
+    dim: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Label sparsity names the graph's dims without the build's refusals, so the norm's
+    output is named like the features it divides (batch, seq, 16) whatever ``dim`` it keeps
+    to 1; the gradients still equal eager's, step after step."""
+    torch.manual_seed(0)
+    model = _NormLM(dim)
+    eager, wrapped = clone_model(model), ORTModule(clone_model(model))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, wrapped)]
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        for step in range(3):
+            ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(step))
+            labels = torch.full_like(ids, -100)
+            labels[:, ::4] = ids[:, ::4]  # 25 % labelled
+            for m, optimizer in zip((eager, wrapped), optimizers, strict=True):
+                optimizer.zero_grad()
+                m(ids, labels).backward()
+            for (name, a), b in zip(eager.named_parameters(), wrapped.parameters(), strict=True):
+                assert b.grad is not None and a.grad is not None
+                torch.testing.assert_close(b.grad, a.grad, msg=lambda m, n=name: f"{n}: {m}")
+            for optimizer in optimizers:
+                optimizer.step()
+    decisions = [r.getMessage() for r in caplog.records if "label sparsity" in r.getMessage()]
+    assert decisions and decisions[0].startswith("label sparsity on for loss"), decisions

@@ -148,6 +148,11 @@ def _apply(
                 insert_embedding_density_print(model, embedding, rank=indices.ndim)
 
     if any(d.applied and d.node not in shrunk for d in decisions):
+        # Without the build's refusals (engine.model_with_named_dims): a PythonOp's output dims
+        # are made up, and merged with a dim they meet in a broadcast. A norm over the sequence,
+        # (batch, 1, d) divided into (batch, seq, d), is named (batch, seq, d): wrong, yet its
+        # gradients equal eager's with label sparsity on (a norm over each of the three dims,
+        # 2026-11-29, test_label_sparsity.py); refusing such merges turned label sparsity off.
         try:
             exported.model = infer_symbolic_shapes(model)
         except Exception as err:  # noqa: BLE001 - the optimization is optional
