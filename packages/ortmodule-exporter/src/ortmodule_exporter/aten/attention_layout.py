@@ -150,6 +150,8 @@ def _register() -> None:
         )
         register_stop_gradient_edges(FLASH_BSHD, flags, [3, 4, 5, 6])
     register_output_shapes(FLASH_BSHD, _forward_shapes)
+    # PyTorch's own kernel: every tensor in (batch, heads, tokens, dim)
+    register_output_shapes(FLASH, lambda shapes, _overload: _forward_shapes(shapes, ""))
 
 
 def _forward_shapes(shapes: Sequence[Shape | None], flags: str) -> list[Shape | None]:
@@ -159,8 +161,9 @@ def _forward_shapes(shapes: Sequence[Shape | None], flags: str) -> list[Shape | 
     if query is None or len(query) != 4:
         return [None, None]
     batch, heads, tokens = (query[0], query[2], query[1]) if "q" in flags else query[:3]
-    dim = value[3] if value is not None and len(value) == 4 else None
-    out = [batch, tokens, heads, dim] if "o" in flags else [batch, heads, tokens, dim]
+    if value is None or len(value) != 4:
+        return [None, [batch, heads, tokens]]
+    out = [batch, tokens, heads, value[3]] if "o" in flags else [batch, heads, tokens, value[3]]
     return [out, [batch, heads, tokens]]
 
 

@@ -48,7 +48,6 @@ from ..torchscript_onnx import symbolic_helper as sh
 from ..torchscript_onnx import type_utils
 from . import executor as aten_executor
 from .executor import AtenFunction, register_aten_function
-from .output_shapes import Shape, register_output_shapes
 from .symbolic_helpers import (
     aten_node,
     const_node,
@@ -436,15 +435,3 @@ def _sdpa(
         )
     typed_like(outs[1], query, None, torch.float32)
     return typed_like(outs[0], query, out_sizes)
-
-
-def _flash_attention_shapes(shapes: Sequence[Shape | None], _overload: str) -> list[Shape | None]:
-    """(batch, heads, queries, value dim) and the log-sum-exp's (batch, heads, queries)."""
-    query, value = shapes[0], shapes[2]
-    if query is None or len(query) != 4:
-        return [None, None]
-    out = [*query[:3], value[3]] if value is not None and len(value) == 4 else None
-    return [out, list(query[:3])]
-
-
-register_output_shapes("_scaled_dot_product_flash_attention_for_cpu", _flash_attention_shapes)
