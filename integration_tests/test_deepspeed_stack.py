@@ -56,7 +56,8 @@ def _run(world: int, cases: list[str], tmp: Path) -> list[dict]:
     ]
     logs = [p.communicate(timeout=540)[0] for p in procs]
     for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-6000:]}"
+        written = "written" if outs[r].exists() else "not written"
+        assert p.returncode == 0, f"rank {r} failed (results {written}):\n{logs[r][-6000:]}"
     return [json.loads(o.read_text()) for o in outs]
 
 
