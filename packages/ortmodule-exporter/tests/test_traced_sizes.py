@@ -45,6 +45,9 @@ def test_a_fixed_input_fixes_the_output_sizes() -> None:
     [
         ("softplus", ["n"], "1:1:1"),  # a dynamic input: the traced 1 may be any size
         ("unique", [1], "1:1:1"),  # sizes that depend on the values
+        # the same, known from PyTorch's dynamic_output_shape tag: x[mask] with every element
+        # of the mask true at the trace
+        ("index", [3], "1:1:3"),
         ("softplus", [1], "1:1:?"),  # sizes not traced
         ("sum", [3], "1:1:1"),  # not the input's shape
     ],

@@ -7,6 +7,7 @@ See :func:`prepare_aten_nodes`; which operators become ATen nodes is decided at 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -126,8 +127,10 @@ def _output_types(
     return types
 
 
-#: ATen operators whose output sizes depend on the input's values, not only on its shape: a
-#: traced size of theirs is never taken for a fixed one (:func:`_fix_static_sizes`)
+#: ATen operators whose output sizes depend on the input's values, not only on its shape,
+#: beside those PyTorch tags so (:func:`data_dependent_sizes`): a traced size of theirs is
+#: never taken for a fixed one (:func:`_fix_static_sizes`). ``unique`` is ``torch.unique``'s
+#: name, which has no ATen operator of its own.
 DATA_DEPENDENT_SIZES = frozenset(
     {
         "nonzero",
@@ -141,6 +144,27 @@ DATA_DEPENDENT_SIZES = frozenset(
         "bincount",
     }
 )
+
+
+@functools.cache
+def data_dependent_sizes(operator: str) -> bool:
+    """Whether ATen ``operator``'s output sizes may depend on its inputs' values: named in
+    :data:`DATA_DEPENDENT_SIZES`, or an overload of it carries PyTorch's
+    ``dynamic_output_shape`` tag (``index`` with a boolean mask, ``one_hot`` without
+    ``num_classes``, and any operator PyTorch tags later).
+
+    >>> data_dependent_sizes("index"), data_dependent_sizes("softplus")
+    (True, False)
+    """
+    if operator in DATA_DEPENDENT_SIZES:
+        return True
+    packet = getattr(torch.ops.aten, operator, None) if operator.isidentifier() else None
+    if packet is None or not hasattr(packet, "overloads"):
+        return False
+    return any(
+        torch.Tag.dynamic_output_shape in getattr(packet, overload).tags
+        for overload in packet.overloads()
+    )
 
 
 def _declare_traced_types(graph: onnx.GraphProto) -> None:
@@ -187,7 +211,7 @@ def _fix_static_sizes(
     ``x1``'s gradient over the last axis (a Reshape error in the backward), and an unknown dim
     failed the build (``GetShape(input_grad)`` in ``HandleBroadcasting``) for
     ``softplus(p) * x`` with a parameter ``p``. Operators whose sizes depend on values
-    (:data:`DATA_DEPENDENT_SIZES`) are left as they are."""
+    (:func:`data_dependent_sizes`) are left as they are."""
     if not traced:
         return
     shapes = value_shapes(graph)  # initializers included, with their dims
@@ -203,7 +227,7 @@ def _fix_static_sizes(
         entries.setdefault(vi.name, []).append(vi)
     for name, (node, sizes) in traced.items():
         operator = node.op_type if node.op_type != "ATen" else str(attribute(node, "operator", ""))
-        if operator.split(".")[0] in DATA_DEPENDENT_SIZES or name not in entries:
+        if data_dependent_sizes(operator.split(".")[0]) or name not in entries:
             continue
         if _broadcast_of_fixed_inputs(node, shapes, constants) != sizes:
             continue
