@@ -127,31 +127,20 @@ def _output_types(
     return types
 
 
-#: ATen operators whose output sizes depend on the input's values, not only on its shape,
-#: beside those PyTorch tags so (:func:`data_dependent_sizes`): a traced size of theirs is
-#: never taken for a fixed one (:func:`_fix_static_sizes`). ``unique`` is ``torch.unique``'s
-#: name, which has no ATen operator of its own.
-DATA_DEPENDENT_SIZES = frozenset(
-    {
-        "nonzero",
-        "unique",
-        "_unique",
-        "_unique2",
-        "unique_consecutive",
-        "unique_dim",
-        "masked_select",
-        "repeat_interleave",
-        "bincount",
-    }
-)
+#: operator names whose output sizes depend on the input's values that PyTorch's
+#: ``dynamic_output_shape`` tag does not cover (:func:`data_dependent_sizes`): ``unique`` is
+#: ``torch.unique``'s name, which has no ATen operator of its own (``nonzero``, ``_unique2``,
+#: ``masked_select``, ``bincount``, ``repeat_interleave``, ... carry the tag)
+DATA_DEPENDENT_SIZES = frozenset({"unique"})
 
 
 @functools.cache
 def data_dependent_sizes(operator: str) -> bool:
-    """Whether ATen ``operator``'s output sizes may depend on its inputs' values: named in
-    :data:`DATA_DEPENDENT_SIZES`, or an overload of it carries PyTorch's
-    ``dynamic_output_shape`` tag (``index`` with a boolean mask, ``one_hot`` without
-    ``num_classes``, and any operator PyTorch tags later).
+    """Whether ATen ``operator``'s output sizes may depend on its inputs' values (a traced size
+    of theirs is never taken for a fixed one, :func:`_fix_static_sizes`): an overload of it
+    carries PyTorch's ``dynamic_output_shape`` tag (``nonzero``, ``index`` with a boolean mask,
+    ``one_hot`` without ``num_classes``, any operator PyTorch tags later), or it is named in
+    :data:`DATA_DEPENDENT_SIZES`.
 
     >>> data_dependent_sizes("index"), data_dependent_sizes("softplus")
     (True, False)
