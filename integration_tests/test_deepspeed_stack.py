@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
+
+from ddp_parity import free_port  # noqa: E402
 
 WORKER = Path(__file__).with_name("deepspeed_stack_worker.py")
 # stage 0: DeepSpeed without ZeRO (its fp16/bf16 optimizer holds the fp32 masters)
@@ -34,14 +35,8 @@ TWO_PROCESS_CASES = ["1-fp32", "2-fp32", "3-fp32", "3-fp16", "3-bf16"]
 DTYPES = {"fp32": "torch.float32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(world: int, cases: list[str], tmp: Path) -> list[dict]:
-    port = str(_free_port())
+    port = str(free_port())
     outs = [tmp / f"rank{r}.json" for r in range(world)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
