@@ -260,3 +260,18 @@ def test_against_float64_accepts_rounding_and_names_a_wrong_value() -> None:
     wrong = _one_step(1.0, torch.tensor([1.0 + 1e-3, 1e-7]), torch.tensor([0.5, 0.25]))
     problems = against_float64(eager, wrong, reference)
     assert len(problems) == 1 and problems[0].startswith("grad of 'w' after step 1")
+
+
+def test_against_float64_passes_over_the_final_values_of_a_rounding_noise_gradient() -> None:
+    # a bias the softmax is invariant to: 2e-17 in float64, 5.6e-9 off in eager float32; AdamW
+    # turns that noise into steps, so the final values part in every float32 training
+    reference = _one_step(1.0, torch.tensor([2e-17, -1e-17]), torch.tensor([0.25, 0.5]))
+    eager = _one_step(1.0, torch.tensor([5.6e-9, -1e-9]), torch.tensor([0.25 + 8e-6, 0.5]))
+    other = _one_step(1.0, torch.tensor([-2e-8, 3e-9]), torch.tensor([0.25 - 2e-4, 0.5]))
+    assert against_float64(eager, other, reference) == []
+    # a gradient exactly 0 in float64 and in eager (a zero-initialised LoRA factor) is no
+    # noise: its final values are checked
+    zero = _one_step(1.0, torch.zeros(2), torch.tensor([0.25, 0.5]))
+    moved = _one_step(1.0, torch.zeros(2), torch.tensor([0.25 - 4.5e-3, 0.5]))
+    problems = against_float64(zero, moved, zero)
+    assert len(problems) == 1 and problems[0].startswith("final 'w'"), problems

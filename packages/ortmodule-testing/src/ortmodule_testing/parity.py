@@ -274,15 +274,36 @@ def against_float64(
                 problems.append(f"grad of {name!r} after step 1: None in one of the trainings")
             continue
         check(f"grad of {name!r} after step 1", grad, eager_grad, ref_grad)
+    noise = _rounding_noise_gradients(eager, reference)
     for name, eager_value in eager.final_state.items():
         value, ref_value = other.final_state.get(name), reference.final_state.get(name)
         if value is None or ref_value is None:
             problems.append(f"final {name!r}: missing")
+        elif name in noise:
+            # its true first-step gradient is below float32's rounding: every float32 training
+            # moves it by noise that AdamW scales up to whole steps (its gradient is checked)
+            continue
         elif eager_value.is_floating_point():
             check(f"final {name!r}", value, eager_value, ref_value)
         elif not torch.equal(value, eager_value):
             problems.append(f"final {name!r}: differs (not floating point)")
     return problems
+
+
+def _rounding_noise_gradients(eager: TrainRecord, reference: TrainRecord) -> set[str]:
+    """The parameters whose first-step gradient in float64 is smaller than eager's own float32
+    error on it by 10x or more (a bias the softmax is invariant to: 2e-17 in float64, 5.6e-09
+    off in eager float32). A gradient that is exactly 0 in both (a zero-initialised LoRA
+    factor's) is not noise: its parameter is checked."""
+    found: set[str] = set()
+    for name, eager_grad in eager.first_step_grads.items():
+        ref_grad = reference.first_step_grads.get(name)
+        if eager_grad is None or ref_grad is None or not eager_grad.is_floating_point():
+            continue
+        error = float((eager_grad.double() - ref_grad.double()).norm())
+        if error > 0.0 and error >= 10.0 * float(ref_grad.double().norm()):
+            found.add(name)
+    return found
 
 
 def assert_same_mixed_precision_training(
