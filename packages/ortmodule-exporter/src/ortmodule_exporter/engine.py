@@ -20,8 +20,9 @@ from torch._C import _from_dlpack
 from torch.utils.dlpack import to_dlpack
 
 from . import named_dims, onnx_graph
+from .aten import executor as aten_executor
 from .aten.executor import ATEN_DOMAIN, UnsupportedAtenOperatorError, aten_operator
-from .aten.gradients import stop_gradient_edges
+from .aten.gradients import install_gradients, stop_gradient_edges
 from .aten.kernel_choice import adds_output_grad
 from .aten.output_shapes import output_shape_rules
 from .aten.parallel import THREADS_AUTO, ThreadTrial, TorchThreadsInEngine
@@ -299,6 +300,10 @@ def build_graph(exported: ExportedModel, config: GraphConfig) -> BuiltGraph:
     ``inputs_require_grad`` then ``params_to_train``.
     """
     C = _C()
+    if config.build_gradient:
+        # the ATen nodes' gradient definitions (routed operators, kernel choices): given to the
+        # engine here too, for builds that do not come through ORTModule (idempotent)
+        install_gradients()
     builder_config = C.OrtModuleGraphBuilderConfiguration()
     builder_config.initializer_names = list(exported.param_names)
     # The engine refuses a name no output's gradient reaches ("Cannot compute the partial
@@ -568,6 +573,10 @@ def _plain_cpu_allocator(onnxruntime: Any) -> bool:
 
 def _session(model_bytes: bytes, cfg: SessionConfig) -> Any:
     onnxruntime = import_onnxruntime()
+    if ATEN_DOMAIN.encode() in model_bytes:
+        # the graph (or its opset list) names ATen nodes: the engine runs them through our
+        # executor, registered here too for sessions made outside ORTModule (idempotent)
+        aten_executor.install()
 
     so = onnxruntime.SessionOptions()
     # the partial-graph runs of training hand memory back and forth; patterns do not apply

@@ -247,7 +247,10 @@ def native_dropout_node(g: Any, x: Any, rate: float) -> Any:
 #: log_sigmoid, whose ONNX form Log(Sigmoid(x)) loses precision where x > 0 (the log of a float
 #: near 1: 1.5e-4 off in multilabel_soft_margin_loss); ONNX has no log1p for the stable form.
 #: multinomial: ONNX Multinomial takes rank 2 only and draws from the engine's generator, so
-#: PyTorch's draws it from PyTorch's generator, the same samples as eager after the same seed
+#: PyTorch's draws it from PyTorch's generator, the same samples as eager after the same seed.
+#: binary_cross_entropy_with_logits: its ONNX form takes Log(Sigmoid(x)) and Log(1 - Sigmoid(x)),
+#: -inf from |x| of about 17 on, and the gradient came back NaN where eager's is finite
+#: (``x = -30``); PyTorch's kernel is the stable one (torch_export decomposes it stably).
 DEFAULT_ROUTES = (
     "aten::_upsample_bicubic2d_aa",
     "aten::_upsample_bilinear2d_aa",
@@ -255,6 +258,7 @@ DEFAULT_ROUTES = (
     "aten::native_layer_norm",
     "aten::log_sigmoid",
     "aten::multinomial",
+    "aten::binary_cross_entropy_with_logits",
 )
 
 
