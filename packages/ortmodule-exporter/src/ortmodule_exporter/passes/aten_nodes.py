@@ -86,12 +86,19 @@ def _output_types(
     strings = strings or {}
     sequences = sequences or {}
 
+    # an input whose rank nothing knows runs as a vector: the outputs' ranks then say nothing
+    # (an elementwise sigmoid of a 3-d tensor was declared 1-d, and the engine's build failed
+    # at the Transpose reading it), so only their element types are declared
+    guessed_rank = False
+
     def meta(name: str) -> torch.Tensor | None:
+        nonlocal guessed_rank
         if name in constants:
             return torch.from_numpy(np.array(constants[name]))
         if name in known:
             elem_type, dims = known[name]
             dtype = torch.from_numpy(np.zeros(0, dtype=tensor_dtype_to_np_dtype(elem_type))).dtype
+            guessed_rank = guessed_rank or dims is None
             shape = [d if d else 2 for d in dims] if dims is not None else [2]
             return torch.empty(shape, dtype=dtype, device="meta")
         return None
@@ -123,7 +130,8 @@ def _output_types(
             types.append((onnx.TensorProto.FLOAT, None))
             continue
         np_dtype = torch.empty(0, dtype=r.dtype).numpy().dtype
-        types.append((onnx.helper.np_dtype_to_tensor_dtype(np_dtype), r.dim()))
+        rank = None if guessed_rank else r.dim()
+        types.append((onnx.helper.np_dtype_to_tensor_dtype(np_dtype), rank))
     return types
 
 
