@@ -112,6 +112,41 @@ def _without_labels(step: int) -> Any:
     return args, kwargs
 
 
+class _SigmoidGatedFeedForward(torch.nn.Module):
+    """``down(sigmoid(gate(x)) * up(x))``: the gate is PyTorch's sigmoid in an ATen node
+    (passes/sigmoid_tail.py)."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(config.d_model, config.d_ff)
+        self.up = torch.nn.Linear(config.d_model, config.d_ff)
+        self.down = torch.nn.Linear(config.d_ff, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.sigmoid(self.gate(x)) * self.up(x))  # type: ignore[no-any-return]
+
+
+def test_a_sigmoid_gated_feed_forward_block_runs_on_the_labelled_rows(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def make() -> torch.nn.Module:
+        config = BertConfig.small(return_logits=False)
+        model = BertEncoder(config)
+        for layer in model.layers:
+            layer.ffn = _SigmoidGatedFeedForward(config)
+        return model
+
+    case = ZooCase("masked_lm_sigmoid_gate", make, CASE.make_batch, CASE.loss_fn)
+    wrapped = trains_like_eager(case, 3, caplog)
+    (decision,) = _lines(caplog, "labelled rows")
+    assert decision.startswith("labelled rows on"), decision
+    graph = _graph(wrapped)
+    assert not any(n.op_type == "Sigmoid" for n in graph.node)
+    last = BertConfig.small().n_layers - 1
+    assert _reads_rows(graph, f"layers.{last}/ffn/down/MatMul")
+    assert _reads_rows(graph, f"layers.{last}/ffn/gate/MatMul")
+
+
 def test_a_batch_without_labels_trains_as_with_label_sparsity_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

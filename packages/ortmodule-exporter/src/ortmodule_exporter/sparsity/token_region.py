@@ -60,6 +60,11 @@ _ELEMENTWISE = frozenset(
 )  # fmt: skip
 
 
+#: ATen operators of one input that act on each element alone: GELU's, and the sigmoid PyTorch
+#: runs for the engine's (passes/sigmoid_tail.py)
+_ATEN_ELEMENTWISE = frozenset({"gelu", GELU, "sigmoid"})
+
+
 _LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Cast"})
 
 
@@ -192,7 +197,7 @@ def token_wise(
         return all(_small(values, constants, i, 1) for _, i in others)
     if node.domain == ATEN_DOMAIN:
         operator = attribute(node, "operator", "")
-        if operator in ("gelu", GELU):
+        if operator in _ATEN_ELEMENTWISE:
             return (
                 len(tokens) == 1
                 and node.input[0] in tokens
@@ -242,7 +247,7 @@ def loss_cone(
     outputs, the losses' inputs and the graph's outputs."""
     params = {vi.name for vi in graph.input if vi.name not in user_inputs}
     params |= {t.name for t in graph.initializer}
-    aten_token_wise = {"gelu", GELU, LAYER_NORM}
+    aten_token_wise = {*_ATEN_ELEMENTWISE, LAYER_NORM}
     maybe = _ELEMENTWISE | {"Dropout", "Slice", "Split", "LayerNormalization", "Softmax"}
 
     def _weight(name: str) -> bool:
