@@ -70,6 +70,19 @@ def test_the_engines_sigmoid_is_zero_in_its_tail() -> None:
     assert _relative_gap(_engine("Sigmoid", _X), torch.sigmoid(torch.from_numpy(_X))) > 1.0
 
 
+def test_the_engines_tanh_gradient_loses_more_than_eagers_as_it_saturates() -> None:
+    # open (docs/guarantees.md, Not guaranteed): 1 - y*y from the engine's y (4-5 ulps off)
+    # against eager's (correctly rounded), x from 4 to 6: median relative error 1.6e-4 to
+    # 1.3e-3 against 5.2e-5 to 3.8e-4 (2026-11-29)
+    x = np.linspace(4.0, 6.0, 20001).astype(np.float32)
+    exact = 1.0 - torch.tanh(torch.from_numpy(x).double()) ** 2
+    engine = 1.0 - torch.from_numpy(_engine("Tanh", x)).double() ** 2
+    eager = 1.0 - torch.tanh(torch.from_numpy(x)).double() ** 2
+    engine_error = float(((engine - exact).abs() / exact).median())
+    eager_error = float(((eager - exact).abs() / exact).median())
+    assert engine_error > 2.0 * eager_error, (engine_error, eager_error)
+
+
 _KERNELS: dict[
     str, tuple[Callable[[np.ndarray], np.ndarray], Callable[[torch.Tensor], torch.Tensor]]
 ] = {
