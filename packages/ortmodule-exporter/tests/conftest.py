@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import onnx
 import pytest
 import torch
 
@@ -23,6 +24,19 @@ from ortmodule_exporter.export import bind_arguments
 from ortmodule_pytree import flatten
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def engine_model(graph: onnx.GraphProto, *domains: str) -> onnx.ModelProto:
+    """``graph`` as a model the engine (1.19.2) loads: IR version 8, ONNX opset 17 and each of
+    ``domains`` (``com.microsoft``, the ATen domain) at version 1."""
+    return onnx.helper.make_model(
+        graph,
+        opset_imports=[
+            onnx.helper.make_opsetid("", 17),
+            *(onnx.helper.make_opsetid(domain, 1) for domain in domains),
+        ],
+        ir_version=8,
+    )
 
 
 @dataclass

@@ -14,6 +14,7 @@ import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import engine_model
 
 from ortmodule_exporter.passes.grouped_conv_grad import route_grouped_conv_grads
 
@@ -36,14 +37,7 @@ def _conv_grad_model(
         ],
         [onnx.helper.make_tensor_value_info(n, F32, None) for n in ("dX", "dW", "dB")],
     )
-    return onnx.helper.make_model(
-        graph,
-        opset_imports=[
-            onnx.helper.make_opsetid("", 17),
-            onnx.helper.make_opsetid("com.microsoft", 1),
-        ],
-        ir_version=8,
-    )
+    return engine_model(graph, "com.microsoft")
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import engine_model
 
 from ortmodule_exporter.aten.executor import ATEN_DOMAIN
 from ortmodule_exporter.onnx_graph import attribute
@@ -35,14 +36,7 @@ def _model(nodes: list[onnx.NodeProto], inputs: list[str], outputs: list[str]) -
         [onnx.helper.make_tensor_value_info(n, F32, [None]) for n in inputs],
         [onnx.helper.make_tensor_value_info(n, F32, [None]) for n in outputs],
     )
-    return onnx.helper.make_model(
-        graph,
-        opset_imports=[
-            onnx.helper.make_opsetid("", 17),
-            onnx.helper.make_opsetid("com.microsoft", 1),
-        ],
-        ir_version=8,
-    )
+    return engine_model(graph, "com.microsoft")
 
 
 def _engine(op: str, x: np.ndarray, domain: str = "", **attrs: object) -> np.ndarray:
@@ -143,11 +137,7 @@ def test_an_aten_output_of_an_input_of_unknown_rank_is_declared_without_a_rank()
         [onnx.helper.make_tensor_value_info("x", F32, None)],
         [onnx.helper.make_tensor_value_info("y", F32, None)],
     )
-    model = onnx.helper.make_model(
-        graph,
-        opset_imports=[onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid(ATEN_DOMAIN, 1)],
-        ir_version=8,
-    )
+    model = engine_model(graph, ATEN_DOMAIN)
     prepare_aten_nodes(model, training=True)
     (declared,) = [vi for vi in model.graph.value_info if vi.name == "s"]
     assert declared.type.tensor_type.elem_type == F32

@@ -59,6 +59,13 @@ def producers_and_consumers(
     return producers, consumers
 
 
+def import_domain(model: onnx.ModelProto, domain: str, version: int = 1) -> None:
+    """Add ``domain`` to the model's opset imports unless it is there (a pass that writes the
+    first node of a custom domain: ATen, PythonOp)."""
+    if not any(o.domain == domain for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(domain, version))
+
+
 def rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
     """Rename a value everywhere in ``graph`` (node inputs and outputs, graph inputs/outputs)."""
     rename_values(graph, {old: new})

@@ -23,7 +23,7 @@ from ..aten.executor import ATEN_DOMAIN
 from ..aten.gradients import has_gradient
 from ..aten.routes import EINSUM
 from ..aten.untrainable import TRACED_TYPES
-from ..onnx_graph import FLOAT_TYPES, attribute, value_shapes
+from ..onnx_graph import FLOAT_TYPES, attribute, import_domain, value_shapes
 from ..python_op import runner as python_op_runner
 from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 from .registry import register_post_export_pass
@@ -568,10 +568,8 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
     ]
     del graph.node[:]
     graph.node.extend(nodes)
-    if any(n.domain == PYTHON_OP_DOMAIN for n in nodes) and not any(
-        o.domain == PYTHON_OP_DOMAIN for o in model.opset_import
-    ):
-        model.opset_import.append(onnx.helper.make_opsetid(PYTHON_OP_DOMAIN, 1))
+    if any(n.domain == PYTHON_OP_DOMAIN for n in nodes):
+        import_domain(model, PYTHON_OP_DOMAIN)
     return count
 
 

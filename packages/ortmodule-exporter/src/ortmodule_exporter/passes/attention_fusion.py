@@ -15,7 +15,7 @@ import onnx
 import onnx.numpy_helper
 
 from ..aten.executor import ATEN_DOMAIN
-from ..onnx_graph import attribute, producers_and_consumers
+from ..onnx_graph import attribute, import_domain, producers_and_consumers
 from .registry import register_post_export_pass
 
 logger = logging.getLogger("ortmodule.exporter")
@@ -165,8 +165,7 @@ def fuse_attention(model: onnx.ModelProto) -> int:
         keep = [n for n in graph.node if id(n) not in removed]
         del graph.node[:]
         graph.node.extend(keep)
-        if not any(o.domain == ATEN_DOMAIN for o in model.opset_import):
-            model.opset_import.append(onnx.helper.make_opsetid(ATEN_DOMAIN, 1))
+        import_domain(model, ATEN_DOMAIN)
     return fused
 
 

@@ -35,6 +35,7 @@ import onnx
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.gradients import GradientNode, register_aten_gradient
 from ..aten.output_shapes import input_shape, register_output_shapes
+from ..onnx_graph import import_domain, producers_and_consumers
 from .registry import register_post_export_pass
 
 __all__ = ["SIGMOID", "sigmoids_to_pytorch"]
@@ -65,10 +66,7 @@ def sigmoids_to_pytorch(model: onnx.ModelProto) -> int:
     """Make every ONNX ``Sigmoid`` of ``model`` but silu's an ATen ``sigmoid`` node; returns how
     many it made."""
     graph = model.graph
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    _, readers = producers_and_consumers(graph)
     outputs = {o.name for o in graph.output}
     moved = 0
     for slot, node in enumerate(graph.node):
@@ -88,8 +86,8 @@ def sigmoids_to_pytorch(model: onnx.ModelProto) -> int:
             )
         )
         moved += 1
-    if moved and not any(o.domain == ATEN_DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(ATEN_DOMAIN, 1))
+    if moved:
+        import_domain(model, ATEN_DOMAIN)
     return moved
 
 

@@ -35,7 +35,7 @@ import onnx
 import onnx.numpy_helper
 import torch
 
-from ..onnx_graph import attribute
+from ..onnx_graph import attribute, import_domain
 from ..python_op import runner as python_op_runner
 from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 from .label_density import DENSITY_THRESHOLD, label_density
@@ -285,8 +285,7 @@ def _insert_flag(
     )
     first = next(i for i, n in enumerate(graph.node) if tensor in n.input)
     graph.node.insert(first, flag)
-    if not any(o.domain == PYTHON_OP_DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(PYTHON_OP_DOMAIN, 1))
+    import_domain(model, PYTHON_OP_DOMAIN)
     return flagged
 
 
