@@ -132,6 +132,28 @@ def test_a_float_input_whose_dim_a_weight_fixes_keeps_its_graph() -> None:
     assert_engine_matches_eager(Residual(), (torch.randn(3, 16, requires_grad=True),))
 
 
+def test_inputs_whose_dims_a_broadcast_makes_one_keep_their_names() -> None:
+    """x (4, 64) * w (64,), both requiring grad: inference names w's dim as x's. The inputs keep
+    their exported names (other sizes still run), the values below get the inferred ones, and
+    the builder has the shape it needs for the broadcast's gradient (built as exported, the
+    engine failed: "GetShape(input_grad, input_grad_shape).IsOK() was false")."""
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return 30.0 * torch.exp(x * w)
+
+    x, w = torch.randn(4, 64), torch.randn(64) * 0.1
+    run = assert_engine_matches_eager(
+        Scaled(), (x.requires_grad_(), w.requires_grad_()), rtol=1e-5, atol=1e-6
+    )
+    model = onnx.load_from_string(run.built.model_bytes)
+    names = {
+        vi.name: [d.dim_param for d in vi.type.tensor_type.shape.dim] for vi in model.graph.input
+    }
+    assert names["input.x"] == ["input.x_dim0", "input.x_dim1"]
+    assert names["input.w"] == ["input.w_dim0"]
+
+
 def test_inference_that_changes_an_input_dim_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     """A dynamic input dim made fixed would make the engine refuse other sizes."""
     real = named_dims.infer_symbolic_shapes

@@ -161,7 +161,7 @@ def _dims(value: onnx.ValueInfoProto) -> list[str | int] | None:
 
 def model_with_named_dims(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """``model`` with a symbolic dim on every tensor, for the gradient build; None when symbolic
-    shape inference fails or would change what a graph input declares.
+    shape inference fails or would make a graph input's dynamic dim fixed.
 
     The engine's gradient builder can tell that both operands of an ``Add`` or ``Mul`` have the
     output's shape only from dims with the same name. The exporter names the graph inputs'
@@ -170,8 +170,9 @@ def model_with_named_dims(model: onnx.ModelProto) -> onnx.ModelProto | None:
     builder then reduces every such operand's gradient through ``Shape``,
     ``BroadcastGradientArgs`` and a ``ReduceSum`` that copies when nothing is broadcast (85
     ``ReduceSum`` nodes in the tiny Llama's training graph, 1 with named dims). A graph input
-    whose dims the inference would change (a dynamic dim made fixed, or two inputs' dims made
-    one) keeps the graph as exported: the engine would then check fed shapes against them.
+    whose dynamic dim the inference would make fixed keeps the graph as exported: the engine
+    would then check fed shapes against it. Two inputs' dims made one (a broadcast of equal
+    sizes) keep the inputs' exported names and the values' inferred ones.
     """
     unknown = _unshaped_nodes(model)
     if unknown:
@@ -191,13 +192,35 @@ def model_with_named_dims(model: onnx.ModelProto) -> onnx.ModelProto | None:
         )
         return None
 
-    if [_dims(vi) for vi in named.graph.input] != [_dims(vi) for vi in model.graph.input]:
+    changed = [
+        (vi, exported)
+        for vi, exported in zip(named.graph.input, model.graph.input, strict=True)
+        if _dims(vi) != _dims(exported)
+    ]
+    if any(_fixes_a_dim(vi, exported) for vi, exported in changed):
         logger.info(
-            "symbolic shape inference changed the graph inputs' dims; building the "
+            "symbolic shape inference made a dynamic dim of a graph input fixed; building the "
             "graph as exported"
         )
         return None
+    # inputs' dims made one (x (b, n) * w (m,): n and m named alike): the inputs keep the names
+    # they were exported with, so the engine checks fed shapes against those, and the values
+    # below them keep the inferred names, which the builder needs for the gradient of the
+    # broadcast (a build of the graph as exported failed there: "GetShape(input_grad)")
+    for vi, exported in changed:
+        vi.CopyFrom(exported)
     return named
+
+
+def _fixes_a_dim(inferred: onnx.ValueInfoProto, exported: onnx.ValueInfoProto) -> bool:
+    """Whether shape inference changed ``exported``'s dims other than by renaming dynamic ones."""
+    before, after = _dims(exported), _dims(inferred)
+    if before is None or after is None:
+        return before != after
+    return len(before) != len(after) or any(
+        isinstance(a, int) != isinstance(b, int) or (isinstance(a, int) and a != b)
+        for a, b in zip(before, after, strict=True)
+    )
 
 
 def _outputs_kept(named: onnx.ModelProto, builder: Any) -> bool:
