@@ -322,6 +322,19 @@ def test_silu_keeps_the_engines_fused_kernel() -> None:
     assert "Sigmoid" in _graph_ops(model) and not _routed(model)
 
 
+@pytest.mark.parametrize("op", [torch.sigmoid, torch.tanh], ids=["sigmoid", "tanh"])
+def test_a_returned_sigmoid_or_tanh_that_a_reduction_reads_builds(op: Callable[..., Any]) -> None:
+    # fuzz seed 55187: t = tanh(x) returned and read by var(); the output renamed for the
+    # engine (passes/engine_graph_fixes.py) lost its declared type, and the engine infers none
+    # through an ATen node: "type inference failed"
+    def program(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = op(x)
+        v = t.var(dim=2)
+        return torch.maximum(v, v), t
+
+    check(program, _x(2, 3, 2, 2, 1))
+
+
 def test_binary_cross_entropy_with_logits_is_finite_where_the_sigmoid_saturates() -> None:
     # the ONNX form takes Log(Sigmoid(x)) and Log(1 - Sigmoid(x)): -inf at |x| of about 17 and
     # up, and the gradient came back NaN where eager's is -0.01875 (aten.routes.DEFAULT_ROUTES)

@@ -361,6 +361,9 @@ def fix_graph(model: onnx.ModelProto) -> int:
     layer_norms: dict[str, int] = {}
     producer = {o: n for n in graph.node for o in n.output}
     under_gathers = _above_gathers(graph)
+    typed_values = {
+        vi.name: vi for vi in (*graph.value_info, *graph.output) if vi.type.tensor_type.elem_type
+    }
     for node in graph.node:
         for slot, name in enumerate(node.input):
             if name in renamed:
@@ -396,6 +399,15 @@ def fix_graph(model: onnx.ModelProto) -> int:
             for slot, name in enumerate(node.output):
                 if name in gathered:
                     node.output[slot] = renamed[name] = f"{name}__returned"
+                    # the engine infers no type through an ATen node (a sigmoid's output
+                    # returned and read by a reduction: "type inference failed"): the new
+                    # name carries the output's declared one
+                    typed = typed_values.get(name)
+                    if typed is not None:
+                        kept = onnx.ValueInfoProto()
+                        kept.CopyFrom(typed)
+                        kept.name = renamed[name]
+                        graph.value_info.append(kept)
             nodes.append(node)
             nodes.extend(onnx.helper.make_node("Identity", [renamed[o]], [o]) for o in gathered)
             changed += len(gathered)
