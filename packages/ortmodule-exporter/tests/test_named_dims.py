@@ -271,9 +271,11 @@ _RULE_CASES: dict[str, list[tuple[str, list[torch.Tensor | None]]]] = {
     ],
     GELU: [("tanh", [torch.randn(2, 3)])],
     STOP_GRADIENT: [("", [torch.randn(2, 3)])],
-    # sigmoid (passes/sigmoid_tail.py) and its gradient node
+    # sigmoid and tanh (passes/saturating_tails.py) and their gradient nodes
     "sigmoid": [("", [torch.randn(2, 3)])],
     "sigmoid_backward": [("", [torch.randn(2, 3), torch.rand(2, 3)])],
+    "tanh": [("", [torch.randn(2, 3)])],
+    "tanh_backward": [("", [torch.randn(2, 3), torch.rand(2, 3)])],
     CROSS_ENTROPY: [
         ("", [torch.randn(6, 5), torch.tensor([0, 1, 2, 3, 4, -100]), torch.tensor([1, -100])])
     ],

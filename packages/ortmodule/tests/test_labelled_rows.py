@@ -114,7 +114,7 @@ def _without_labels(step: int) -> Any:
 
 class _SigmoidGatedFeedForward(torch.nn.Module):
     """``down(sigmoid(gate(x)) * up(x))``: the gate is PyTorch's sigmoid in an ATen node
-    (passes/sigmoid_tail.py)."""
+    (passes/saturating_tails.py)."""
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()

@@ -8,6 +8,7 @@ operator on ordinary inputs stays in the engine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -46,10 +47,12 @@ def _leaves(args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     )
 
 
-def check(fn: Callable[..., Any], *args: torch.Tensor) -> ORTModule:
+def check(
+    fn: Callable[..., Any], *args: torch.Tensor, options: DebugOptions | None = None
+) -> ORTModule:
     """ORTModule(fn) matches eager on outputs and on the gradient of a weighted sum."""
     eager_in, ort_in = _leaves(args), _leaves(args)
-    model = ORTModule(Fn(fn))
+    model = ORTModule(Fn(fn), options)
     expected, got = fn(*eager_in), model(*ort_in)
     expected = expected if isinstance(expected, tuple) else (expected,)
     got = got if isinstance(got, tuple) else (got,)
@@ -118,8 +121,8 @@ def test_an_empty_input_exports_apart_and_ordinary_inputs_stay_in_the_engine() -
 
 
 def test_elementwise_operators_on_empty_tensors_stay_in_the_engine() -> None:
-    # (a sigmoid runs in PyTorch whatever the size: passes/sigmoid_tail.py)
-    assert not _routed(check(lambda a: torch.exp(a).tanh().neg(), _x(0, 3)))
+    # (a sigmoid and a tanh run in PyTorch whatever the size: passes/saturating_tails.py)
+    assert not _routed(check(lambda a: torch.exp(a).sin().neg(), _x(0, 3)))
 
 
 def test_broadcasting_on_empty_tensors_runs_in_pytorch() -> None:
@@ -283,7 +286,8 @@ def test_log_sigmoid_is_exact_where_its_input_is_positive() -> None:
     check(F.multilabel_soft_margin_loss, _x(3, 5) * 9, (torch.rand(3, 5) > 0.5).float())
 
 
-# -- every Sigmoid but silu's runs in PyTorch (passes/sigmoid_tail.py) -----------------------------
+# -- every Sigmoid but silu's, every Tanh but the tanh GELU's runs in PyTorch ----------------------
+# (passes/saturating_tails.py)
 
 #: the CPU engine's Sigmoid is 0 from x = -18 on and 116 % off at -17: the gradients of w came
 #: out 0 from the third element on, where eager's are 6.9e-08 down to 4.2e-17
@@ -322,6 +326,49 @@ def test_silu_keeps_the_engines_fused_kernel() -> None:
     assert "Sigmoid" in _graph_ops(model) and not _routed(model)
 
 
+def _recurrence(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    # fuzz seed 56590's program: a tanh recurrence that saturates
+    h = torch.zeros_like(x[0])
+    for x_t in x:
+        h = torch.tanh(h * p + x_t)
+    return h
+
+
+def _soft_cap(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # Gemma's logit soft-capping
+    return 30.0 * torch.tanh((x * w) / 30.0)
+
+
+_TANHS = {"recurrence": _recurrence, "soft_cap": _soft_cap}
+
+
+@pytest.mark.parametrize("program", sorted(_TANHS))
+@pytest.mark.parametrize("exporter", ["torchscript", "torch_export"])
+def test_a_saturating_tanh_gives_eagers_gradients(exporter: str, program: str) -> None:
+    # the engine's Tanh is 4-5 ulps off near saturation, and 1 - y*y made the recurrence's input
+    # gradient 17x farther from float64 than eager's: through PyTorch's tanh they are eager's
+    if exporter == "torch_export":
+        pytest.importorskip("onnxscript")
+    fn = _TANHS[program]
+    x = torch.linspace(1.0, 9.0, 4 * 64).reshape(4, 64)
+    if program == "soft_cap":
+        x = x * 12.0
+    p = torch.full((64,), 1.5)
+    eager_x, ort_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager_p, ort_p = p.clone().requires_grad_(), p.clone().requires_grad_()
+    model = ORTModule(Fn(fn), DebugOptions(exporter=exporter))
+    expected, got = fn(eager_x, eager_p), model(ort_x, ort_p)
+    assert torch.equal(got, expected.detach())
+    (expected * torch.arange(64.0)).sum().backward()
+    (got * torch.arange(64.0)).sum().backward()
+    assert eager_x.grad is not None and ort_x.grad is not None
+    assert ort_p.grad is not None and eager_p.grad is not None
+    assert torch.equal(ort_x.grad, eager_x.grad)
+    # p's gradient sums over the steps, in another order than eager's autograd
+    torch.testing.assert_close(ort_p.grad, eager_p.grad, rtol=1e-6, atol=0.0)
+    assert "Tanh" not in _graph_ops(model)
+
+
 @pytest.mark.parametrize("op", [torch.sigmoid, torch.tanh], ids=["sigmoid", "tanh"])
 def test_a_returned_sigmoid_or_tanh_that_a_reduction_reads_builds(op: Callable[..., Any]) -> None:
     # fuzz seed 55187: t = tanh(x) returned and read by var(); the output renamed for the
@@ -333,6 +380,20 @@ def test_a_returned_sigmoid_or_tanh_that_a_reduction_reads_builds(op: Callable[.
         return torch.maximum(v, v), t
 
     check(program, _x(2, 3, 2, 2, 1))
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    # Hugging Face's NewGELUActivation (GPT-2)
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "torch_export"])
+def test_the_tanh_gelu_keeps_the_engines_fused_kernel(exporter: str) -> None:
+    # Add(1, Tanh(...)) stays for the engine's FastGelu fusion, as close to float64 as eager's
+    if exporter == "torch_export":
+        pytest.importorskip("onnxscript")
+    model = check(_gelu_new, _x(4, 6) * 3, options=DebugOptions(exporter=exporter))
+    assert "Tanh" in _graph_ops(model)
 
 
 def test_binary_cross_entropy_with_logits_is_finite_where_the_sigmoid_saturates() -> None:

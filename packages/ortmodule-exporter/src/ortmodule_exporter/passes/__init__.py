@@ -9,8 +9,8 @@ engine built (built-graph passes).
 ``python_op``           refuse Functions this process did not export (0); PythonOp dims (20)
 ``attention_fusion``    ``ORTMODULE_USE_EFFICIENT_ATTENTION``: attention into one ATen node (30)
 ``attention_layout``    fused CPU attention reads its inputs without the heads' Transposes (35)
-``sigmoid_tail``        every Sigmoid but silu's on PyTorch's ``sigmoid``: the engine's is 0 in
-                        its tail (38)
+``saturating_tails``    every Sigmoid but silu's, every Tanh but the tanh GELU's on PyTorch's
+                        kernels: the engine's lose their tails (38)
 ``aten_nodes``          make ATen nodes runnable and trainable (40)
 ``output_ranks``        scalar outputs keep rank 0 (45)
 ``engine_graph_fixes``  no-op Casts removed; an input read twice goes through an Identity; a
@@ -65,8 +65,8 @@ from . import (  # noqa: F401 - register
     product_outputs,
     python_op,
     row_sums,
+    saturating_tails,
     scalar_gradients,
-    sigmoid_tail,
 )
 from .registry import register_post_export_pass, run_post_export_passes, unregister_post_export_pass
 

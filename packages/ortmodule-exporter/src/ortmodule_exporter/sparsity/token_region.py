@@ -60,9 +60,9 @@ _ELEMENTWISE = frozenset(
 )  # fmt: skip
 
 
-#: ATen operators of one input that act on each element alone: GELU's, and the sigmoid PyTorch
-#: runs for the engine's (passes/sigmoid_tail.py)
-_ATEN_ELEMENTWISE = frozenset({"gelu", GELU, "sigmoid"})
+#: ATen operators of one input that act on each element alone: GELU's, and the sigmoid and tanh
+#: PyTorch runs for the engine's (passes/saturating_tails.py)
+_ATEN_ELEMENTWISE = frozenset({"gelu", GELU, "sigmoid", "tanh"})
 
 
 _LAYOUT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Cast"})

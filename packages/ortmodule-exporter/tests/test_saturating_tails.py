@@ -1,9 +1,9 @@
-"""The sigmoid pass (passes/sigmoid_tail.py) and the engine kernel facts it rests on.
+"""The Sigmoid and Tanh pass (passes/saturating_tails.py) and the engine kernel facts it rests on.
 
 The engine's elementwise kernels run here in plain sessions, over float32 inputs from -200 to
-200 (log-spaced magnitudes), against PyTorch's on the same inputs: Sigmoid is the one whose
-tail is off (0 where eager's is small), which is why the pass exists; the others are within a
-few float32 roundings of eager's. The parity tests in
+200 (log-spaced magnitudes), against PyTorch's on the same inputs: Sigmoid's tail is off (0
+where eager's is small) and Tanh's gradient loses more than eager's as it saturates, which is
+why the pass exists; the others are within a few float32 roundings of eager's. The parity tests in
 ``packages/ortmodule/tests/test_operator_routes.py`` check the pass inside training.
 """
 
@@ -21,7 +21,7 @@ from conftest import engine_model
 from ortmodule_exporter.aten.executor import ATEN_DOMAIN
 from ortmodule_exporter.onnx_graph import attribute
 from ortmodule_exporter.passes.aten_nodes import prepare_aten_nodes
-from ortmodule_exporter.passes.sigmoid_tail import SIGMOID, sigmoids_to_pytorch
+from ortmodule_exporter.passes.saturating_tails import SIGMOID, TANH, saturating_tails_to_pytorch
 
 F32 = onnx.TensorProto.FLOAT
 _X = np.concatenate([-np.logspace(-8, 2.3, 2000), [0.0], np.logspace(-8, 2.3, 2000)]).astype(
@@ -65,7 +65,7 @@ def test_the_engines_sigmoid_is_zero_in_its_tail() -> None:
 
 
 def test_the_engines_tanh_gradient_loses_more_than_eagers_as_it_saturates() -> None:
-    # open (docs/guarantees.md, Not guaranteed): 1 - y*y from the engine's y (4-5 ulps off)
+    # the fact the pass works around: 1 - y*y from the engine's y (4-5 ulps off)
     # against eager's (correctly rounded), x from 4 to 6: median relative error 1.6e-4 to
     # 1.3e-3 against 5.2e-5 to 3.8e-4 (2026-11-29)
     x = np.linspace(4.0, 6.0, 20001).astype(np.float32)
@@ -80,6 +80,7 @@ def test_the_engines_tanh_gradient_loses_more_than_eagers_as_it_saturates() -> N
 _KERNELS: dict[
     str, tuple[Callable[[np.ndarray], np.ndarray], Callable[[torch.Tensor], torch.Tensor]]
 ] = {
+    # the forward alone; its gradient 1 - y*y is the test above
     "Tanh": (lambda x: _engine("Tanh", x), torch.tanh),
     "Exp": (lambda x: _engine("Exp", x), torch.exp),
     "Erf": (lambda x: _engine("Erf", x), torch.erf),
@@ -109,7 +110,7 @@ def test_every_sigmoid_but_silus_becomes_pytorchs() -> None:
         onnx.helper.make_node("Add", ["s_twice", "b"], ["also_read"]),
     ]
     model = _model(nodes, ["a", "b"], ["gated", "silu_out", "silu_too", "also_read"])
-    assert sigmoids_to_pytorch(model) == 2
+    assert saturating_tails_to_pytorch(model) == 2
     kinds = {
         n.name: (n.op_type, str(attribute(n, "operator", ""))) for n in model.graph.node if n.name
     }
@@ -119,7 +120,59 @@ def test_every_sigmoid_but_silus_becomes_pytorchs() -> None:
     # one that silu's Mul and another node read is a value of its own: PyTorch's
     assert kinds["twice"] == ("ATen", SIGMOID)
     assert any(o.domain == ATEN_DOMAIN for o in model.opset_import)
-    assert sigmoids_to_pytorch(model) == 0
+    assert saturating_tails_to_pytorch(model) == 0
+
+
+def _one_constant(name: str) -> list[onnx.NodeProto]:
+    # torch_export writes the tanh GELU's 1.0 as a Cast of a double
+    return [
+        onnx.helper.make_node(
+            "Constant", [], [f"{name}_d"], value=onnx.helper.make_tensor("v", 11, [], [1.0])
+        ),
+        onnx.helper.make_node("Cast", [f"{name}_d"], [name], to=F32),
+    ]
+
+
+def test_every_tanh_but_the_tanh_gelus_becomes_pytorchs() -> None:
+    nodes = [
+        onnx.helper.make_node("Tanh", ["a"], ["t_cap"], name="cap"),
+        onnx.helper.make_node("Mul", ["t_cap", "b"], ["capped"]),
+        *_one_constant("one"),
+        onnx.helper.make_node("Tanh", ["a"], ["t_gelu"], name="gelu"),
+        onnx.helper.make_node("Add", ["one", "t_gelu"], ["gelu_out"]),
+        onnx.helper.make_node("Tanh", ["b"], ["t_two"], name="two"),
+        onnx.helper.make_node("Add", ["t_two", "b"], ["not_one"]),
+    ]
+    model = _model(nodes, ["a", "b"], ["capped", "gelu_out", "not_one"])
+    assert saturating_tails_to_pytorch(model) == 2
+    kinds = {
+        n.name: (n.op_type, str(attribute(n, "operator", ""))) for n in model.graph.node if n.name
+    }
+    assert kinds["cap"] == ("ATen", TANH) and kinds["two"] == ("ATen", TANH)
+    # Add(1, Tanh) stays: the engine fuses it into FastGelu
+    assert kinds["gelu"] == ("Tanh", "")
+    # the moved outputs are declared with their inputs' rank: the engine infers none for ATen
+    declared = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in model.graph.value_info}
+    assert declared["t_cap"] == 1 and declared["t_two"] == 1
+
+
+def test_a_tanh_of_an_input_of_unknown_rank_stays_on_the_engine() -> None:
+    # Hugging Face xlstm: the engine's gradient of an Unsqueeze below such a tanh needs its rank,
+    # which only the engine's own Tanh carries
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Tanh", ["x"], ["t"], name="unknown"),
+            onnx.helper.make_node("Sigmoid", ["x"], ["s"], name="gate"),
+            onnx.helper.make_node("Mul", ["t", "s"], ["y"]),
+        ],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", F32, None)],
+        [onnx.helper.make_tensor_value_info("y", F32, None)],
+    )
+    model = engine_model(graph, "com.microsoft")
+    assert saturating_tails_to_pytorch(model) == 1
+    kinds = {n.name: n.op_type for n in model.graph.node if n.name}
+    assert kinds == {"unknown": "Tanh", "gate": "ATen"}
 
 
 def test_an_aten_output_of_an_input_of_unknown_rank_is_declared_without_a_rank() -> None:
