@@ -102,3 +102,16 @@ def test_tiny_models_train_in_eager_and_with_checkpointing(make: Any, mode: str)
 def test_rss_sampler_sees_the_resident_set() -> None:
     sampler = RssSampler(interval=0.001)
     assert sampler.stop() > 0
+
+
+def test_the_scale_report_states_the_warm_start_beyond_one_step() -> None:
+    report = Report(info={}, full=False, command="", load_before=(0.0, 0.0, 0.0))
+    report.runs = {
+        ("gpt2_124m", "ortmodule"): {"first_step_s": 9.0, "median_step_s": 4.0},
+        ("gpt2_124m", "ortmodule-warm"): {"first_step_s": 5.0},
+    }
+    (line, _) = report._warm_start_lines("gpt2_124m")
+    # 5 / 9 of the first step; beyond the 4 s step, 1 s against 5 s
+    assert "56% of the cold one's 9.00 s" in line and "(20%)" in line, line
+    del report.runs[("gpt2_124m", "ortmodule-warm")]
+    assert report._warm_start_lines("gpt2_124m") == []
