@@ -150,3 +150,25 @@ def test_worker_records_a_crash_and_a_hang_and_goes_on() -> None:
         assert first.status == "crashed" and "exit code" in first.detail
     with Worker(timeout=3, factory=_hanging) as worker:  # type: ignore[arg-type]
         assert worker.run(program) == Outcome("crashed", "no result after 3 s (killed)")
+
+
+def test_the_summary_breaks_refusals_down_by_error() -> None:
+    import argparse
+    import collections
+
+    from ortmodule_testing.fuzz.__main__ import _summary
+
+    summary = _summary(
+        argparse.Namespace(seed=7),
+        GenConfig(),
+        collections.Counter({"equal": 5, "refused": 3}),
+        [],
+        1.0,
+        {
+            "GuardError": ([7, 9], "GuardError: float() at line 3 | more"),
+            "EngineBuildError": ([11], "EngineBuildError: the engine could not build"),
+        },
+    )
+    rows = [line for line in summary.splitlines() if line.startswith("| Guard")]
+    assert rows == ["| GuardError | 2 | 7, 9 | GuardError: float() at line 3 \\| more |"]
+    assert "| EngineBuildError | 1 | 11 |" in summary

@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     counts: collections.Counter[str] = collections.Counter()
     shrunk_per_kind: collections.Counter[str] = collections.Counter()
     failures: list[tuple[Program, Outcome, Program, Outcome, Path | None]] = []
+    #: error type -> seeds refused with it, and the first one's message
+    refusals: dict[str, tuple[list[int], str]] = {}
     start = time.monotonic()
     with Worker(timeout=args.timeout) as worker:
         if args.replay:
@@ -97,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                 program = generate_program(seed, config)
             outcome = worker.run(program)
             counts[outcome.status] += 1
+            if outcome.status == "refused":
+                kind = outcome.detail.split(":", 1)[0]
+                refusals.setdefault(kind, ([], outcome.detail))[0].append(seed)
             if outcome.failed:
                 small, small_outcome = program, outcome
                 if shrunk_per_kind[outcome.signature] < args.shrink_per_kind:
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             if n % 50 == 0:
                 elapsed = time.monotonic() - start
                 (args.out / "summary.md").write_text(
-                    _summary(args, config, counts, failures, elapsed)
+                    _summary(args, config, counts, failures, elapsed, refusals)
                 )
             if n % 50 == 0 and not outcome.failed:
                 print(
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     elapsed = time.monotonic() - start
-    summary = _summary(args, config, counts, failures, elapsed)
+    summary = _summary(args, config, counts, failures, elapsed, refusals)
     (args.out / "summary.md").write_text(summary)
     print(summary)
     bad = sum(counts[s] for s in ("wrong", "error", "crashed", "invalid"))
@@ -157,6 +162,7 @@ def _summary(
     counts: collections.Counter[str],
     failures: list[tuple[Program, Outcome, Program, Outcome, Path | None]],
     elapsed: float,
+    refusals: dict[str, tuple[list[int], str]] | None = None,
 ) -> str:
     ran = sum(counts.values())
     lines = [
@@ -176,6 +182,14 @@ def _summary(
             f"- seed {program.seed}: {outcome.status} ({len(small.live_ops())} ops shrunk) "
             f"{path}: {first}"
         )
+    if refusals:
+        # a refusal is a clear error, not a failure; an EngineBuildError among them is a
+        # program the engine could not build, which is worth a look
+        lines += ["", "| refused with | programs | seeds | first message |", "|---|---|---|---|"]
+        for kind, (seeds, detail) in sorted(refusals.items(), key=lambda r: -len(r[1][0])):
+            shown = ", ".join(str(s) for s in seeds[:5]) + (", ..." if len(seeds) > 5 else "")
+            message = detail.splitlines()[0][:200].replace("|", "\\|") if detail else ""
+            lines.append(f"| {kind} | {len(seeds)} | {shown} | {message} |")
     return "\n".join(lines) + "\n"
 
 
