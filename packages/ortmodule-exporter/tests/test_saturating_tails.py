@@ -99,6 +99,13 @@ def test_the_engines_other_elementwise_kernels_match_eager_to_rounding(op: str) 
     assert _relative_gap(engine(_X), eager(torch.from_numpy(_X))) < 5e-7
 
 
+def _kinds(model: onnx.ModelProto) -> dict[str, tuple[str, str]]:
+    """Named node -> (op type, ATen operator or "")."""
+    return {
+        n.name: (n.op_type, str(attribute(n, "operator", ""))) for n in model.graph.node if n.name
+    }
+
+
 def test_every_sigmoid_but_silus_becomes_pytorchs() -> None:
     nodes = [
         onnx.helper.make_node("Sigmoid", ["a"], ["s_gate"], name="gate"),
@@ -111,9 +118,7 @@ def test_every_sigmoid_but_silus_becomes_pytorchs() -> None:
     ]
     model = _model(nodes, ["a", "b"], ["gated", "silu_out", "silu_too", "also_read"])
     assert saturating_tails_to_pytorch(model) == 2
-    kinds = {
-        n.name: (n.op_type, str(attribute(n, "operator", ""))) for n in model.graph.node if n.name
-    }
+    kinds = _kinds(model)
     assert kinds["gate"] == ("ATen", SIGMOID)
     # silu's Sigmoid stays: the engine fuses it into QuickGelu
     assert kinds["silu"] == ("Sigmoid", "")
@@ -145,9 +150,7 @@ def test_every_tanh_but_the_tanh_gelus_becomes_pytorchs() -> None:
     ]
     model = _model(nodes, ["a", "b"], ["capped", "gelu_out", "not_one"])
     assert saturating_tails_to_pytorch(model) == 2
-    kinds = {
-        n.name: (n.op_type, str(attribute(n, "operator", ""))) for n in model.graph.node if n.name
-    }
+    kinds = _kinds(model)
     assert kinds["cap"] == ("ATen", TANH) and kinds["two"] == ("ATen", TANH)
     # Add(1, Tanh) stays: the engine fuses it into FastGelu
     assert kinds["gelu"] == ("Tanh", "")

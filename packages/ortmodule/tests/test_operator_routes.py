@@ -289,6 +289,14 @@ def test_log_sigmoid_is_exact_where_its_input_is_positive() -> None:
 # -- every Sigmoid but silu's, every Tanh but the tanh GELU's runs in PyTorch ----------------------
 # (passes/saturating_tails.py)
 
+
+def _exporter(exporter: str) -> DebugOptions:
+    """Options for ``exporter``; torch_export's tests skip without onnxscript."""
+    if exporter == "torch_export":
+        pytest.importorskip("onnxscript")
+    return DebugOptions(exporter=exporter)
+
+
 #: the CPU engine's Sigmoid is 0 from x = -18 on and 116 % off at -17: the gradients of w came
 #: out 0 from the third element on, where eager's are 6.9e-08 down to 4.2e-17
 _SATURATED = torch.tensor([-3.0, -8.0, -9.0, -10.0, -12.0, -20.0])
@@ -304,12 +312,11 @@ _GATES = {
 @pytest.mark.parametrize("gate", sorted(_GATES))
 @pytest.mark.parametrize("exporter", ["torchscript", "torch_export"])
 def test_a_saturated_sigmoid_keeps_its_small_values_and_gradients(exporter: str, gate: str) -> None:
-    if exporter == "torch_export":
-        pytest.importorskip("onnxscript")
+    options = _exporter(exporter)
     fn = _GATES[gate]
     w = torch.full((6,), 2.0, requires_grad=True)
     eager_w, ort_w = w.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    model = ORTModule(Fn(fn), DebugOptions(exporter=exporter))
+    model = ORTModule(Fn(fn), options)
     expected, got = fn(_SATURATED, eager_w), model(_SATURATED, ort_w)
     torch.testing.assert_close(got, expected.detach(), rtol=1e-6, atol=0.0)
     expected.sum().backward()
@@ -347,8 +354,7 @@ _TANHS = {"recurrence": _recurrence, "soft_cap": _soft_cap}
 def test_a_saturating_tanh_gives_eagers_gradients(exporter: str, program: str) -> None:
     # the engine's Tanh is 4-5 ulps off near saturation, and 1 - y*y made the recurrence's input
     # gradient 17x farther from float64 than eager's: through PyTorch's tanh they are eager's
-    if exporter == "torch_export":
-        pytest.importorskip("onnxscript")
+    options = _exporter(exporter)
     fn = _TANHS[program]
     x = torch.linspace(1.0, 9.0, 4 * 64).reshape(4, 64)
     if program == "soft_cap":
@@ -356,7 +362,7 @@ def test_a_saturating_tanh_gives_eagers_gradients(exporter: str, program: str) -
     p = torch.full((64,), 1.5)
     eager_x, ort_x = x.clone().requires_grad_(), x.clone().requires_grad_()
     eager_p, ort_p = p.clone().requires_grad_(), p.clone().requires_grad_()
-    model = ORTModule(Fn(fn), DebugOptions(exporter=exporter))
+    model = ORTModule(Fn(fn), options)
     expected, got = fn(eager_x, eager_p), model(ort_x, ort_p)
     assert torch.equal(got, expected.detach())
     (expected * torch.arange(64.0)).sum().backward()
@@ -390,9 +396,7 @@ def _gelu_new(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("exporter", ["torchscript", "torch_export"])
 def test_the_tanh_gelu_keeps_the_engines_fused_kernel(exporter: str) -> None:
     # Add(1, Tanh(...)) stays for the engine's FastGelu fusion, as close to float64 as eager's
-    if exporter == "torch_export":
-        pytest.importorskip("onnxscript")
-    model = check(_gelu_new, _x(4, 6) * 3, options=DebugOptions(exporter=exporter))
+    model = check(_gelu_new, _x(4, 6) * 3, options=_exporter(exporter))
     assert "Tanh" in _graph_ops(model)
 
 

@@ -340,6 +340,16 @@ def value_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, list[int | None
     return known
 
 
+def inferred_value_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None] | None]]:
+    """:func:`value_shapes` of ``model`` after ONNX shape inference (not strict; the declared
+    types alone where inference fails)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - types are found best effort
+        inferred = model
+    return value_shapes(inferred.graph)
+
+
 def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """Value name -> array for every initializer and ``Constant`` node output of ``graph``."""
     found = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}

@@ -23,7 +23,7 @@ from ..aten.executor import ATEN_DOMAIN
 from ..aten.gradients import has_gradient
 from ..aten.routes import EINSUM
 from ..aten.untrainable import TRACED_TYPES
-from ..onnx_graph import FLOAT_TYPES, attribute, import_domain, value_shapes
+from ..onnx_graph import FLOAT_TYPES, attribute, import_domain, inferred_value_shapes, value_shapes
 from ..python_op import runner as python_op_runner
 from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 from .registry import register_post_export_pass
@@ -49,15 +49,6 @@ def _value_types(model: onnx.ModelProto) -> dict[str, int]:
                 if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     types[node.output[0]] = a.t.data_type
     return types
-
-
-def _known(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None] | None]]:
-    """name -> (elem_type, dims or None) for every value ONNX shape inference can type."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # noqa: BLE001 - types are filled best effort
-        inferred = model
-    return value_shapes(inferred.graph)
 
 
 def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
@@ -291,10 +282,10 @@ def _type_aten_outputs(model: onnx.ModelProto) -> None:
         return
     constants = _constant_values(graph)
     strings, sequences = _string_constants(graph), _sequence_inputs(graph)
-    known = _known(model)
+    known = inferred_value_shapes(model)
     for node in todo:
         if any(name and name not in known and name not in constants for name in node.input):
-            known = _known(model)
+            known = inferred_value_shapes(model)
         types = _output_types(node, known, constants, strings, sequences)
         if types is None:
             logger.warning(
@@ -513,7 +504,7 @@ def prepare_aten_nodes(model: onnx.ModelProto, training: bool = True) -> int:
         return 0
     _unpack_list_outputs(graph)
     _type_aten_outputs(model)
-    known = _known(model)
+    known = inferred_value_shapes(model)
     types = {**{name: elem for name, (elem, _dims) in known.items()}, **_value_types(model)}
     ranks = {name: (len(dims) if dims is not None else None) for name, (_t, dims) in known.items()}
     count = 0

@@ -51,7 +51,12 @@ import onnx
 from ..aten.executor import ATEN_DOMAIN
 from ..aten.gradients import GradientNode, register_aten_gradient
 from ..aten.output_shapes import input_shape, register_output_shapes
-from ..onnx_graph import constant_values, import_domain, producers_and_consumers, value_shapes
+from ..onnx_graph import (
+    constant_values,
+    import_domain,
+    inferred_value_shapes,
+    producers_and_consumers,
+)
 from .registry import register_post_export_pass
 
 __all__ = ["SIGMOID", "TANH", "saturating_tails_to_pytorch"]
@@ -84,11 +89,7 @@ class _Graph:
         before the pass moves a node, while the engine's Sigmoid/Tanh outputs still type the
         values below them."""
         if self._shapes is None:
-            try:
-                inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False)
-            except Exception:  # noqa: BLE001 - types are found best effort
-                inferred = self.model
-            self._shapes = value_shapes(inferred.graph)
+            self._shapes = inferred_value_shapes(self.model)
         return self._shapes.get(name)
 
     def constant(self, name: str) -> np.ndarray | None:
