@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -106,3 +107,22 @@ def test_unnamed_nodes_get_unique_names() -> None:
     names = [n.name for n in graph.node]
     assert all(names) and len(set(names)) == 4 and names[1] == "Relu_unnamed1"
     assert onnx_graph.name_unnamed_nodes(graph) == 0
+
+
+def test_constant_values_reads_numeric_constants_with_onnx_types_and_skips_strings() -> None:
+    nodes = [
+        helper.make_node("Constant", [], ["f"], value_float=0.5),
+        helper.make_node("Constant", [], ["i"], value_ints=[1, 2]),
+        helper.make_node(
+            "Constant", [], ["t"], value=helper.make_tensor("t", TensorProto.INT32, [], [3])
+        ),
+        # an ATen node's string argument (div's rounding_mode) as the TorchScript exporter writes it
+        helper.make_node("Constant", [], ["s"], value_string="floor"),
+    ]
+    graph = helper.make_graph(nodes, "g", [], [])
+    graph.node[3].attribute[0].name = "value"
+    values = onnx_graph.constant_values(graph)
+    assert set(values) == {"f", "i", "t"}
+    assert values["f"].dtype == np.float32 and float(values["f"]) == 0.5
+    assert values["i"].dtype == np.int64 and values["i"].tolist() == [1, 2]
+    assert values["t"].dtype == np.int32 and int(values["t"]) == 3

@@ -333,6 +333,17 @@ def test_silu_keeps_the_engines_fused_kernel() -> None:
     assert "Sigmoid" in _graph_ops(model) and not _routed(model)
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "torch_export"])
+def test_a_tanh_and_a_sigmoid_beside_a_string_argument_train(exporter: str) -> None:
+    # the floor division's rounding_mode is a string Constant; the tails pass read every
+    # Constant as an array and failed ('The element type in the input tensor is UNDEFINED')
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(torch.div(x, y, rounding_mode="floor") * x) + torch.tanh(3 * x)
+
+    model = check(fn, _x(3, 4), _x(3, 4, seed=1).detach().abs() + 2.0, options=_exporter(exporter))
+    assert not {"Sigmoid", "Tanh"} & set(_graph_ops(model))
+
+
 def _recurrence(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     # fuzz seed 56590's program: a tanh recurrence that saturates
     h = torch.zeros_like(x[0])

@@ -351,15 +351,23 @@ def inferred_value_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list[i
 
 
 def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """Value name -> array for every initializer and ``Constant`` node output of ``graph``."""
+    """Value name -> array for every initializer and numeric ``Constant`` node output of
+    ``graph`` (``value_float(s)`` as float32, ``value_int(s)`` as int64, as ONNX declares them)."""
     found = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for a in node.attribute:
-                if a.name == "value":
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                    # a string constant (an ATen node's ``rounding_mode``) has no array
                     found[node.output[0]] = onnx.numpy_helper.to_array(a.t)
-                elif a.name in ("value_float", "value_int", "value_floats", "value_ints"):
-                    found[node.output[0]] = np.array(onnx.helper.get_attribute_value(a))
+                elif a.name in ("value_float", "value_floats"):  # float32, as ONNX declares
+                    found[node.output[0]] = np.array(
+                        a.f if a.name == "value_float" else a.floats, np.float32
+                    )
+                elif a.name in ("value_int", "value_ints"):
+                    found[node.output[0]] = np.array(
+                        a.i if a.name == "value_int" else a.ints, np.int64
+                    )
     return found
 
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnx.numpy_helper
 import torch
 
 from ..aten import executor as aten_executor
@@ -23,7 +22,14 @@ from ..aten.executor import ATEN_DOMAIN
 from ..aten.gradients import has_gradient
 from ..aten.routes import EINSUM
 from ..aten.untrainable import TRACED_TYPES
-from ..onnx_graph import FLOAT_TYPES, attribute, import_domain, inferred_value_shapes, value_shapes
+from ..onnx_graph import (
+    FLOAT_TYPES,
+    attribute,
+    constant_values,
+    import_domain,
+    inferred_value_shapes,
+    value_shapes,
+)
 from ..python_op import runner as python_op_runner
 from ..python_op.registry import PYTHON_OP_DOMAIN, REGISTRY, python_op_node
 from .registry import register_post_export_pass
@@ -49,16 +55,6 @@ def _value_types(model: onnx.ModelProto) -> dict[str, int]:
                 if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     types[node.output[0]] = a.t.data_type
     return types
-
-
-def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    values = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            for a in node.attribute:
-                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
-                    values[node.output[0]] = onnx.numpy_helper.to_array(a.t)
-    return values
 
 
 def _output_types(
@@ -280,7 +276,7 @@ def _type_aten_outputs(model: onnx.ModelProto) -> None:
     ]
     if not todo:
         return
-    constants = _constant_values(graph)
+    constants = constant_values(graph)
     strings, sequences = _string_constants(graph), _sequence_inputs(graph)
     known = inferred_value_shapes(model)
     for node in todo:
@@ -427,7 +423,7 @@ def _unpack_list_outputs(graph: onnx.GraphProto) -> int:
     ``torch.dsplit(x, 2)[0]``). The engine has no sequence-typed ATen output; the executor hands
     the list back as its first elements (``aten.executor.first_elements``).
     Returns how many nodes changed."""
-    constants = _constant_values(graph)
+    constants = constant_values(graph)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
