@@ -46,7 +46,7 @@ def _scalar_constant(
         return _scalar_constant(graph, node.input[0], producers)
     if node is not None and node.op_type == "Constant":
         for a in node.attribute:
-            if a.name == "value":
+            if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                 array = onnx.numpy_helper.to_array(a.t)
     else:
         for init in graph.initializer:
