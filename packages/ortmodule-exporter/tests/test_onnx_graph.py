@@ -116,11 +116,12 @@ def test_constant_values_reads_numeric_constants_with_onnx_types_and_skips_strin
         helper.make_node(
             "Constant", [], ["t"], value=helper.make_tensor("t", TensorProto.INT32, [], [3])
         ),
-        # an ATen node's string argument (div's rounding_mode) as the TorchScript exporter writes it
-        helper.make_node("Constant", [], ["s"], value_string="floor"),
+        # an ATen node's string argument (div's rounding_mode) as the TorchScript exporter
+        # writes it: a string attribute named value
+        helper.make_node("Constant", [], ["s"], value="floor"),
     ]
     graph = helper.make_graph(nodes, "g", [], [])
-    graph.node[3].attribute[0].name = "value"
+    assert graph.node[3].attribute[0].type == onnx.AttributeProto.STRING
     values = onnx_graph.constant_values(graph)
     assert set(values) == {"f", "i", "t"}
     assert values["f"].dtype == np.float32 and float(values["f"]) == 0.5

@@ -360,14 +360,9 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
                 if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
                     # a string constant (an ATen node's ``rounding_mode``) has no array
                     found[node.output[0]] = onnx.numpy_helper.to_array(a.t)
-                elif a.name in ("value_float", "value_floats"):  # float32, as ONNX declares
-                    found[node.output[0]] = np.array(
-                        a.f if a.name == "value_float" else a.floats, np.float32
-                    )
-                elif a.name in ("value_int", "value_ints"):
-                    found[node.output[0]] = np.array(
-                        a.i if a.name == "value_int" else a.ints, np.int64
-                    )
+                elif a.name in ("value_float", "value_int", "value_floats", "value_ints"):
+                    dtype = np.float32 if a.name.startswith("value_float") else np.int64
+                    found[node.output[0]] = np.array(onnx.helper.get_attribute_value(a), dtype)
     return found
 
 
